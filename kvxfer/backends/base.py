@@ -1,0 +1,400 @@
+"""The backend contract: what every transport implements, written once.
+
+A backend owns one registered paged pool. The *decode* side calls
+``begin_pull_blocks`` with the prefill side's ``export_meta()``; the transport does
+one-sided reads of the requested blocks into our pool and, when they are done,
+tells the source, whose ``drain_read_done()`` then returns the request id so the
+prefill engine can free its blocks.
+
+Everything that is the same for every transport (geometry, peer-meta parsing,
+block-id checks, planning, bounds, the handle's state machine and timeouts) lives
+here; a transport implements the few ``_``-prefixed hooks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar, Hashable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvxfer.descriptors import CopyPlan, IdList, plan_block_copies, validate_block_ids
+from kvxfer.errors import (
+    BackendClosedError,
+    BackendUnavailableError,
+    PeerMetadataError,
+    TransferError,
+    TransferTimeoutError,
+)
+from kvxfer.geometry import (
+    PeerGeometry,
+    check_peer_compatible,
+    compute_buffer_geometry,
+    dtype_name,
+    export_geometry_meta,
+    parse_geometry_meta,
+)
+
+RequestId = Hashable  # an int or a str in practice; it travels in notifications
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class TransferState(str, enum.Enum):
+    """A handle's whole lifecycle: in progress, done, or failed (final)."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+class TransferHandle(ABC):
+    """One pull, as seen by the decode side.
+
+    ``poll()`` drives it without blocking; ``wait()`` blocks. A handle that fails
+    (transport error or timeout) is final: its error is raised by every later
+    ``poll``/``wait``, and ``storage_safe`` says whether the destination blocks can
+    be reused (True only once no byte can still land in them).
+    """
+
+    def __init__(self, request_id: RequestId, timeout_s: float) -> None:
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self.started_at = time.monotonic()
+        self.finished_at: Optional[float] = None
+        self._state = TransferState.PROC
+        self._error: Optional[TransferError] = None
+        self._storage_safe = False
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def error(self) -> Optional[TransferError]:
+        return self._error
+
+    @property
+    def storage_safe(self) -> bool:
+        """True once no byte of this transfer can still land in the destination."""
+        return self._state is TransferState.DONE or self._storage_safe
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.started_at
+
+    def poll(self) -> bool:
+        """True when complete, False while in flight; raises ``TransferError`` on failure."""
+        with self._lock:
+            if self._state is TransferState.PROC:
+                self._advance()
+            if self._state is TransferState.ERR:
+                assert self._error is not None
+                raise self._error
+            return self._state is TransferState.DONE
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until done. Past ``timeout_s`` (default: the handle's own timeout)
+        the transfer is aborted and ``TransferTimeoutError`` raised."""
+        deadline = self.started_at + self.timeout_s if timeout_s is None else time.monotonic() + timeout_s
+        pause = 1e-5
+        while not self.poll():
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    if self._state is TransferState.PROC:
+                        self._fail(TransferTimeoutError(
+                            f"request {self.request_id!r}: transfer not complete after {self.elapsed_s:.3f}s (wait timeout)"
+                        ))
+                self.poll()  # raises the (possibly concurrent) error
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def _advance(self) -> None:
+        try:
+            done = self._progress()
+        except TransferError as exc:
+            self._fail(exc)
+            return
+        if done:
+            self._state = TransferState.DONE
+            self.finished_at = time.monotonic()
+            self._on_done()
+        elif time.monotonic() - self.started_at > self.timeout_s:
+            self._fail(TransferTimeoutError(
+                f"request {self.request_id!r}: transfer not complete within its {self.timeout_s}s timeout; "
+                "the source may be dead or unreachable"
+            ))
+
+    def _fail(self, error: TransferError) -> None:
+        self._state = TransferState.ERR
+        self._error = error
+        self.finished_at = time.monotonic()
+        try:
+            self._storage_safe = self._abort()
+        finally:
+            self._on_failed(error)
+
+    # --- transport hooks ------------------------------------------------------------------
+    @abstractmethod
+    def _progress(self) -> bool:
+        """Advance the transport; True when every byte has landed. Raise ``TransferError`` on failure."""
+
+    def _abort(self) -> bool:
+        """Cancel and release what is in flight; return True if no byte can still land."""
+        return True
+
+    def _on_done(self) -> None:
+        """Called once on success (e.g. tell the source its blocks are free)."""
+
+    def _on_failed(self, error: TransferError) -> None:
+        """Called once on failure (e.g. tell the source the request failed)."""
+
+
+class CompletedHandle(TransferHandle):
+    """A pull with nothing to move (e.g. a peer holding none of our slices)."""
+
+    def __init__(self, request_id: RequestId) -> None:
+        super().__init__(request_id, timeout_s=0.0)
+        self._state = TransferState.DONE
+        self.finished_at = self.started_at
+
+    def _progress(self) -> bool:
+        return True
+
+
+class GroupHandle(TransferHandle):
+    """One request pulled from several peers: done when every part is, failed when any fails."""
+
+    def __init__(self, request_id: RequestId, parts: Sequence[TransferHandle], timeout_s: float) -> None:
+        super().__init__(request_id, timeout_s)
+        self.parts = list(parts)
+
+    def _progress(self) -> bool:
+        return all([part.poll() for part in self.parts])  # poll all, even after one is pending
+
+    def _abort(self) -> bool:
+        safe = True
+        for part in self.parts:
+            with part._lock:
+                if part.state is TransferState.PROC:
+                    part._fail(TransferError(f"request {self.request_id!r}: aborted with its group"))
+            safe &= part.storage_safe
+        return safe
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """One validated pull, handed to a transport's ``_post_read``."""
+
+    peer_meta: Mapping[str, Any]
+    peer: PeerGeometry
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    plan: CopyPlan
+    request_id: RequestId
+
+
+@dataclass(frozen=True)
+class ReadFailure:
+    """A read-failure report received by a source: the request and why it failed."""
+
+    request_id: RequestId
+    reason: str
+
+
+class KVTransportBackend(ABC):
+    """One transport's registration of one paged pool (see the module docstring)."""
+
+    name: ClassVar[str]
+    is_push: ClassVar[bool] = False
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """``(True, "")`` if this backend can run here, else ``(False, how to fix it)``."""
+        return True, ""
+
+    def __init__(
+        self,
+        agent_name: str,
+        memory_buffer: torch.Tensor,
+        expected_num_blocks: int,
+        tp_size: Optional[int] = None,
+        tp_rank: Optional[int] = None,
+        num_kv_heads_global: Optional[int] = None,
+        heads_per_partition: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        tokens_per_block: Optional[int] = None,
+        global_rank: Optional[int] = None,
+        pp_size: Optional[int] = None,
+        pp_rank: Optional[int] = None,
+        num_layers_global: Optional[int] = None,
+        layer_start: Optional[int] = None,
+        layer_end: Optional[int] = None,
+        ssm_layout: Any = None,
+        ssm_state_kind: Optional[str] = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        ok, why = self.availability()
+        if not ok:
+            raise BackendUnavailableError(f"backend {self.name!r} cannot run here: {why}")
+        if not isinstance(agent_name, str) or not agent_name:
+            raise PeerMetadataError(f"agent_name must be a non-empty string, got {agent_name!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.agent_name = agent_name
+        self.memory_buffer = memory_buffer
+        self.timeout_s = float(timeout_s)
+        self.geometry = compute_buffer_geometry(
+            memory_buffer, expected_num_blocks, backend_name=self.name,
+            tp_size=tp_size, tp_rank=tp_rank, num_kv_heads_global=num_kv_heads_global,
+            heads_per_partition=heads_per_partition, head_dim=head_dim, tokens_per_block=tokens_per_block,
+            global_rank=global_rank, pp_size=pp_size, pp_rank=pp_rank, num_layers_global=num_layers_global,
+            layer_start=layer_start, layer_end=layer_end, ssm_layout=ssm_layout, ssm_state_kind=ssm_state_kind,
+        )
+        self.dtype = memory_buffer.dtype
+        self.ssm_layout = ssm_layout
+        self.ssm_state_kind = ssm_state_kind
+        self._closed = False
+        self._request_counter = itertools.count()
+        self._read_done: deque[RequestId] = deque()
+        self._read_failed: deque[ReadFailure] = deque()
+        self._register()
+
+    # --- the public contract ----------------------------------------------------------------
+    def export_meta(self) -> dict[str, Any]:
+        """The geometry wire schema plus this transport's own fields (JSON-serialisable)."""
+        self._check_open()
+        meta = export_geometry_meta(self.geometry, self.ssm_layout, dtype=self.dtype, ssm_state_kind=self.ssm_state_kind)
+        meta["backend"] = self.name
+        meta["agent_name"] = self.agent_name
+        meta.update(self._transport_meta())
+        return meta
+
+    def begin_pull_blocks(
+        self,
+        peer_meta: Mapping[str, Any],
+        src_block_ids: IdList,
+        dst_block_ids: IdList,
+        *,
+        request_id: Optional[RequestId] = None,
+    ) -> TransferHandle:
+        """Start a one-sided read of the peer's ``src_block_ids`` into our ``dst_block_ids``.
+
+        Everything is validated before anything is posted: a bad meta or bad ids
+        raise (``PeerMetadataError`` / ``BlockIdError``) with both sides untouched.
+        """
+        self._check_open()
+        peer = self.parse_peer_meta(peer_meta)
+        src_ids, dst_ids = validate_block_ids(
+            src_block_ids, dst_block_ids, peer.geometry.num_blocks, self.geometry.num_blocks
+        )
+        plan = self.plan_pull(peer, src_ids, dst_ids)
+        if request_id is None:
+            request_id = f"{self.agent_name}:{next(self._request_counter)}"
+        elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
+            raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
+        return self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id))
+
+    def drain_read_done(self) -> list[RequestId]:
+        """Request ids whose reads of our blocks completed since the last call."""
+        self._check_open()
+        self._collect_notifications()
+        return _drain(self._read_done)
+
+    def drain_read_failed(self) -> list[ReadFailure]:
+        """Failure reports from readers since the last call: no read of that request is still in flight."""
+        self._check_open()
+        self._collect_notifications()
+        return _drain(self._read_failed)
+
+    def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
+        """Register a sibling buffer (e.g. an SSM state pool) sharing this backend's agent."""
+        self._check_open()
+        kwargs.setdefault("agent_name", self.agent_name)
+        kwargs.setdefault("timeout_s", self.timeout_s)
+        return type(self)(**kwargs)
+
+    def close(self) -> None:
+        """Deregister the buffer and release the transport. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._deregister()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "KVTransportBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- shared machinery -----------------------------------------------------------------
+    def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
+        peer = parse_geometry_meta(peer_meta)
+        if peer_meta.get("backend") != self.name:
+            raise PeerMetadataError(
+                f"peer meta field 'backend' is {peer_meta.get('backend')!r}; this is the {self.name!r} backend, "
+                "and both sides must use the same one"
+            )
+        if not isinstance(peer_meta.get("agent_name"), str) or not peer_meta["agent_name"]:
+            raise PeerMetadataError("peer meta field 'agent_name' must be a non-empty string")
+        return peer
+
+    def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
+        """Validate compatibility and ids, and plan the byte ranges (bounds-checked)."""
+        check_peer_compatible(self.geometry, self.dtype, peer)
+        return plan_block_copies(peer.geometry, self.geometry, src_block_ids, dst_block_ids)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"{self.name} backend {self.agent_name!r} is closed")
+
+    def _deliver_read_done(self, request_id: RequestId) -> None:
+        self._read_done.append(request_id)
+
+    def _deliver_read_failed(self, request_id: RequestId, reason: str) -> None:
+        self._read_failed.append(ReadFailure(request_id, reason))
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    # --- transport hooks ------------------------------------------------------------------
+    @abstractmethod
+    def _register(self) -> None:
+        """Register ``self.memory_buffer`` with the transport."""
+
+    @abstractmethod
+    def _deregister(self) -> None:
+        """Release everything ``_register`` and transfers acquired."""
+
+    def _transport_meta(self) -> dict[str, Any]:
+        """Fields a peer needs to reach our memory (JSON-serialisable)."""
+        return {}
+
+    @abstractmethod
+    def _post_read(self, pull: "PullRequest") -> TransferHandle:
+        """Post the planned reads (already validated and bounds-checked) and return their handle."""
+
+    def _collect_notifications(self) -> None:
+        """Move transport notifications into ``_read_done`` / ``_read_failed``."""
+
+
+def _drain(queue: deque) -> list:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
+

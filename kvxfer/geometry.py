@@ -1,0 +1,374 @@
+"""Address geometry of a registered paged buffer, and the wire schema peers exchange.
+
+A paged KV pool is a contiguous tensor with one *blocks axis*. Everything before
+that axis (for the canonical KV layout ``[2, L, B, T, H, d]``: K/V and layers) is
+the *outer* index; everything after it is one *slice*. Block ``b`` of outer index
+``o`` is the byte range ``buf_ptr + o * outer_stride_bytes + b * bytes_per_slice``
+of length ``bytes_per_slice``. Every backend addresses memory through this one
+description, and ``export_geometry_meta`` is the single wire format for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from kvxfer.errors import GeometryError, PeerMetadataError
+from kvxfer.layout import KVShardLayout
+
+#: Bumped whenever a field changes meaning; peers with another version are refused.
+SCHEMA_VERSION = 1
+
+#: The two kinds of per-layer SSM state a hybrid model keeps (see ``kvxfer.reshard``).
+SSM_STATE_KINDS = ("conv", "recurrent")
+
+# Fixed position of the blocks axis in the canonical layouts.
+KV_BLOCKS_AXIS = 2  # [2, L, B, T, H, d]
+SSM_BLOCKS_AXIS = 1  # [L, B, ...state dims]
+
+_MAX_BYTES = 1 << 62  # far beyond any real pool; keeps peer-supplied arithmetic in int64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling used on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise PeerMetadataError(f"peer meta field 'dtype' is not a torch dtype name: {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class BufferGeometry:
+    """Address geometry of one registered paged buffer.
+
+    Each (outer, block) pair is one contiguous slice; the outer stride skips over the
+    full block pool for that outer index. ``layout`` is the canonical KV shard layout
+    when the buffer is a KV cache; SSM pools carry their typed layout separately.
+    """
+
+    buf_ptr: int
+    element_size: int
+    device_id: int
+    blocks_axis: int
+    num_blocks: int
+    num_outer: int
+    bytes_per_slice: int
+    outer_stride_bytes: int
+    heads_per_partition: Optional[int] = None
+    head_dim: Optional[int] = None
+    tokens_per_block: Optional[int] = None
+    layout: Optional[KVShardLayout] = None
+
+    @property
+    def region_bytes(self) -> int:
+        """Size of the whole registered region, from ``buf_ptr``."""
+        return self.num_outer * self.outer_stride_bytes
+
+
+def compute_buffer_geometry(
+    memory_buffer: torch.Tensor,
+    expected_num_blocks: int,
+    *,
+    backend_name: str,
+    tp_size: Optional[int] = None,
+    tp_rank: Optional[int] = None,
+    num_kv_heads_global: Optional[int] = None,
+    heads_per_partition: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    tokens_per_block: Optional[int] = None,
+    global_rank: Optional[int] = None,
+    pp_size: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    num_layers_global: Optional[int] = None,
+    layer_start: Optional[int] = None,
+    layer_end: Optional[int] = None,
+    ssm_layout: Any = None,
+    ssm_state_kind: Optional[str] = None,
+) -> BufferGeometry:
+    """Locate the blocks axis, derive the slice strides, and validate the canonical
+    KV layout when the full geometry is provided.
+
+    Where the reference silently falls back to "no layout" on inconsistent topology
+    arguments, this raises ``GeometryError`` naming the argument to fix.
+    ``layer_end`` is exclusive.
+    """
+    where = f"[{backend_name}]"
+    if not isinstance(memory_buffer, torch.Tensor):
+        raise GeometryError(f"{where} memory_buffer must be a torch.Tensor, got {type(memory_buffer).__name__}")
+    if not isinstance(expected_num_blocks, int) or isinstance(expected_num_blocks, bool) or expected_num_blocks < 1:
+        raise GeometryError(f"{where} expected_num_blocks must be a positive int, got {expected_num_blocks!r}")
+    if not memory_buffer.is_contiguous():
+        raise GeometryError(
+            f"{where} memory_buffer (shape {tuple(memory_buffer.shape)}, strides {memory_buffer.stride()}) "
+            "is not contiguous; register the contiguous pool itself, not a view of it"
+        )
+    shape = tuple(memory_buffer.shape)
+    if (ssm_layout is None) != (ssm_state_kind is None):
+        raise GeometryError(f"{where} pass ssm_layout and ssm_state_kind together, or neither")
+
+    if ssm_state_kind is not None:
+        if ssm_state_kind not in SSM_STATE_KINDS:
+            raise GeometryError(f"{where} ssm_state_kind must be one of {SSM_STATE_KINDS}, got {ssm_state_kind!r}")
+        if len(shape) < 2 or shape[SSM_BLOCKS_AXIS] != expected_num_blocks:
+            raise GeometryError(
+                f"{where} an SSM state buffer has its blocks on axis {SSM_BLOCKS_AXIS}; shape {shape} "
+                f"does not have {expected_num_blocks} there"
+            )
+        blocks_axis = SSM_BLOCKS_AXIS
+    else:
+        candidates = [axis for axis, size in enumerate(shape) if size == expected_num_blocks]
+        if len(candidates) != 1:
+            found = "no axis" if not candidates else f"axes {candidates}"
+            raise GeometryError(
+                f"{where} expected exactly one axis of size expected_num_blocks={expected_num_blocks} in "
+                f"buffer shape {shape}, found {found}; pass the pool's real block count (or make the "
+                "other dims differ from it)"
+            )
+        blocks_axis = candidates[0]
+
+    element_size = memory_buffer.element_size()
+    bytes_per_slice = element_size * math.prod(shape[blocks_axis + 1:])
+    num_outer = math.prod(shape[:blocks_axis])
+    device_id = (memory_buffer.device.index or 0) if memory_buffer.device.type == "cuda" else 0
+    if bytes_per_slice == 0 or num_outer == 0:
+        raise GeometryError(f"{where} buffer shape {shape} has an empty dimension")
+
+    layout = None
+    if ssm_state_kind is None:
+        _check_kv_dims(where, shape, blocks_axis, heads_per_partition, head_dim, tokens_per_block)
+        layout = _kv_layout(
+            where, shape, blocks_axis,
+            tp_size=tp_size, tp_rank=tp_rank, num_kv_heads_global=num_kv_heads_global,
+            heads_per_partition=heads_per_partition, global_rank=global_rank,
+            pp_size=pp_size, pp_rank=pp_rank, num_layers_global=num_layers_global,
+            layer_start=layer_start, layer_end=layer_end,
+        )
+        if layout is not None:
+            heads_per_partition = layout.heads_per_partition
+            head_dim = shape[5]
+            tokens_per_block = shape[3]
+
+    return BufferGeometry(
+        buf_ptr=memory_buffer.data_ptr(),
+        element_size=element_size,
+        device_id=device_id,
+        blocks_axis=blocks_axis,
+        num_blocks=expected_num_blocks,
+        num_outer=num_outer,
+        bytes_per_slice=bytes_per_slice,
+        outer_stride_bytes=expected_num_blocks * bytes_per_slice,
+        heads_per_partition=heads_per_partition,
+        head_dim=head_dim,
+        tokens_per_block=tokens_per_block,
+        layout=layout,
+    )
+
+
+def _check_kv_dims(where, shape, blocks_axis, heads_per_partition, head_dim, tokens_per_block) -> None:
+    """The per-slice dims the caller states must be the buffer's ``[T, H, d]``."""
+    stated = {"tokens_per_block": tokens_per_block, "heads_per_partition": heads_per_partition, "head_dim": head_dim}
+    if all(v is None for v in stated.values()):
+        return
+    if len(shape) != 6 or blocks_axis != KV_BLOCKS_AXIS:
+        raise GeometryError(
+            f"{where} {', '.join(k for k, v in stated.items() if v is not None)} describe the canonical "
+            f"KV layout [2, L, B, T, H, d], but the buffer has shape {shape} with blocks on axis {blocks_axis}"
+        )
+    actual = {"tokens_per_block": shape[3], "heads_per_partition": shape[4], "head_dim": shape[5]}
+    for name, value in stated.items():
+        if value is not None and value != actual[name]:
+            raise GeometryError(f"{where} {name}={value} but the buffer {shape} has {actual[name]} there")
+
+
+_LAYOUT_REQUIRED = ("tp_size", "tp_rank", "num_kv_heads_global", "num_layers_global")
+
+
+def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
+    """Build the KV shard layout from the topology arguments, or None if none are given."""
+    given = {k for k, v in topo.items() if v is not None and k != "heads_per_partition"}
+    if not given:
+        return None
+    missing = [k for k in _LAYOUT_REQUIRED if topo[k] is None]
+    if missing:
+        raise GeometryError(
+            f"{where} topology arguments {sorted(given)} were given but {missing} are missing; "
+            "pass the full topology to get a KV shard layout, or none of it"
+        )
+    if len(shape) != 6 or blocks_axis != KV_BLOCKS_AXIS or shape[0] != 2:
+        raise GeometryError(
+            f"{where} a KV layout needs the canonical buffer [2, L, B, T, H, d]; got shape {shape} "
+            f"with blocks on axis {blocks_axis}"
+        )
+    layer_start, layer_end = topo["layer_start"], topo["layer_end"]
+    if (layer_start is None) != (layer_end is None):
+        raise GeometryError(f"{where} pass layer_start and layer_end (exclusive) together, or neither")
+    tp_size, tp_rank, pp_size = topo["tp_size"], topo["tp_rank"], topo["pp_size"] or 1
+    pp_rank = topo["pp_rank"] or 0
+    global_rank = topo["global_rank"] if topo["global_rank"] is not None else pp_rank * tp_size + tp_rank
+    layout = KVShardLayout(
+        num_layers=topo["num_layers_global"],
+        num_heads=topo["num_kv_heads_global"],
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        global_rank=global_rank,
+        layer_start=layer_start,
+        num_local_layers=None if layer_start is None else layer_end - layer_start,
+    )
+    hpp = topo["heads_per_partition"]
+    if hpp is not None and hpp != layout.heads_per_partition:
+        raise GeometryError(
+            f"{where} heads_per_partition={hpp} x tp_size={tp_size} does not match "
+            f"num_kv_heads_global={layout.num_heads} (expected {layout.heads_per_partition} per rank)"
+        )
+    if shape[4] != layout.heads_per_partition:
+        raise GeometryError(
+            f"{where} buffer holds {shape[4]} heads per rank but num_kv_heads_global={layout.num_heads} "
+            f"over tp_size={tp_size} gives {layout.heads_per_partition}"
+        )
+    first, last = layout.local_layer_range()
+    if shape[1] != last - first:
+        raise GeometryError(
+            f"{where} buffer holds {shape[1]} layers but the layout gives this rank layers [{first}, {last}) "
+            f"({last - first} layers); check num_layers_global, pp_size/pp_rank or layer_start/layer_end"
+        )
+    return layout
+
+
+def export_geometry_meta(
+    geometry: BufferGeometry,
+    ssm_layout: Any = None,
+    *,
+    dtype: torch.dtype | str,
+    ssm_state_kind: Optional[str] = None,
+) -> dict[str, Any]:
+    """The wire schema shared by every backend's ``export_meta``.
+
+    ``dtype`` travels beside ``element_size`` because bf16 and fp16 are both two
+    bytes: a peer of the other type must be refused, not read as garbage.
+    """
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype_name(dtype_from_name(dtype))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "dtype": name,
+        "buf_ptr": geometry.buf_ptr,
+        "element_size": geometry.element_size,
+        "device_id": geometry.device_id,
+        "blocks_axis": geometry.blocks_axis,
+        "num_blocks": geometry.num_blocks,
+        "num_outer": geometry.num_outer,
+        "bytes_per_slice": geometry.bytes_per_slice,
+        "outer_stride_bytes": geometry.outer_stride_bytes,
+        "heads_per_partition": geometry.heads_per_partition,
+        "head_dim": geometry.head_dim,
+        "tokens_per_block": geometry.tokens_per_block,
+        "layout": geometry.layout.to_meta() if geometry.layout is not None else None,
+        "ssm_layout": ssm_layout.to_meta() if ssm_layout is not None else None,
+        "ssm_state_kind": ssm_state_kind,
+    }
+
+
+@dataclass(frozen=True)
+class PeerGeometry:
+    """A peer's geometry meta after every field has been checked."""
+
+    geometry: BufferGeometry
+    dtype: str
+    ssm_layout: Optional[Mapping[str, Any]] = None
+    ssm_state_kind: Optional[str] = None
+
+
+_INT_FIELDS = {  # field -> smallest allowed value
+    "buf_ptr": 0, "element_size": 1, "device_id": 0, "blocks_axis": 0, "num_blocks": 1,
+    "num_outer": 1, "bytes_per_slice": 1, "outer_stride_bytes": 1,
+}
+_OPTIONAL_INT_FIELDS = ("heads_per_partition", "head_dim", "tokens_per_block")
+
+
+def _field(meta: Mapping[str, Any], name: str) -> Any:
+    if name not in meta:
+        raise PeerMetadataError(f"peer meta is missing field {name!r}")
+    return meta[name]
+
+
+def _int_field(meta: Mapping[str, Any], name: str, minimum: int, optional: bool = False) -> Optional[int]:
+    value = _field(meta, name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value < _MAX_BYTES:
+        raise PeerMetadataError(
+            f"peer meta field {name!r} must be an int in [{minimum}, 2**62), got {value!r}"
+        )
+    return value
+
+
+def parse_geometry_meta(meta: Any) -> PeerGeometry:
+    """Turn a peer's ``export_meta()`` dict back into a checked ``PeerGeometry``.
+
+    Raises ``PeerMetadataError`` naming the first bad or missing field. Extra keys
+    (a transport's own fields) are ignored here; the backend reads them itself.
+    """
+    if not isinstance(meta, Mapping):
+        raise PeerMetadataError(f"peer meta must be a dict, got {type(meta).__name__}")
+    version = _field(meta, "schema_version")
+    if version != SCHEMA_VERSION:
+        raise PeerMetadataError(
+            f"peer meta field 'schema_version' is {version!r}, this kvxfer speaks {SCHEMA_VERSION}; "
+            "run the same kvxfer version on both sides"
+        )
+    dtype = _field(meta, "dtype")
+    torch_dtype = dtype_from_name(dtype)
+    ints = {name: _int_field(meta, name, low) for name, low in _INT_FIELDS.items()}
+    for name in _OPTIONAL_INT_FIELDS:
+        ints[name] = _int_field(meta, name, 1, optional=True)
+    element_size = torch.empty((), dtype=torch_dtype).element_size()
+    if ints["element_size"] != element_size:
+        raise PeerMetadataError(
+            f"peer meta field 'element_size' is {ints['element_size']} but dtype {dtype} has {element_size}"
+        )
+    if ints["bytes_per_slice"] % element_size:
+        raise PeerMetadataError("peer meta field 'bytes_per_slice' is not a multiple of 'element_size'")
+    if ints["outer_stride_bytes"] != ints["num_blocks"] * ints["bytes_per_slice"]:
+        raise PeerMetadataError("peer meta field 'outer_stride_bytes' is not num_blocks * bytes_per_slice")
+    if ints["num_outer"] * ints["outer_stride_bytes"] + ints["buf_ptr"] >= _MAX_BYTES:
+        raise PeerMetadataError("peer meta fields 'num_outer' x 'outer_stride_bytes' describe an impossible region")
+    layout_meta = _field(meta, "layout")
+    layout = None if layout_meta is None else KVShardLayout.from_meta(layout_meta)
+    ssm_layout = meta.get("ssm_layout")
+    ssm_state_kind = meta.get("ssm_state_kind")
+    if ssm_layout is not None and not isinstance(ssm_layout, Mapping):
+        raise PeerMetadataError("peer meta field 'ssm_layout' must be an object or null")
+    if (ssm_layout is None) != (ssm_state_kind is None) or ssm_state_kind not in (None, *SSM_STATE_KINDS):
+        raise PeerMetadataError(
+            f"peer meta fields 'ssm_layout'/'ssm_state_kind' must both be set (kind in {SSM_STATE_KINDS}) or both null"
+        )
+    return PeerGeometry(
+        geometry=BufferGeometry(layout=layout, **ints),
+        dtype=dtype_name(torch_dtype),
+        ssm_layout=ssm_layout,
+        ssm_state_kind=ssm_state_kind,
+    )
+
+
+def check_peer_compatible(local: BufferGeometry, local_dtype: torch.dtype, peer: PeerGeometry) -> None:
+    """Refuse a peer whose slices cannot be copied byte-for-byte into ours.
+
+    Used for whole-slice transfers (no reshard): same dtype, element size, slice
+    shape and outer count. Raises ``PeerMetadataError`` naming the mismatch.
+    """
+    ours = dtype_name(local_dtype)
+    if peer.dtype != ours:
+        raise PeerMetadataError(f"peer dtype is {peer.dtype}, ours is {ours}; both sides must use the same KV dtype")
+    remote = peer.geometry
+    for name in ("element_size", "head_dim", "tokens_per_block", "heads_per_partition", "bytes_per_slice", "num_outer"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise PeerMetadataError(f"peer {name} is {theirs}, ours is {mine}; the pools are not compatible")

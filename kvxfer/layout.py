@@ -1,0 +1,114 @@
+"""Which part of the model's KV cache one rank holds.
+
+A ``KVShardLayout`` says, in global coordinates, which layers (pipeline stage) and
+which KV heads (tensor-parallel rank) live in a rank's paged pool. It is pure data:
+the reshard planner compares two sets of layouts to decide who reads what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+from kvxfer.errors import GeometryError, PeerMetadataError
+
+
+@dataclass(frozen=True)
+class KVShardLayout:
+    """The global slice of ``[2, L, B, T, H, d]`` that one rank's pool holds.
+
+    ``layer_start``/``num_local_layers`` give an explicit pipeline window (both or
+    neither); without them the layers are split evenly across ``pp_size`` stages.
+    When ``tp_size`` exceeds ``num_heads`` each head is replicated on
+    ``tp_size // num_heads`` consecutive ranks. ``ep_size``/``ep_rank`` only break
+    ties between replicas that hold identical KV.
+    """
+
+    num_layers: int
+    num_heads: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    global_rank: int = 0
+    layer_start: Optional[int] = None
+    num_local_layers: Optional[int] = None
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "tp_size", "pp_size", "ep_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GeometryError(f"KVShardLayout.{name} must be a positive int, got {value!r}")
+        for name, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("ep_rank", "ep_size")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < getattr(self, size):
+                raise GeometryError(
+                    f"KVShardLayout.{name}={value!r} must be in [0, {size}={getattr(self, size)})"
+                )
+        if not isinstance(self.global_rank, int) or self.global_rank < 0:
+            raise GeometryError(f"KVShardLayout.global_rank must be >= 0, got {self.global_rank!r}")
+        if (self.layer_start is None) != (self.num_local_layers is None):
+            raise GeometryError(
+                "KVShardLayout: give layer_start and num_local_layers together, or neither "
+                f"(got layer_start={self.layer_start!r}, num_local_layers={self.num_local_layers!r})"
+            )
+        if self.layer_start is None:
+            if self.num_layers % self.pp_size:
+                raise GeometryError(
+                    f"{self.num_layers} layers do not split evenly over pp_size={self.pp_size}; "
+                    "pass an explicit layer window (layer_start, layer_end)"
+                )
+        elif not (0 <= self.layer_start and self.num_local_layers >= 1
+                  and self.layer_start + self.num_local_layers <= self.num_layers):
+            raise GeometryError(
+                f"layer window [{self.layer_start}, {self.layer_start + self.num_local_layers}) "
+                f"is not inside the model's {self.num_layers} layers"
+            )
+        if self.tp_size <= self.num_heads:
+            if self.num_heads % self.tp_size:
+                raise GeometryError(
+                    f"{self.num_heads} KV heads do not divide evenly over tp_size={self.tp_size}"
+                )
+        elif self.tp_size % self.num_heads:
+            raise GeometryError(
+                f"tp_size={self.tp_size} exceeds num_heads={self.num_heads} but is not a multiple "
+                "of it, so heads cannot be replicated evenly"
+            )
+
+    @property
+    def heads_per_partition(self) -> int:
+        return max(1, self.num_heads // self.tp_size)
+
+    def local_head_range(self) -> tuple[int, int]:
+        """Global ``[start, end)`` of the KV heads this rank holds."""
+        if self.tp_size <= self.num_heads:
+            start = self.tp_rank * self.heads_per_partition
+        else:
+            start = self.tp_rank // (self.tp_size // self.num_heads)
+        return start, start + self.heads_per_partition
+
+    def local_layer_range(self) -> tuple[int, int]:
+        """Global ``[start, end)`` of the layers this rank holds."""
+        if self.layer_start is not None and self.num_local_layers is not None:
+            return self.layer_start, self.layer_start + self.num_local_layers
+        per_stage = self.num_layers // self.pp_size
+        return self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage
+
+    def to_meta(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "KVShardLayout":
+        """Rebuild a peer's layout, turning every problem into ``PeerMetadataError``."""
+        if not isinstance(meta, Mapping):
+            raise PeerMetadataError(f"peer meta field 'layout' must be an object, got {type(meta).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(meta) - known
+        if unknown:
+            raise PeerMetadataError(f"peer meta field 'layout' has unknown keys {sorted(unknown)}")
+        try:
+            return cls(**dict(meta))
+        except (GeometryError, TypeError) as exc:
+            raise PeerMetadataError(f"peer meta field 'layout' is invalid: {exc}") from None
