@@ -31,7 +31,11 @@ def _slices_view(backend: KVTransportBackend) -> torch.Tensor:
 
 
 class LocalHandle(TransferHandle):
-    """Complete when the copy's CUDA event has fired (immediately on CPU)."""
+    """Complete when the copy's CUDA event has fired (immediately on CPU).
+
+    The source learns of completion on its own (``_collect_notifications`` checks the
+    same event), as it would from a real transport, not from the reader polling.
+    """
 
     def __init__(self, request_id: RequestId, timeout_s: float, source: "LocalBackend",
                  event: Optional["torch.cuda.Event"]) -> None:
@@ -47,11 +51,8 @@ class LocalHandle(TransferHandle):
             self._event.synchronize()  # a queued device copy cannot be cancelled: let it land
         return True
 
-    def _on_done(self) -> None:
-        self._source._deliver_read_done(self.request_id)
-
     def _on_failed(self, error: Exception) -> None:
-        self._source._deliver_read_failed(self.request_id, str(error))
+        self._source._report_failed(self.request_id, str(error))
 
 
 @register_backend
@@ -62,6 +63,8 @@ class LocalBackend(KVTransportBackend):
     is_push = False
 
     def _register(self) -> None:
+        self._reads_in_flight: list[tuple[Optional[torch.cuda.Event], RequestId]] = []
+        self._reads_lock = threading.Lock()
         self.buffer_id = next(_NEXT_ID)
         with _LIVE_LOCK:
             _LIVE[self.buffer_id] = self
@@ -96,4 +99,22 @@ class LocalBackend(KVTransportBackend):
         if dst.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(dst.device))
+        with source._reads_lock:
+            source._reads_in_flight.append((event, pull.request_id))
         return LocalHandle(pull.request_id, self.timeout_s, source, event)
+
+    def _collect_notifications(self) -> None:
+        """Source side: reads of our blocks whose copies have landed are done."""
+        with self._reads_lock:
+            pending = []
+            for event, request_id in self._reads_in_flight:
+                if event is None or event.query():
+                    self._deliver_read_done(request_id)
+                else:
+                    pending.append((event, request_id))
+            self._reads_in_flight = pending
+
+    def _report_failed(self, request_id: RequestId, reason: str) -> None:
+        with self._reads_lock:
+            self._reads_in_flight = [(e, r) for e, r in self._reads_in_flight if r != request_id]
+        self._deliver_read_failed(request_id, reason)

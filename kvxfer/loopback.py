@@ -1,0 +1,273 @@
+"""``kvxfer loopback``: a real prefill -> decode KV handoff on one machine.
+
+Two OS processes (one for the ``local`` backend, which cannot cross processes):
+the prefill side fills a KV pool ``[2, L, B, T, H, d]`` with random bytes and
+exports its meta; the decode side pulls a request's blocks (scattered ids by
+default) into its own pool, verifies every byte (a digest of the pulled slices,
+plus a check that no other destination block changed), and the prefill side
+waits for the read-done notification before it frees the blocks. Any mismatch
+or missing notification makes the run fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.backends.base import KVTransportBackend
+from kvxfer.descriptors import plan_block_copies
+from kvxfer.errors import KVXferError, TransferError
+from kvxfer.geometry import dtype_from_name, parse_geometry_meta
+
+SENTINEL = 0xA5  # what the decode pool holds before the pull
+CONTROL_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class LoopbackConfig:
+    backend: str = "local"
+    num_layers: int = 32
+    tokens_per_block: int = 16
+    num_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    pool_blocks: int = 256
+    request_blocks: int = 128
+    pattern: str = "scattered"  # or "contiguous"
+    seed: int = 0
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.pattern not in ("scattered", "contiguous"):
+            raise ValueError(f"pattern must be 'scattered' or 'contiguous', got {self.pattern!r}")
+        if not 0 < self.request_blocks <= self.pool_blocks:
+            raise ValueError(f"request_blocks must be in [1, pool_blocks={self.pool_blocks}], got {self.request_blocks}")
+        dtype_from_name(self.dtype)
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        return (2, self.num_layers, self.pool_blocks, self.tokens_per_block, self.num_heads, self.head_dim)
+
+    def block_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination ids: random permutations, or the same run on both sides."""
+        if self.pattern == "contiguous":
+            ids = np.arange(self.request_blocks, dtype=np.int64)
+            return ids, ids.copy()
+        rng = np.random.default_rng(self.seed)
+        src = rng.choice(self.pool_blocks, self.request_blocks, replace=False)
+        dst = rng.choice(self.pool_blocks, self.request_blocks, replace=False)
+        return src.astype(np.int64), dst.astype(np.int64)
+
+
+@dataclass
+class LoopbackResult:
+    config: LoopbackConfig
+    bytes_moved: int = 0
+    raw_descriptors: int = 0
+    descriptors: int = 0
+    plan_ms: float = 0.0
+    transfer_s: float = 0.0
+    read_done_s: float = 0.0
+    verified: bool = False
+    untouched_ok: bool = False
+    read_done_ok: bool = False
+    freed_blocks: int = 0
+    error: Optional[str] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.transfer_s / 1e9 if self.transfer_s else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.verified and self.untouched_ok and self.read_done_ok
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(gbps=self.gbps, ok=self.ok)
+        return out
+
+
+def _make_pool(cfg: LoopbackConfig, random_seed: Optional[int]) -> torch.Tensor:
+    pool = torch.empty(cfg.pool_shape, dtype=dtype_from_name(cfg.dtype))
+    raw = pool.view(torch.uint8).view(-1)
+    if random_seed is None:
+        raw.fill_(SENTINEL)
+    else:
+        rng = np.random.default_rng(random_seed)
+        raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
+    return pool
+
+
+def _slices(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The pool as [num_outer, num_blocks, slice bytes]."""
+    return pool.view(torch.uint8).view(pool.shape[0] * pool.shape[1], num_blocks, -1)
+
+
+def blocks_digest(pool: torch.Tensor, num_blocks: int, ids: np.ndarray) -> str:
+    """SHA-256 of the given blocks' slices, in id order: equal digests mean equal bytes."""
+    picked = _slices(pool, num_blocks)[:, torch.from_numpy(ids)].contiguous()
+    return hashlib.sha256(picked.numpy().data).hexdigest()
+
+
+def _untouched(pool: torch.Tensor, num_blocks: int, written: np.ndarray) -> bool:
+    others = np.setdiff1d(np.arange(num_blocks), written)
+    return bool((_slices(pool, num_blocks)[:, torch.from_numpy(others)] == SENTINEL).all())
+
+
+def _backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor) -> KVTransportBackend:
+    cls = construct_kv_transfer_backend_class(cfg.backend)
+    return cls(
+        f"loopback-{role}", pool, cfg.pool_blocks,
+        heads_per_partition=cfg.num_heads, head_dim=cfg.head_dim, tokens_per_block=cfg.tokens_per_block,
+        timeout_s=cfg.timeout_s,
+    )
+
+
+class _Prefill:
+    """The prefill role: owns the source pool, pins the request's blocks until read-done."""
+
+    def __init__(self, cfg: LoopbackConfig) -> None:
+        self.cfg = cfg
+        self.src_ids, _ = cfg.block_ids()
+        self.pool = _make_pool(cfg, random_seed=cfg.seed + 1)
+        self.backend = _backend(cfg, "prefill", self.pool)
+        self.pinned: set[int] = set(int(b) for b in self.src_ids)
+
+    def offer(self) -> dict[str, Any]:
+        return {
+            "meta": self.backend.export_meta(),
+            "src_ids": self.src_ids.tolist(),
+            "digest": blocks_digest(self.pool, self.cfg.pool_blocks, self.src_ids),
+            "request_id": 1,
+        }
+
+    def await_read_done(self, request_id: int) -> tuple[bool, float, int]:
+        """Wait for the transport's read-done, then free the pinned blocks."""
+        start = time.monotonic()
+        deadline = start + self.cfg.timeout_s
+        seen: list[Any] = []
+        while time.monotonic() < deadline:
+            seen += self.backend.drain_read_done()
+            if request_id in seen:
+                break
+            if any(f.request_id == request_id for f in self.backend.drain_read_failed()):
+                break
+            time.sleep(1e-3)
+        ok = seen.count(request_id) == 1
+        freed = len(self.pinned) if ok else 0
+        if ok:
+            self.pinned.clear()
+        return ok, time.monotonic() - start, freed
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _prefill_process(cfg: LoopbackConfig, conn: Any) -> None:
+    """Child process body: offer the blocks, wait for read-done, report."""
+    prefill = None
+    try:
+        prefill = _Prefill(cfg)
+        conn.send(("offer", prefill.offer()))
+        if not conn.poll(CONTROL_TIMEOUT_S):
+            raise TimeoutError("decode never reported back")
+        kind, payload = conn.recv()
+        if kind != "pulled":
+            return
+        ok, latency, freed = prefill.await_read_done(payload["request_id"])
+        conn.send(("read_done", {"ok": ok, "latency_s": latency, "freed": freed}))
+    except Exception as exc:  # reported to the parent, which fails the run loudly
+        conn.send(("error", f"prefill: {type(exc).__name__}: {exc}"))
+    finally:
+        if prefill is not None:
+            prefill.close()
+        conn.close()
+
+
+def _recv(conn: Any, expected: str) -> dict[str, Any]:
+    if not conn.poll(CONTROL_TIMEOUT_S):
+        raise TimeoutError(f"no {expected!r} message from the prefill process within {CONTROL_TIMEOUT_S}s")
+    kind, payload = conn.recv()
+    if kind == "error":
+        raise RuntimeError(payload)
+    if kind != expected:
+        raise RuntimeError(f"expected {expected!r} from prefill, got {kind!r}")
+    return payload
+
+
+def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor,
+                     offer: dict[str, Any], result: LoopbackResult) -> None:
+    _, dst_ids = cfg.block_ids()
+    src_ids = np.asarray(offer["src_ids"], dtype=np.int64)
+    t0 = time.perf_counter()
+    plan = plan_block_copies(parse_geometry_meta(offer["meta"]).geometry, decode.geometry, src_ids, dst_ids)
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    result.raw_descriptors, result.descriptors = plan.raw_descriptors, plan.num_descriptors
+    result.bytes_moved = plan.total_bytes
+    t0 = time.perf_counter()
+    handle = decode.begin_pull_blocks(offer["meta"], src_ids, dst_ids, request_id=offer["request_id"])
+    handle.wait()
+    result.transfer_s = time.perf_counter() - t0
+    result.verified = blocks_digest(pool, cfg.pool_blocks, dst_ids) == offer["digest"]
+    result.untouched_ok = _untouched(pool, cfg.pool_blocks, dst_ids)
+
+
+def run_loopback(cfg: LoopbackConfig) -> LoopbackResult:
+    """Run one handoff; never raises for transfer problems, they land in ``result.error``."""
+    result = LoopbackResult(cfg)
+    pool = _make_pool(cfg, random_seed=None)
+    decode = None
+    try:
+        decode = _backend(cfg, "decode", pool)
+        if cfg.backend == "local":
+            _run_in_process(cfg, decode, pool, result)
+        else:
+            _run_two_processes(cfg, decode, pool, result)
+    except (KVXferError, TransferError, RuntimeError, TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if decode is not None:
+            decode.close()
+    return result
+
+
+def _run_in_process(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult) -> None:
+    prefill = _Prefill(cfg)
+    try:
+        offer = prefill.offer()
+        _pull_and_verify(cfg, decode, pool, offer, result)
+        result.read_done_ok, result.read_done_s, result.freed_blocks = prefill.await_read_done(offer["request_id"])
+    finally:
+        prefill.close()
+
+
+def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_process, args=(cfg, child), name="kvxfer-prefill", daemon=True)
+    proc.start()
+    child.close()
+    try:
+        offer = _recv(parent, "offer")
+        try:
+            _pull_and_verify(cfg, decode, pool, offer, result)
+        except BaseException:
+            parent.send(("abort", {}))
+            raise
+        parent.send(("pulled", {"request_id": offer["request_id"]}))
+        done = _recv(parent, "read_done")
+        result.read_done_ok, result.read_done_s, result.freed_blocks = done["ok"], done["latency_s"], done["freed"]
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        parent.close()

@@ -1,0 +1,101 @@
+"""The local backend: the full contract, in one process."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.backends.base import TransferState
+from kvxfer.backends.local import LocalBackend
+from kvxfer.errors import BackendClosedError, BlockIdError, PeerMetadataError
+from tests.conftest import DTYPES, random_pool
+
+SHAPE = (2, 4, 16, 4, 2, 8)
+
+
+def _pair(dtype=torch.float32, device="cpu"):
+    src_pool = random_pool(SHAPE, dtype, seed=3, device=device)
+    dst_pool = torch.zeros(SHAPE, dtype=dtype, device=device)
+    return LocalBackend("prefill", src_pool, 16), LocalBackend("decode", dst_pool, 16), src_pool, dst_pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pull_copies_exactly_and_reports_read_done(dtype):
+    src, dst, src_pool, dst_pool = _pair(dtype)
+    rng = np.random.default_rng(0)
+    src_ids, dst_ids = rng.choice(16, 7, replace=False), rng.choice(16, 7, replace=False)
+    meta = json.loads(json.dumps(src.export_meta()))  # it must survive the wire
+    handle = dst.begin_pull_blocks(meta, src_ids, dst_ids, request_id="req-1")
+    handle.wait(5)
+    assert handle.state is TransferState.DONE and handle.storage_safe and handle.poll()
+    expected = torch.zeros_like(dst_pool)
+    expected[:, :, dst_ids] = src_pool[:, :, src_ids]
+    assert torch.equal(dst_pool.view(torch.uint8), expected.view(torch.uint8))
+    assert src.drain_read_done() == ["req-1"]
+    assert src.drain_read_done() == []
+
+
+def test_request_ids_are_generated_when_absent():
+    src, dst, *_ = _pair()
+    a = dst.begin_pull_blocks(src.export_meta(), [0], [0])
+    b = dst.begin_pull_blocks(src.export_meta(), [1], [1])
+    assert a.request_id != b.request_id
+    assert sorted(src.drain_read_done()) == sorted([a.request_id, b.request_id])
+
+
+@pytest.mark.parametrize("mutate, error, message", [
+    (lambda m: m.update(dtype="float16"), PeerMetadataError, "float16"),
+    (lambda m: m.update(backend="nixl"), PeerMetadataError, "'backend' is 'nixl'"),
+    (lambda m: m.update(pid=-1), PeerMetadataError, "only reaches registrations in this process"),
+    (lambda m: m.pop("num_outer"), PeerMetadataError, "num_outer"),
+    (lambda m: m.update(local_buffer_id=10**9), PeerMetadataError, "no live local registration"),
+])
+def test_bad_peer_meta_moves_nothing(mutate, error, message):
+    src, dst, _, dst_pool = _pair()
+    meta = src.export_meta()
+    mutate(meta)
+    with pytest.raises(error, match=message):
+        dst.begin_pull_blocks(meta, [1, 2], [3, 4], request_id=1)
+    assert not dst_pool.any() and src.drain_read_done() == []
+    dst.begin_pull_blocks(src.export_meta(), [1], [3], request_id=2).wait(5)  # still usable
+    assert src.drain_read_done() == [2]
+
+
+@pytest.mark.parametrize("src_ids, dst_ids", [([0, 1], [0]), ([16], [0]), ([0, 1], [2, 2])])
+def test_bad_ids_move_nothing(src_ids, dst_ids):
+    src, dst, _, dst_pool = _pair()
+    with pytest.raises(BlockIdError):
+        dst.begin_pull_blocks(src.export_meta(), src_ids, dst_ids)
+    assert not dst_pool.any()
+
+
+def test_close_is_idempotent_and_closed_backend_raises():
+    src, dst, *_ = _pair()
+    meta = src.export_meta()
+    src.close()
+    src.close()
+    with pytest.raises(BackendClosedError):
+        src.export_meta()
+    with pytest.raises(PeerMetadataError, match="was the source closed"):
+        dst.begin_pull_blocks(meta, [0], [0])
+    dst.close()
+    with pytest.raises(BackendClosedError):
+        dst.begin_pull_blocks(meta, [0], [0])
+
+
+def test_sibling_registration_shares_the_agent_name():
+    src, _, _, _ = _pair()
+    ssm = src.new_registered_buffer(memory_buffer=torch.zeros(3, 16, 5), expected_num_blocks=16)
+    assert ssm.agent_name == src.agent_name and ssm.geometry.num_outer == 3
+    ssm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_pull_stays_on_device(dtype):
+    src, dst, src_pool, dst_pool = _pair(dtype, device="cuda")
+    handle = dst.begin_pull_blocks(src.export_meta(), [5, 6, 1], [0, 9, 2], request_id=7)
+    handle.wait(10)
+    assert torch.equal(dst_pool[:, :, [0, 9, 2]].cpu().view(torch.uint8), src_pool[:, :, [5, 6, 1]].cpu().view(torch.uint8))
+    assert src.drain_read_done() == [7]
