@@ -99,3 +99,16 @@ def test_gpu_pull_stays_on_device(dtype):
     handle.wait(10)
     assert torch.equal(dst_pool[:, :, [0, 9, 2]].cpu().view(torch.uint8), src_pool[:, :, [5, 6, 1]].cpu().view(torch.uint8))
     assert src.drain_read_done() == [7]
+
+
+def test_stats_count_transfers_bytes_and_notifications():
+    src, dst, *_ = _pair()
+    bps = dst.geometry.bytes_per_slice
+    dst.begin_pull_blocks(src.export_meta(), [0, 1, 2], [4, 5, 6], request_id=1).wait(5)
+    pending = dst.begin_pull_blocks(src.export_meta(), [3], [7], request_id=2)
+    stats = dst.stats()
+    assert stats["transfers_started"] == 2 and stats["transfers_completed"] == 1 and stats["in_flight"] == 1
+    assert stats["bytes_requested"] == 4 * 8 * bps and stats["bytes_completed"] == 3 * 8 * bps
+    pending.wait(5)
+    assert dst.stats()["in_flight"] == 0 and dst.stats()["bytes_completed"] == 4 * 8 * bps
+    assert sorted(src.drain_read_done()) == [1, 2] and src.stats()["read_done_received"] == 2

@@ -41,6 +41,7 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.stats import TransferStats
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
@@ -73,6 +74,8 @@ class TransferHandle(ABC):
         self._error: Optional[TransferError] = None
         self._storage_safe = False
         self._lock = threading.Lock()
+        self._stats: Optional[TransferStats] = None  # set by the backend that posted it
+        self._num_bytes = 0
 
     @property
     def state(self) -> TransferState:
@@ -117,6 +120,12 @@ class TransferHandle(ABC):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
+    def _count_in(self, stats: TransferStats, num_bytes: int) -> None:
+        """Attach the posting backend's counters; a handle already finished is counted now."""
+        self._stats, self._num_bytes = stats, num_bytes
+        if self._state is TransferState.DONE:
+            stats.completed(num_bytes)
+
     def _advance(self) -> None:
         try:
             done = self._progress()
@@ -126,6 +135,8 @@ class TransferHandle(ABC):
         if done:
             self._state = TransferState.DONE
             self.finished_at = time.monotonic()
+            if self._stats is not None:
+                self._stats.completed(self._num_bytes)
             self._on_done()
         elif time.monotonic() - self.started_at > self.timeout_s:
             self._fail(TransferTimeoutError(
@@ -137,6 +148,8 @@ class TransferHandle(ABC):
         self._state = TransferState.ERR
         self._error = error
         self.finished_at = time.monotonic()
+        if self._stats is not None:
+            self._stats.failed(timed_out=isinstance(error, TransferTimeoutError))
         try:
             self._storage_safe = self._abort()
         finally:
@@ -264,6 +277,7 @@ class KVTransportBackend(ABC):
         self.ssm_layout = ssm_layout
         self.ssm_state_kind = ssm_state_kind
         self._closed = False
+        self._stats = TransferStats()
         self._request_counter = itertools.count()
         self._read_done: deque[RequestId] = deque()
         self._read_failed: deque[ReadFailure] = deque()
@@ -302,19 +316,30 @@ class KVTransportBackend(ABC):
             request_id = f"{self.agent_name}:{next(self._request_counter)}"
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
-        return self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id))
+        handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id))
+        self._stats.started(plan.total_bytes, plan.num_descriptors)
+        handle._count_in(self._stats, plan.total_bytes)
+        return handle
 
     def drain_read_done(self) -> list[RequestId]:
         """Request ids whose reads of our blocks completed since the last call."""
         self._check_open()
         self._collect_notifications()
-        return _drain(self._read_done)
+        done = _drain(self._read_done)
+        self._stats.notified(done=len(done), failed=0)
+        return done
 
     def drain_read_failed(self) -> list[ReadFailure]:
         """Failure reports from readers since the last call: no read of that request is still in flight."""
         self._check_open()
         self._collect_notifications()
-        return _drain(self._read_failed)
+        failed = _drain(self._read_failed)
+        self._stats.notified(done=0, failed=len(failed))
+        return failed
+
+    def stats(self) -> dict[str, int]:
+        """Counters: transfers started/completed/failed, timeouts, bytes, in flight, notifications."""
+        return self._stats.snapshot()
 
     def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
         """Register a sibling buffer (e.g. an SSM state pool) sharing this backend's agent."""
