@@ -82,8 +82,11 @@ class LocalBackend(KVTransportBackend):
                 "the local backend only reaches registrations in this process; the peer meta comes from "
                 f"pid {meta.get('pid')!r}. Use a network backend (nixl, ucx) across processes"
             )
+        buffer_id = meta.get("local_buffer_id")
+        if not isinstance(buffer_id, int):
+            raise PeerMetadataError(f"peer meta field 'local_buffer_id' must be an int, got {buffer_id!r}")
         with _LIVE_LOCK:
-            source = _LIVE.get(meta.get("local_buffer_id"))  # type: ignore[arg-type]
+            source = _LIVE.get(buffer_id)
         if source is None:
             raise PeerMetadataError(f"no live local registration {meta.get('local_buffer_id')!r}; was the source closed?")
         return source
