@@ -42,3 +42,7 @@ class TransferError(KVXferError, RuntimeError):
 
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its timeout."""
+
+
+class AuthenticationError(KVXferError):
+    """A control-plane message failed authentication; it was dropped unparsed."""
