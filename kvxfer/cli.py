@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info`` and ``loopback`` (see ``kvxfer --help``)."""
+"""The ``kvxfer`` command: ``info``, ``loopback`` and ``bench`` (see ``kvxfer --help``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from rich.table import Table
 
 import kvxfer
 from kvxfer.backends import available_backends, default_backend_name
+from kvxfer.bench.command import add_arguments as add_bench_arguments
 from kvxfer.loopback import LoopbackConfig, LoopbackResult, run_loopback
 
 console = Console()
@@ -87,6 +88,12 @@ def _loopback(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvxfer.bench.command import run_command
+
+    return run_command(args, console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description="Move KV cache blocks between LLM instances.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--timeout", type=float, default=60.0, help="transfer timeout, seconds")
     loop.add_argument("--json", help="also write the figures to this JSON file")
     loop.set_defaults(func=_loopback)
+
+    bench = sub.add_parser("bench", help="sweep backends and baselines (two processes, every transfer verified)")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -96,14 +96,15 @@ class LoopbackResult:
         return out
 
 
-def _make_pool(cfg: LoopbackConfig, random_seed: Optional[int]) -> torch.Tensor:
+def make_pool(cfg: LoopbackConfig, random_seed: Optional[int]) -> torch.Tensor:
+    """A pool of ``cfg.pool_shape``: random bytes from ``random_seed``, or all ``SENTINEL`` when None."""
     pool = torch.empty(cfg.pool_shape, dtype=dtype_from_name(cfg.dtype))
     raw = pool.view(torch.uint8).view(-1)
     if random_seed is None:
         raw.fill_(SENTINEL)
     else:
         rng = np.random.default_rng(random_seed)
-        raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
+        raw.copy_(torch.frombuffer(bytearray(rng.bytes(raw.numel())), dtype=torch.uint8))
     return pool
 
 
@@ -118,15 +119,16 @@ def blocks_digest(pool: torch.Tensor, num_blocks: int, ids: np.ndarray) -> str:
     return hashlib.sha256(picked.numpy().data).hexdigest()
 
 
-def _untouched(pool: torch.Tensor, num_blocks: int, written: np.ndarray) -> bool:
+def untouched(pool: torch.Tensor, num_blocks: int, written: np.ndarray) -> bool:
     others = np.setdiff1d(np.arange(num_blocks), written)
     return bool((_slices(pool, num_blocks)[:, torch.from_numpy(others)] == SENTINEL).all())
 
 
-def _backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor) -> KVTransportBackend:
+def make_backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor, agent_name: Optional[str] = None) -> KVTransportBackend:
+    """Register ``pool`` (of ``cfg``'s shape) with ``cfg.backend``; the agent is ``loopback-<role>`` unless named."""
     cls = construct_kv_transfer_backend_class(cfg.backend)
     return cls(
-        f"loopback-{role}", pool, cfg.pool_blocks,
+        agent_name or f"loopback-{role}", pool, cfg.pool_blocks,
         heads_per_partition=cfg.num_heads, head_dim=cfg.head_dim, tokens_per_block=cfg.tokens_per_block,
         timeout_s=cfg.timeout_s,
     )
@@ -138,8 +140,8 @@ class _Prefill:
     def __init__(self, cfg: LoopbackConfig) -> None:
         self.cfg = cfg
         self.src_ids, _ = cfg.block_ids()
-        self.pool = _make_pool(cfg, random_seed=cfg.seed + 1)
-        self.backend = _backend(cfg, "prefill", self.pool)
+        self.pool = make_pool(cfg, random_seed=cfg.seed + 1)
+        self.backend = make_backend(cfg, "prefill", self.pool)
         self.pinned: set[int] = set(int(b) for b in self.src_ids)
 
     def offer(self) -> dict[str, Any]:
@@ -218,16 +220,16 @@ def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torc
     handle.wait()
     result.transfer_s = time.perf_counter() - t0
     result.verified = blocks_digest(pool, cfg.pool_blocks, dst_ids) == offer["digest"]
-    result.untouched_ok = _untouched(pool, cfg.pool_blocks, dst_ids)
+    result.untouched_ok = untouched(pool, cfg.pool_blocks, dst_ids)
 
 
 def run_loopback(cfg: LoopbackConfig) -> LoopbackResult:
     """Run one handoff; never raises for transfer problems, they land in ``result.error``."""
     result = LoopbackResult(cfg)
-    pool = _make_pool(cfg, random_seed=None)
+    pool = make_pool(cfg, random_seed=None)
     decode = None
     try:
-        decode = _backend(cfg, "decode", pool)
+        decode = make_backend(cfg, "decode", pool)
         if cfg.backend == "local":
             _run_in_process(cfg, decode, pool, result)
         else:

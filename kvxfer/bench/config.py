@@ -1,0 +1,127 @@
+"""What a bench run measures: the sweep axes, and the points they expand to.
+
+A *point* is one request shape: a slice size (the bytes of one (block, layer plane)),
+a number of blocks, an id pattern and a reshard flag. Points that share a slice size
+share one registered pool per side, so registration cost is paid once per size, not
+once per point. Block counts are capped so one request never exceeds
+``max_request_bytes`` (a 4 MiB slice times 128 blocks times every plane would not fit
+this machine, and would say nothing new); capped duplicates are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
+
+from kvxfer.loopback import LoopbackConfig
+
+KiB = 1024
+MiB = 1024 * KiB
+
+DEFAULT_SLICE_SIZES = (4 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+DEFAULT_BLOCK_COUNTS = (16, 128)
+PATTERNS = ("contiguous", "scattered")
+DEFAULT_BASELINES = ("memcpy", "naive-nixl", "ucx-perftest", "mooncake")
+
+#: Pool shape besides the head dim: [2, layers, blocks, TOKENS, HEADS, head_dim] in bf16.
+TOKENS_PER_BLOCK = 16
+NUM_HEADS = 8
+DTYPE = "bfloat16"
+ELEMENT_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Point:
+    """One request shape; ``num_blocks`` is already capped."""
+
+    slice_bytes: int
+    num_blocks: int
+    pattern: str
+    reshard: bool = False
+
+    @property
+    def key(self) -> str:
+        tag = "-tp2to1" if self.reshard else ""
+        return f"{self.slice_bytes}B-{self.num_blocks}blk-{self.pattern}{tag}"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of a run. Defaults are the documented full sweep (a few minutes)."""
+
+    backends: tuple[str, ...] = ("local",)
+    slice_sizes: tuple[int, ...] = DEFAULT_SLICE_SIZES
+    block_counts: tuple[int, ...] = DEFAULT_BLOCK_COUNTS
+    patterns: tuple[str, ...] = PATTERNS
+    reshard: str = "auto"  # "auto": on when kvxfer.reshard imports; "off"
+    num_layers: int = 4  # planes per block = 2 * num_layers (K and V)
+    repeats: int = 10
+    warmup: int = 2
+    max_request_bytes: int = 64 * MiB
+    baselines: tuple[str, ...] = DEFAULT_BASELINES
+    seed: int = 0
+    timeout_s: float = 60.0
+    mooncake_python: Optional[str] = None  # interpreter with mooncake installed (default: this one)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for size in self.slice_sizes:
+            if size <= 0 or size % (TOKENS_PER_BLOCK * NUM_HEADS * ELEMENT_SIZE):
+                raise ValueError(f"slice size {size} must be a positive multiple of "
+                                 f"{TOKENS_PER_BLOCK * NUM_HEADS * ELEMENT_SIZE} bytes (16 tokens x 8 heads x bf16)")
+        if any(n <= 0 for n in self.block_counts):
+            raise ValueError(f"block counts must be positive, got {self.block_counts}")
+        for pattern in self.patterns:
+            if pattern not in PATTERNS:
+                raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.reshard not in ("auto", "off"):
+            raise ValueError(f"reshard must be 'auto' or 'off', got {self.reshard!r}")
+        unknown = set(self.baselines) - set(DEFAULT_BASELINES)
+        if unknown:
+            raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(DEFAULT_BASELINES)}")
+
+    @property
+    def planes(self) -> int:
+        return 2 * self.num_layers
+
+    def capped_blocks(self, slice_bytes: int, num_blocks: int) -> int:
+        """``num_blocks``, lowered so the request fits ``max_request_bytes`` (at least one block)."""
+        return max(1, min(num_blocks, self.max_request_bytes // (slice_bytes * self.planes)))
+
+    def points(self, reshard: bool = False) -> Iterator[Point]:
+        """Every point of the sweep, grouped by slice size, capped and de-duplicated."""
+        for size in self.slice_sizes:
+            counts = sorted({self.capped_blocks(size, n) for n in self.block_counts})
+            for n in counts:
+                for pattern in self.patterns:
+                    yield Point(size, n, pattern)
+                    if reshard:
+                        yield Point(size, n, pattern, reshard=True)
+
+    def pool_config(self, backend: str, slice_bytes: int) -> LoopbackConfig:
+        """The pool (both sides) for one slice size: twice the largest request, so scattered ids scatter."""
+        largest = max(self.capped_blocks(slice_bytes, n) for n in self.block_counts)
+        head_dim = slice_bytes // (TOKENS_PER_BLOCK * NUM_HEADS * ELEMENT_SIZE)
+        pool_blocks = max(2 * largest, 4)
+        while pool_blocks in (2, self.num_layers, TOKENS_PER_BLOCK, NUM_HEADS, head_dim):
+            pool_blocks += 1  # the blocks axis is found by its size: keep it unique
+        return LoopbackConfig(
+            backend=backend, num_layers=self.num_layers, tokens_per_block=TOKENS_PER_BLOCK, num_heads=NUM_HEADS,
+            head_dim=head_dim, dtype=DTYPE, pool_blocks=pool_blocks, request_blocks=largest, seed=self.seed,
+            timeout_s=self.timeout_s,
+        )
+
+    def request_config(self, pool: LoopbackConfig, point: Point, repeat: int) -> LoopbackConfig:
+        """The request's ids come from ``LoopbackConfig.block_ids``: a fresh scatter per repeat."""
+        return replace(pool, request_blocks=point.num_blocks, pattern=point.pattern,
+                       seed=self.seed + 7919 * repeat + point.num_blocks)
+
+
+def tiny_config(**overrides: object) -> BenchConfig:
+    """A seconds-long sweep (tests, smoke runs): two small sizes, 1 repeat."""
+    base = dict(slice_sizes=(4 * KiB, 64 * KiB), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
+                max_request_bytes=4 * MiB)
+    base.update(overrides)
+    return BenchConfig(**base)  # type: ignore[arg-type]

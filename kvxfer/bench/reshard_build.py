@@ -1,0 +1,86 @@
+"""The TP-reshard axis, optional: on only when ``kvxfer.reshard`` imports.
+
+The reshard planner lands from another branch; until then this module says so and
+the bench goes on without it. When it is there, it measures the issue's third
+target: building the descriptors of one TP 2 -> 1 request of 128 blocks x 64 layer
+planes x 16 tokens per block (scattered ids), i.e. the decode rank's plans for both
+prefill ranks, each of which holds half the heads, so every token row is a
+fragment before coalescing. Pure planning: no pool, no transport.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from typing import Any
+
+TARGET_MS = 10.0
+BLOCKS, LAYERS, TOKENS, HEADS, HEAD_DIM, ELEM, POOL_BLOCKS = 128, 32, 16, 8, 128, 2, 1024
+
+
+def status() -> tuple[bool, str]:
+    """``(True, "")`` when the reshard planner is importable, else ``(False, why)``."""
+    try:
+        importlib.import_module("kvxfer.reshard")
+        importlib.import_module("kvxfer.reshard_descriptors")
+    except ImportError as exc:
+        return False, f"kvxfer.reshard is not importable ({exc}); the reshard planner has not landed on this branch"
+    return True, ""
+
+
+def _geometry(layout: Any, pool_blocks: int) -> Any:
+    from kvxfer.geometry import BufferGeometry
+
+    first, last = layout.local_layer_range()
+    slice_bytes = TOKENS * layout.heads_per_partition * HEAD_DIM * ELEM
+    return BufferGeometry(buf_ptr=0, element_size=ELEM, device_id=0, blocks_axis=2, num_blocks=pool_blocks,
+                          num_outer=2 * (last - first), bytes_per_slice=slice_bytes,
+                          outer_stride_bytes=pool_blocks * slice_bytes, heads_per_partition=layout.heads_per_partition,
+                          head_dim=HEAD_DIM, tokens_per_block=TOKENS, layout=layout)
+
+
+def measure_build(repeats: int = 20, seed: int = 0) -> dict[str, Any]:
+    """Median time to plan the request on the decode rank; every figure, or why not measured."""
+    ok, why = status()
+    out: dict[str, Any] = {"target": f"< {TARGET_MS} ms", "case": f"TP 2 -> 1, {BLOCKS} blocks x {2 * LAYERS} planes x "
+                           f"{TOKENS} tokens, {HEADS} heads, head_dim {HEAD_DIM}, bf16, scattered ids"}
+    if not ok:
+        out["status"] = f"not measured: {why}"
+        return out
+    try:
+        import numpy as np
+
+        from kvxfer.layout import KVShardLayout
+        from kvxfer.reshard import for_dst, plan_kv_reshard
+        from kvxfer.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
+
+        rng = np.random.default_rng(seed)
+        src_ids = rng.choice(POOL_BLOCKS, BLOCKS, replace=False)
+        dst_ids = rng.choice(POOL_BLOCKS, BLOCKS, replace=False)
+        srcs = [KVShardLayout(LAYERS, HEADS, tp_size=2, tp_rank=r, global_rank=r) for r in range(2)]
+        dst = KVShardLayout(LAYERS, HEADS, tp_size=1, tp_rank=0, global_rank=100)
+        by_rank = {s.global_rank: s for s in srcs}
+        dst_geo = _geometry(dst, POOL_BLOCKS)
+
+        def build(planner: Any) -> tuple[int, int]:
+            rows = raw = 0
+            for transfer in for_dst(plan_kv_reshard(srcs, [dst]), dst.global_rank):
+                plan = planner(_geometry(by_rank[transfer.src_rank], POOL_BLOCKS), dst_geo, [transfer], src_ids, dst_ids)
+                rows, raw = rows + plan.num_descriptors, raw + getattr(plan, "raw_descriptors", 0)
+            return rows, raw
+
+        for form, planner in (("flat", plan_kv_reshard_copies), ("strided", plan_kv_reshard_strided)):
+            build(planner)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                rows, raw = build(planner)
+                times.append((time.perf_counter() - t0) * 1e3)
+            median = statistics.median(times)
+            out[form] = dict(build_ms_p50=median, build_ms_max=max(times), descriptors=rows, raw_descriptors=raw,
+                             repeats=repeats, met=median < TARGET_MS)
+        out["met"] = any(out[form]["met"] for form in ("flat", "strided"))
+    except Exception as exc:  # the planner's API may still move: report, never crash the bench
+        out["status"] = f"not measured: {type(exc).__name__}: {exc}"
+    return out

@@ -1,0 +1,125 @@
+"""Run a whole bench: every backend, every baseline, the targets, the machine.
+
+This is the orchestration only (what runs, in which order, with progress bars);
+measuring lives in ``sweep`` and ``baselines``, presenting in ``report``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional
+
+from kvxfer.bench.config import BenchConfig, Point
+from kvxfer.bench.results import PointResult, Unavailable
+from kvxfer.bench import machine, reshard_build, targets
+
+Progress = Callable[[str, int], Callable[[PointResult], None]]  # (task name, total) -> per-point callback
+
+
+@dataclass
+class BenchReport:
+    """Everything one run produced; ``to_json`` is the file format."""
+
+    config: BenchConfig
+    command: str
+    machine: dict[str, Any]
+    started_utc: str
+    runtime_s: float = 0.0
+    results: list[PointResult] = field(default_factory=list)
+    unavailable: list[Unavailable] = field(default_factory=list)
+    targets: dict[str, Any] = field(default_factory=dict)
+    reshard_axis: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Every point that ran was verified and error-free."""
+        return all(r.ok for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        cfg = asdict(self.config)
+        cfg.pop("extra", None)
+        return {
+            "schema_version": 1,
+            "command": self.command,
+            "started_utc": self.started_utc,
+            "runtime_s": self.runtime_s,
+            "ok": self.ok,
+            "machine": self.machine,
+            "config": cfg,
+            "reshard_axis": self.reshard_axis,
+            "points": [r.to_json() for r in self.results],
+            "unavailable": [asdict(u) for u in self.unavailable],
+            "targets": self.targets,
+        }
+
+
+def _no_progress(name: str, total: int) -> Callable[[PointResult], None]:
+    return lambda result: None
+
+
+def _prepare_process() -> None:
+    """Quiet NIXL's INFO logging (children inherit it) and keep torch to one thread:
+    on a small shared machine the intra-op pool's wake-ups cost more than they save."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] = None) -> BenchReport:
+    """Run every backend and baseline in ``cfg``; failures are recorded on points, never raised."""
+    from kvxfer.backends import available_backends, normalize_name
+    from kvxfer.bench.baselines import memcpy, mooncake_te, naive_nixl, ucx_perftest
+    from kvxfer.bench.sweep import run_backend
+
+    _prepare_process()
+    progress = progress or _no_progress
+    started = time.monotonic()
+    report = BenchReport(cfg, command, machine.describe(), datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    reshard_on, why = reshard_build.status()
+    report.reshard_axis = ("transfers: not swept (descriptor build measured only; see targets)" if reshard_on
+                           else f"off: {why}") if cfg.reshard == "auto" else "off: disabled by --reshard off"
+    points: list[Point] = list(cfg.points())
+
+    runnable = {info.name: info for info in available_backends()}
+    for backend in cfg.backends:
+        info = runnable.get(normalize_name(backend))
+        if info is None or not info.available:
+            report.unavailable.append(Unavailable(backend, info.reason if info else f"unknown backend {backend!r}"))
+            continue
+        report.results += run_backend(cfg, backend, points, progress(backend, len(points)))
+
+    if "memcpy" in cfg.baselines:
+        report.results += memcpy.run(cfg, points, progress("memcpy", len(points)))
+    if "naive-nixl" in cfg.baselines:
+        missing = naive_nixl.availability()
+        if missing:
+            report.unavailable.append(missing)
+        else:
+            report.results += naive_nixl.run(cfg, points, progress("naive-nixl", len(points)))
+    if "ucx-perftest" in cfg.baselines:
+        sizes = sorted(set(cfg.slice_sizes))
+        on_point = progress("ucx-perftest", len(sizes))
+        outcome = ucx_perftest.run(sizes, timeout_s=cfg.timeout_s)
+        if isinstance(outcome, Unavailable):
+            report.unavailable.append(outcome)
+        else:
+            for res in outcome:
+                on_point(res)
+            report.results += outcome
+    if "mooncake" in cfg.baselines:
+        missing = mooncake_te.availability(cfg)
+        outcome = missing or mooncake_te.run(cfg, points, progress("mooncake", len(points)))
+        if isinstance(outcome, Unavailable):
+            report.unavailable.append(outcome)
+        else:
+            report.results += outcome
+
+    build = reshard_build.measure_build() if cfg.reshard == "auto" else {"status": "not measured: --reshard off"}
+    report.targets = targets.evaluate(report.results, build)
+    report.machine["load_average_end"] = machine.load_average()
+    report.runtime_s = time.monotonic() - started
+    return report

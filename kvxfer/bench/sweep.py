@@ -1,0 +1,128 @@
+"""Sweep one kvxfer backend over the bench points, two processes where it can.
+
+For each slice size both sides register one pool; each point then runs
+``warmup`` unmeasured pulls and ``repeats`` measured ones. The first measured pull
+of every point starts from a destination pool reset to a sentinel and is verified
+(digest of the pulled blocks equals the source's, and no other block changed), so
+a fast wrong transfer shows up as an error, never as a result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.backends.base import KVTransportBackend, TransferHandle
+from kvxfer.bench.config import BenchConfig, Point
+from kvxfer.bench.results import PointResult
+from kvxfer.bench.source import SourceClient, agent_name, open_source
+from kvxfer.descriptors import plan_block_copies
+from kvxfer.geometry import parse_geometry_meta
+from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_backend, make_pool, untouched
+
+OnPoint = Callable[[PointResult], None]
+
+
+def spin_wait(handle: TransferHandle, timeout_s: float) -> None:
+    """Wait by polling without sleeping: ``wait()`` backs off up to 2 ms, which would
+    show up as latency. Past the deadline, ``wait(0)`` raises the standard timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not handle.poll():
+        if time.monotonic() > deadline:
+            handle.wait(0.0)
+
+
+def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_point: Optional[OnPoint] = None) -> list[PointResult]:
+    """Measure ``points`` (grouped by slice size) on ``backend``; errors land in the results."""
+    construct_kv_transfer_backend_class(backend)  # unknown names fail here, before any process starts
+    results: list[PointResult] = []
+    source = open_source(backend, cfg.timeout_s)
+    request_ids = itertools.count(1)
+    try:
+        for size, group in itertools.groupby(points, key=lambda p: p.slice_bytes):
+            group = list(group)
+            pool_cfg = cfg.pool_config(backend, size)
+            try:
+                meta = source.setup(pool_cfg, agent_name("src", f"{size}"))
+                pool = make_pool(pool_cfg, random_seed=None)
+                decode = make_backend(pool_cfg, "decode", pool, agent_name=agent_name("dst", f"{size}"))
+            except Exception as exc:  # a size that cannot be set up fails its points, not the run
+                for point in group:
+                    failed = _result(backend, point, source)
+                    failed.error = f"setup: {type(exc).__name__}: {exc}"
+                    results.append(failed)
+                    if on_point:
+                        on_point(failed)
+                continue
+            try:
+                for point in group:
+                    res = measure_point(cfg, point, pool_cfg, source, meta, decode, pool, request_ids)
+                    results.append(res)
+                    if on_point:
+                        on_point(res)
+            finally:
+                decode.close()
+    finally:
+        source.close()
+    return results
+
+
+def _result(backend: str, point: Point, source: SourceClient) -> PointResult:
+    res = PointResult(backend, "backend", point.slice_bytes, point.num_blocks, point.pattern, point.reshard)
+    res.extra["two_process"] = source.two_process
+    return res
+
+
+def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, source: SourceClient, meta: dict,
+                  decode: KVTransportBackend, pool: torch.Tensor, request_ids: Iterable[int]) -> PointResult:
+    """Warm-up pulls, then measured pulls; the first measured one is verified byte for byte."""
+    res = _result(decode.name, point, source)
+    peer = parse_geometry_meta(meta).geometry
+    ids = iter(request_ids)
+    try:
+        for repeat in range(cfg.warmup + cfg.repeats):
+            measured, verify = repeat >= cfg.warmup, repeat == cfg.warmup
+            src_ids, dst_ids = cfg.request_config(pool_cfg, point, repeat).block_ids()
+            digest = None
+            if verify:
+                pool.view(torch.uint8).view(-1).fill_(SENTINEL)
+                digest = source.digest(src_ids)
+            request_id = next(ids)
+            t0 = time.perf_counter()
+            plan = plan_block_copies(peer, decode.geometry, src_ids, dst_ids)
+            t1 = time.perf_counter()
+            source.expect(request_id, cfg.timeout_s)
+            t2 = time.perf_counter()
+            handle = decode.begin_pull_blocks(meta, src_ids, dst_ids, request_id=request_id)
+            t3 = time.perf_counter()
+            spin_wait(handle, cfg.timeout_s)
+            t4 = time.perf_counter()
+            landed_at = time.monotonic()
+            seen_at = source.read_done_at(request_id, cfg.timeout_s)
+            res.bytes, res.raw_descriptors, res.descriptors = plan.total_bytes, plan.raw_descriptors, plan.num_descriptors
+            if verify:
+                same = blocks_digest(pool, pool_cfg.pool_blocks, dst_ids) == digest
+                res.verified = same and untouched(pool, pool_cfg.pool_blocks, dst_ids)
+                if not res.verified:
+                    raise RuntimeError("verification failed: " + ("other destination blocks changed" if same else
+                                                                  "pulled bytes differ from the source"))
+            if measured:
+                res.samples.add(build_ms=(t1 - t0) * 1e3, post_ms=(t3 - t2) * 1e3, transfer_ms=(t4 - t2) * 1e3,
+                                read_done_ms=(seen_at - landed_at) * 1e3)
+    except Exception as exc:  # recorded on the point; the sweep goes on
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res.summarize()
+
+
+def run_backends(cfg: BenchConfig, points: list[Point], on_point: Optional[OnPoint] = None) -> list[PointResult]:
+    out: list[PointResult] = []
+    for backend in cfg.backends:
+        out += run_backend(cfg, backend, points, on_point)
+    return out
+
+
+__all__ = ["run_backend", "run_backends", "measure_point", "spin_wait"]

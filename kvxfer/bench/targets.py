@@ -1,0 +1,78 @@
+"""The issue's targets, measured and stated, never asserted.
+
+* coalesced large reads (mean descriptor >= 1 MiB) vs ``ucx_perftest ucp_get`` at
+  the same message size (target >= 90%);
+* scattered 32 KiB blocks vs naive NIXL, same points (target >= 2x);
+* descriptor build for a TP 2 -> 1 reshard of 128 blocks x 64 planes x 16 tokens
+  (target < 10 ms), only when ``kvxfer.reshard`` is importable.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional, Sequence
+
+from kvxfer.bench.results import PointResult
+
+MiB = 1 << 20
+
+
+def _perftest_at(perftest: Sequence[PointResult], size: float) -> Optional[PointResult]:
+    """The ucx_perftest point with the largest message size <= ``size`` (its GB/s at that size)."""
+    fitting = [p for p in perftest if p.ok and p.slice_bytes <= size]
+    return max(fitting, key=lambda p: p.slice_bytes) if fitting else None
+
+
+def large_reads_vs_perftest(results: Sequence[PointResult]) -> dict[str, Any]:
+    perftest = [r for r in results if r.source == "ucx-perftest"]
+    out: dict[str, Any] = {"target": ">= 0.90 of ucx_perftest ucp_get GB/s", "backends": {}}
+    if not perftest:
+        out["status"] = "not measured: ucx_perftest did not run"
+        return out
+    for r in results:
+        if r.kind != "backend" or not r.ok or not r.extra.get("two_process") or r.mean_descriptor_bytes < MiB:
+            continue
+        ref = _perftest_at(perftest, r.mean_descriptor_bytes)
+        if ref is None or not ref.gbps or not r.gbps:
+            continue
+        entry = out["backends"].setdefault(r.source, {"points": []})
+        entry["points"].append({"point": f"{r.slice_bytes}B x {r.num_blocks} {r.pattern}",
+                                "mean_descriptor_bytes": r.mean_descriptor_bytes, "gbps": r.gbps,
+                                "perftest_size": ref.slice_bytes, "perftest_gbps": ref.gbps, "ratio": r.gbps / ref.gbps})
+    for entry in out["backends"].values():
+        ratios = [p["ratio"] for p in entry["points"]]
+        entry.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), met=statistics.median(ratios) >= 0.9)
+    if not out["backends"]:
+        out["status"] = "not measured: no two-process backend point has >= 1 MiB descriptors"
+    return out
+
+
+def scattered_32k_vs_naive(results: Sequence[PointResult]) -> dict[str, Any]:
+    out: dict[str, Any] = {"target": ">= 2x naive NIXL (median request time, scattered 32 KiB slices)", "backends": {}}
+    naive = {(r.num_blocks,): r for r in results if r.source == "naive-nixl" and r.ok and r.pattern == "scattered"
+             and r.slice_bytes == 32 * 1024}
+    if not naive:
+        out["status"] = "not measured: naive NIXL has no scattered 32 KiB point"
+        return out
+    for r in results:
+        if r.kind != "backend" or not r.ok or r.pattern != "scattered" or r.slice_bytes != 32 * 1024:
+            continue
+        ref = naive.get((r.num_blocks,))
+        if ref is None or not r.transfer_ms_p50 or not ref.transfer_ms_p50:
+            continue
+        entry = out["backends"].setdefault(r.source, {"points": []})
+        entry["points"].append({"num_blocks": r.num_blocks, "ms": r.transfer_ms_p50, "naive_ms": ref.transfer_ms_p50,
+                                "speedup": ref.transfer_ms_p50 / r.transfer_ms_p50,
+                                "descriptors": r.descriptors, "naive_descriptors": ref.descriptors})
+    for entry in out["backends"].values():
+        speedups = [p["speedup"] for p in entry["points"]]
+        entry.update(min_speedup=min(speedups), met=min(speedups) >= 2.0)
+    return out
+
+
+def evaluate(results: Sequence[PointResult], reshard_build: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "large_reads_vs_ucx_perftest": large_reads_vs_perftest(results),
+        "scattered_32k_vs_naive_nixl": scattered_32k_vs_naive(results),
+        "reshard_descriptor_build": reshard_build,
+    }

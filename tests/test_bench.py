@@ -1,0 +1,121 @@
+"""``kvxfer bench``: a seconds-long smoke of the real command, and its pieces.
+
+Nothing here asserts a timing: the figures depend on the machine. What must hold
+is that every field is there, every transfer was verified, and a wrong transfer
+is reported as a failure rather than as a fast result.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvxfer.bench.baselines import naive_nixl, ucx_perftest
+from kvxfer.bench.command import parse_size
+from kvxfer.bench.config import KiB, MiB, BenchConfig, Point, tiny_config
+from kvxfer.bench.results import POINT_FIELDS, PointResult
+from kvxfer.bench.targets import large_reads_vs_perftest, scattered_32k_vs_naive
+from kvxfer.cli import main
+
+MACHINE_FIELDS = ("cpu_model", "logical_cores", "memory_bytes", "kernel", "versions", "load_average_start",
+                  "load_average_end")
+
+
+def _perftest_available() -> bool:
+    return not isinstance(ucx_perftest.find_binary(), ucx_perftest.Unavailable)
+
+
+def test_bench_smoke_writes_every_field_and_verifies_every_transfer(tmp_path):
+    out = tmp_path / "bench.json"
+    baselines = "memcpy,ucx-perftest" if _perftest_available() else "memcpy"
+    rc = main(["bench", "--tiny", "--backends", "local", "--baselines", baselines, "--json", str(out),
+               "--plot", str(tmp_path / "bench.png"), "--markdown", str(tmp_path / "benchmarks.md")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["schema_version"] == 1 and report["runtime_s"] > 0
+    assert report["command"].startswith("kvxfer bench --backends local")
+    assert all(report["machine"][f] is not None for f in MACHINE_FIELDS)
+    assert {"torch", "nixl", "ucx"} <= set(report["machine"]["versions"])
+    assert set(report["targets"]) == {"large_reads_vs_ucx_perftest", "scattered_32k_vs_naive_nixl",
+                                      "reshard_descriptor_build"}
+    sources = {p["source"] for p in report["points"]}
+    assert {"local", "memcpy"} <= sources
+    for point in report["points"]:
+        assert set(POINT_FIELDS) <= set(point), set(POINT_FIELDS) - set(point)
+        assert point["ok"] and point["verified"] and point["error"] is None
+        assert point["bytes"] > 0 and point["repeats"] == 1 and point["gbps"] > 0
+    local = [p for p in report["points"] if p["source"] == "local"]
+    assert {p["pattern"] for p in local} == {"contiguous", "scattered"}
+    for p in local:
+        assert p["descriptors"] <= p["raw_descriptors"] and p["build_ms"] is not None and p["read_done_ms_p50"] is not None
+        assert p["bytes"] == p["num_blocks"] * 2 * 2 * p["slice_bytes"]  # tiny: 2 layers -> 4 planes
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert report["command"] in md and "bench.png" in md
+    if "ucx-perftest" in baselines:
+        assert any(p["source"] == "ucx-perftest" for p in report["points"])
+
+
+def test_a_wrong_transfer_is_a_failure_not_a_result(monkeypatch, tmp_path):
+    from kvxfer.bench import source
+
+    monkeypatch.setattr(source.SourceRole, "digest", lambda self, ids: "0" * 64)
+    rc = main(["bench", "--tiny", "--backends", "local", "--baselines", "none", "--json", str(tmp_path / "b.json")])
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert rc == 1 and not report["ok"]
+    assert all(not p["verified"] and "verification failed" in p["error"] for p in report["points"])
+
+
+@pytest.mark.skipif(naive_nixl.availability() is not None, reason="nixl is not importable here")
+def test_naive_nixl_baseline_reads_the_right_bytes_across_processes():
+    cfg = tiny_config(slice_sizes=(4 * KiB,), patterns=("scattered",))
+    results = naive_nixl.run(cfg, list(cfg.points()))
+    assert [r.ok for r in results] == [True], [r.error for r in results]
+    (r,) = results
+    assert r.extra["two_process"] and r.descriptors == r.raw_descriptors == r.num_blocks * cfg.planes
+
+
+def test_bench_help_lists_the_axes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(f in out for f in ("--sizes", "--blocks", "--patterns", "--reshard", "--baselines"))
+
+
+def test_sizes_and_caps():
+    assert [parse_size(s) for s in ("4K", "32KiB", "1M", "4096")] == [4096, 32768, 1 << 20, 4096]
+    cfg = BenchConfig(slice_sizes=(4 * MiB,), block_counts=(16, 128), max_request_bytes=64 * MiB, num_layers=4)
+    points = list(cfg.points())
+    assert points == [Point(4 * MiB, 2, "contiguous"), Point(4 * MiB, 2, "scattered")]  # capped and de-duplicated
+    pool = cfg.pool_config("local", 4 * MiB)
+    assert pool.pool_blocks >= 4 and pool.head_dim * 16 * 8 * 2 == 4 * MiB
+    with pytest.raises(ValueError):
+        BenchConfig(baselines=("nope",))
+
+
+def test_perftest_output_is_parsed():
+    line = "Final:                   200    141.154   894.669   894.669     1117.73    1117.73        1118        1118"
+    final = ucx_perftest.parse_final("header\n" + line + "\n")
+    assert final == {"iterations": 200.0, "latency_us_p50": 141.154, "latency_us_avg": 894.669,
+                     "latency_us_overall": 894.669, "bandwidth_mbps_avg": 1117.73, "bandwidth_mbps_overall": 1117.73}
+    assert ucx_perftest.parse_final("no final line") is None
+
+
+def _point(source, kind, size, blocks, pattern, gbps, ms, descriptors, two_process=True):
+    r = PointResult(source, kind, size, blocks, pattern, bytes=size * blocks * 8, descriptors=descriptors,
+                    raw_descriptors=blocks * 8, verified=True, repeats=1, gbps=gbps, transfer_ms_p50=ms)
+    r.extra["two_process"] = two_process
+    return r
+
+
+def test_targets_compare_like_with_like():
+    results = [
+        _point("ucx-perftest", "baseline", 1 * MiB, 1, "contiguous", 10.0, 0.1, 1),
+        _point("nixl", "backend", 1 * MiB, 8, "contiguous", 9.5, 1.0, 8),  # 8 MiB runs -> perftest at 1 MiB
+        _point("nixl", "backend", 32 * KiB, 16, "scattered", 1.0, 2.0, 128),
+        _point("naive-nixl", "baseline", 32 * KiB, 16, "scattered", 0.4, 5.0, 128),
+    ]
+    large = large_reads_vs_perftest(results)["backends"]["nixl"]
+    assert large["median_ratio"] == pytest.approx(0.95) and large["met"]
+    scattered = scattered_32k_vs_naive(results)["backends"]["nixl"]
+    assert scattered["min_speedup"] == pytest.approx(2.5) and scattered["met"]
