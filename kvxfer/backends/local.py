@@ -102,8 +102,9 @@ class LocalBackend(KVTransportBackend):
         if dst.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(dst.device))
-        with source._reads_lock:
-            source._reads_in_flight.append((event, pull.request_id))
+        if pull.notify:
+            with source._reads_lock:
+                source._reads_in_flight.append((event, pull.request_id))
         return LocalHandle(pull.request_id, self.timeout_s, source, event)
 
     def _collect_notifications(self) -> None:
