@@ -41,6 +41,7 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.reshard_descriptors import plan_reshard_pull
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
@@ -302,6 +303,8 @@ class KVTransportBackend(ABC):
             request_id = f"{self.agent_name}:{next(self._request_counter)}"
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
+        if plan.num_descriptors == 0 and src_ids.size:
+            return CompletedHandle(request_id)  # reshard: the peer holds nothing this rank needs
         return self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id))
 
     def drain_read_done(self) -> list[RequestId]:
@@ -353,7 +356,14 @@ class KVTransportBackend(ABC):
         return peer
 
     def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
-        """Validate compatibility and ids, and plan the byte ranges (bounds-checked)."""
+        """Validate compatibility and ids, and plan the byte ranges (bounds-checked).
+
+        When both sides carry a shard layout (KV ``layout``, or SSM ``ssm_layout``)
+        the plan reads only the layer x head slices this rank owns (``kvxfer.reshard``).
+        """
+        reshard = plan_reshard_pull(self, peer, src_block_ids, dst_block_ids)
+        if reshard is not None:
+            return reshard
         check_peer_compatible(self.geometry, self.dtype, peer)
         return plan_block_copies(peer.geometry, self.geometry, src_block_ids, dst_block_ids)
 
