@@ -123,9 +123,8 @@ def compute_buffer_geometry(
                 f"does not have {expected_num_blocks} there"
             )
         blocks_axis = SSM_BLOCKS_AXIS
-        if not isinstance(ssm_layout, SSMShardLayout):
-            raise GeometryError(f"{where} ssm_layout must be a kvxfer SSMShardLayout, got {type(ssm_layout).__name__}")
-        expected = ssm_layout.state_shape(ssm_state_kind, expected_num_blocks)
+        # A typed layout must match the pool; any other object is passed through unchecked (no reshard).
+        expected = ssm_layout.state_shape(ssm_state_kind, expected_num_blocks) if isinstance(ssm_layout, SSMShardLayout) else shape
         if shape != expected:
             raise GeometryError(
                 f"{where} the SSM {ssm_state_kind} buffer has shape {shape} but its ssm_layout gives {expected} "

@@ -13,18 +13,20 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from kvxfer.backends.base import (
-    CompletedHandle, GroupHandle, KVTransportBackend, PullRequest, RequestId, TransferHandle,
+    CompletedHandle, GroupHandle, KVTransportBackend, RequestId, TransferHandle, TransferState,
 )
 from kvxfer.descriptors import IdList, validate_block_ids
 from kvxfer.errors import KVXferError, LayoutError, PeerMetadataError, TransferError
 from kvxfer.reshard import check_covers, check_same_model, intersect
+from kvxfer.ssm_layout import SSMShardLayout
 
 PeerPart = tuple[Mapping[str, Any], IdList]
 
 
 def _layouts(backend: KVTransportBackend, peers: Sequence[Any]) -> tuple[Any, list[Any]]:
-    if backend.ssm_layout is not None:
-        return backend.ssm_layout, [p.ssm_layout for p in peers]
+    if backend.ssm_state_kind is not None:
+        own = backend.ssm_layout if isinstance(backend.ssm_layout, SSMShardLayout) else None
+        return own, [p.ssm_layout for p in peers]
     return backend.geometry.layout, [p.geometry.layout for p in peers]
 
 
@@ -77,21 +79,22 @@ def begin_pull_from_peers(
     elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
         raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
 
-    pulls: list[Optional[PullRequest]] = []
+    # Plan every part before posting any: a bad part raises with every pool untouched.
+    posts: list[bool] = []
     for i, ((meta, src_ids), peer) in enumerate(zip(parts, peers)):
         s, d = validate_block_ids(src_ids, dst_block_ids, peer.geometry.num_blocks, backend.geometry.num_blocks)
         plan = backend.plan_pull(peer, s, d) if i in chosen else None
-        pulls.append(None if plan is None or (plan.num_descriptors == 0 and s.size)
-                     else PullRequest(meta, peer, s, d, plan, request_id))
+        posts.append(plan is not None and not (plan.num_descriptors == 0 and s.size))
 
     handles: list[TransferHandle] = []
     try:
-        for pull in pulls:
-            handles.append(CompletedHandle(request_id) if pull is None else backend._post_read(pull))
+        for (meta, src_ids), post in zip(parts, posts):
+            handles.append(backend.begin_pull_blocks(meta, src_ids, dst_block_ids, request_id=request_id)
+                           if post else CompletedHandle(request_id))
     except KVXferError as exc:
         for handle in handles:  # stop what was already posted; the group failed as a whole
             with handle._lock:
-                if handle.state.value == "PROC":
+                if handle.state is TransferState.PROC:
                     handle._fail(TransferError(f"request {request_id!r}: aborted, another part failed to post: {exc}"))
         raise
     return GroupHandle(request_id, handles, backend.timeout_s)

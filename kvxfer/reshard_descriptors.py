@@ -258,7 +258,7 @@ def reshard_transfers_for_pull(local: Any, peer: PeerGeometry) -> Optional[list]
     model identity; raises ``PeerMetadataError`` / ``LayoutError``.
     """
     ours_ssm, theirs_ssm = getattr(local, "ssm_layout", None), peer.ssm_layout
-    if ours_ssm is not None and theirs_ssm is not None:
+    if isinstance(ours_ssm, SSMShardLayout) and isinstance(theirs_ssm, SSMShardLayout):
         kind = "SSM"
     elif ours_ssm is None and theirs_ssm is None and local.geometry.layout is not None and peer.geometry.layout is not None:
         kind = "KV"
@@ -288,7 +288,7 @@ def plan_reshard_pull(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: 
     transfers = reshard_transfers_for_pull(local, peer)
     if transfers is None:
         return None
-    if local.ssm_layout is not None:
+    if isinstance(local.ssm_layout, SSMShardLayout):
         return plan_ssm_reshard_copies(peer.geometry, peer.ssm_layout, local.geometry, local.ssm_layout,
                                        local.ssm_state_kind, transfers, src_ids, dst_ids)
     return plan_kv_reshard_copies(peer.geometry, local.geometry, transfers, src_ids, dst_ids)
