@@ -280,15 +280,30 @@ def reshard_transfers_for_pull(local: Any, peer: PeerGeometry) -> Optional[list]
     return [] if transfer is None else [transfer]
 
 
-def plan_reshard_pull(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
-    """Byte plan for a reshard pull by backend ``local`` from ``peer``, or None if not a reshard pull.
+def plan_reshard_pull_strided(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[StridedPlan]:
+    """Strided rows for a reshard pull by backend ``local`` from ``peer``, or None if not a reshard pull.
 
-    An empty plan means the peer holds nothing this rank needs.
+    For transports with strided descriptors (a NIXL backend can post these rows from
+    ``_post_read`` instead of ``pull.plan``: same bytes, far fewer rows).
     """
     transfers = reshard_transfers_for_pull(local, peer)
     if transfers is None:
         return None
     if isinstance(local.ssm_layout, SSMShardLayout):
-        return plan_ssm_reshard_copies(peer.geometry, peer.ssm_layout, local.geometry, local.ssm_layout,
-                                       local.ssm_state_kind, transfers, src_ids, dst_ids)
-    return plan_kv_reshard_copies(peer.geometry, local.geometry, transfers, src_ids, dst_ids)
+        return plan_ssm_reshard_strided(peer.geometry, peer.ssm_layout, local.geometry, local.ssm_layout,
+                                        local.ssm_state_kind, transfers, src_ids, dst_ids)
+    return plan_kv_reshard_strided(peer.geometry, local.geometry, transfers, src_ids, dst_ids)
+
+
+def plan_reshard_pull(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
+    """Flat byte plan for a reshard pull by backend ``local`` from ``peer``, or None if not a reshard pull.
+
+    What ``KVTransportBackend.plan_pull`` returns for reshard pulls. An empty plan
+    means the peer holds nothing this rank needs.
+    """
+    strided = plan_reshard_pull_strided(local, peer, src_ids, dst_ids)
+    if strided is None:
+        return None
+    plan = strided.to_copy_plan()
+    check_plan_bounds(plan, peer.geometry, local.geometry)
+    return plan

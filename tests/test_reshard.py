@@ -247,3 +247,23 @@ def test_inconsistent_peer_meta_refused():
     finally:
         src.close()
         dst.close()
+
+
+def test_strided_hook_matches_flat_hook():
+    from kvxfer.reshard_descriptors import plan_reshard_pull, plan_reshard_pull_strided
+
+    g = random_tensor((2, 4, POOL_BLOCKS, TOKENS, 4, HEAD_DIM), torch.float32, 8)
+    src_layout, dst_layout = KVShardLayout(4, 4, tp_size=4, tp_rank=1, global_rank=1), KVShardLayout(4, 4, tp_size=2, global_rank=7)
+    src = kv_backend(src_layout, kv_shard(g, src_layout), "s")
+    dst = kv_backend(dst_layout, torch.zeros(2, 4, POOL_BLOCKS, TOKENS, 2, HEAD_DIM), "d")
+    try:
+        peer = dst.parse_peer_meta(src.export_meta())
+        ids = np.arange(5, 15)  # one run: each K/V layer plane is a single strided row of 10 blocks x 3 tokens
+        strided = plan_reshard_pull_strided(dst, peer, ids, ids + 3)
+        flat = plan_reshard_pull(dst, peer, ids, ids + 3)
+        assert strided.num_descriptors == 2 * 4 and set(strided.counts.tolist()) == {10 * TOKENS}
+        assert flat.num_descriptors == 2 * 4 * 10 * TOKENS == flat.raw_descriptors
+        assert strided.to_copy_plan().total_bytes == flat.total_bytes
+    finally:
+        src.close()
+        dst.close()
