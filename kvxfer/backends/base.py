@@ -324,6 +324,8 @@ class KVTransportBackend(ABC):
             src_block_ids, dst_block_ids, peer.geometry.num_blocks, self.geometry.num_blocks
         )
         plan = self.plan_pull(peer, src_ids, dst_ids)
+        if plan.num_descriptors == 0 and src_ids.size:  # reshard: the peer holds nothing this rank needs
+            return CompletedHandle(f"{self.agent_name}:{next(self._request_counter)}" if request_id is None else request_id)
         if request_id is None:
             request_id = f"{self.agent_name}:{next(self._request_counter)}"
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
@@ -390,7 +392,16 @@ class KVTransportBackend(ABC):
         return peer
 
     def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
-        """Validate compatibility and ids, and plan the byte ranges (bounds-checked)."""
+        """Validate compatibility and ids, and plan the byte ranges (bounds-checked).
+
+        When both sides carry a shard layout (KV ``layout``, or SSM ``ssm_layout``)
+        the plan reads only the layer x head slices this rank owns (``kvxfer.reshard``).
+        """
+        from kvxfer.reshard_descriptors import plan_reshard_pull  # reshard pulls: layer x head slices only
+
+        reshard = plan_reshard_pull(self, peer, src_block_ids, dst_block_ids)
+        if reshard is not None:
+            return reshard
         check_peer_compatible(self.geometry, self.dtype, peer)
         return plan_block_copies(peer.geometry, self.geometry, src_block_ids, dst_block_ids)
 
