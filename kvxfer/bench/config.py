@@ -28,6 +28,8 @@ TOKENS_PER_BLOCK = 16
 NUM_HEADS = 8
 DTYPE = "bfloat16"
 ELEMENT_SIZE = 2
+#: The reshard axis: prefill TP 2 (4 heads per rank) -> decode TP 1 (all 8 heads).
+RESHARD_SRC_TP = 2
 
 
 @dataclass(frozen=True)
@@ -91,21 +93,21 @@ class BenchConfig:
         return max(1, min(num_blocks, self.max_request_bytes // (slice_bytes * self.planes)))
 
     def points(self, reshard: bool = False) -> Iterator[Point]:
-        """Every point of the sweep, grouped by slice size, capped and de-duplicated."""
+        """Every point of the sweep, grouped by (slice size, reshard) -- the pools they share --,
+        capped and de-duplicated. Reshard points exist only when ``reshard`` is True."""
         for size in self.slice_sizes:
             counts = sorted({self.capped_blocks(size, n) for n in self.block_counts})
-            for n in counts:
-                for pattern in self.patterns:
-                    yield Point(size, n, pattern)
-                    if reshard:
-                        yield Point(size, n, pattern, reshard=True)
+            for tp_change in (False, True) if reshard else (False,):
+                for n in counts:
+                    for pattern in self.patterns:
+                        yield Point(size, n, pattern, reshard=tp_change)
 
     def pool_config(self, backend: str, slice_bytes: int) -> LoopbackConfig:
         """The pool (both sides) for one slice size: twice the largest request, so scattered ids scatter."""
         largest = max(self.capped_blocks(slice_bytes, n) for n in self.block_counts)
         head_dim = slice_bytes // (TOKENS_PER_BLOCK * NUM_HEADS * ELEMENT_SIZE)
         pool_blocks = max(2 * largest, 4)
-        while pool_blocks in (2, self.num_layers, TOKENS_PER_BLOCK, NUM_HEADS, head_dim):
+        while pool_blocks in (2, self.num_layers, TOKENS_PER_BLOCK, NUM_HEADS, NUM_HEADS // RESHARD_SRC_TP, head_dim):
             pool_blocks += 1  # the blocks axis is found by its size: keep it unique
         return LoopbackConfig(
             backend=backend, num_layers=self.num_layers, tokens_per_block=TOKENS_PER_BLOCK, num_heads=NUM_HEADS,

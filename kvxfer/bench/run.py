@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from kvxfer.bench.config import BenchConfig, Point
+from kvxfer.bench.config import RESHARD_SRC_TP, BenchConfig, Point
 from kvxfer.bench.results import PointResult, Unavailable
 from kvxfer.bench import machine, reshard_build, targets
 
@@ -80,9 +80,11 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
     started = time.monotonic()
     report = BenchReport(cfg, command, machine.describe(), datetime.now(timezone.utc).isoformat(timespec="seconds"))
     reshard_on, why = reshard_build.status()
-    report.reshard_axis = ("transfers: not swept (descriptor build measured only; see targets)" if reshard_on
-                           else f"off: {why}") if cfg.reshard == "auto" else "off: disabled by --reshard off"
-    points: list[Point] = list(cfg.points())
+    reshard_on = reshard_on and cfg.reshard == "auto"
+    report.reshard_axis = (f"on: prefill TP {RESHARD_SRC_TP} -> decode TP 1 points for kvxfer backends "
+                           "(baselines: plain pulls only)" if reshard_on
+                           else f"off: {why}" if cfg.reshard == "auto" else "off: disabled by --reshard off")
+    points: list[Point] = list(cfg.points(reshard=reshard_on))
 
     runnable = {info.name: info for info in available_backends()}
     for backend in cfg.backends:
@@ -91,6 +93,7 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
             report.unavailable.append(Unavailable(backend, info.reason if info else f"unknown backend {backend!r}"))
             continue
         report.results += run_backend(cfg, backend, points, progress(backend, len(points)))
+    points = [p for p in points if not p.reshard]  # baselines measure plain pulls
 
     if "memcpy" in cfg.baselines:
         report.results += memcpy.run(cfg, points, progress("memcpy", len(points)))

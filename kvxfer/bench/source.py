@@ -11,61 +11,107 @@ gets the same interface without the process.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
+from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
-from kvxfer.loopback import LoopbackConfig, blocks_digest, make_backend, make_pool
+from kvxfer.loopback import LoopbackConfig, make_backend, make_pool
 
 #: Backends that can only reach registrations in their own process.
 IN_PROCESS_ONLY = frozenset({"local"})
 CONTROL_TIMEOUT_S = 120.0
 
 
+def shard_backend(cfg: LoopbackConfig, pool: torch.Tensor, agent_name: str, *, tp_size: int, tp_rank: int,
+                  num_heads_global: int, global_rank: int) -> KVTransportBackend:
+    """A backend whose pool is one TP rank's head slice of ``[2, L, B, T, H, d]`` (it exports a layout)."""
+    cls = construct_kv_transfer_backend_class(cfg.backend)
+    return cls(agent_name, pool, cfg.pool_blocks, tp_size=tp_size, tp_rank=tp_rank,
+               num_kv_heads_global=num_heads_global, heads_per_partition=num_heads_global // tp_size,
+               head_dim=cfg.head_dim, tokens_per_block=cfg.tokens_per_block, global_rank=global_rank, pp_size=1,
+               pp_rank=0, num_layers_global=cfg.num_layers, timeout_s=cfg.timeout_s)
+
+
+def request_digest(pools: list[torch.Tensor], ids: np.ndarray) -> str:
+    """SHA-256 of the blocks ``ids`` of the whole KV (TP ranks' head slices joined), in pool byte order.
+
+    For one pool this equals ``kvxfer.loopback.blocks_digest``; for TP ranks it is the
+    digest the decode rank holding every head must reproduce.
+    """
+    index = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    joined = torch.cat([pool[:, :, index] for pool in pools], dim=4).contiguous()
+    return hashlib.sha256(joined.view(torch.uint8).numpy().data).hexdigest()
+
+
 class SourceRole:
-    """Owns one registered source pool at a time; the same code runs in either process."""
+    """Owns the registered source pool(s) of one slice size; the same code runs in either process.
+
+    ``src_tp == 1``: one plain pool. ``src_tp > 1``: one pool per TP rank, each holding
+    ``H / src_tp`` heads and exporting a shard layout, so the reader reshards.
+    """
 
     def __init__(self) -> None:
         self.cfg: Optional[LoopbackConfig] = None
-        self.backend: Optional[KVTransportBackend] = None
-        self.pool: Any = None
+        self.backends: list[KVTransportBackend] = []
+        self.pools: list[torch.Tensor] = []
 
-    def setup(self, cfg: LoopbackConfig, agent_name: str) -> dict[str, Any]:
+    def setup(self, cfg: LoopbackConfig, agent_name: str, src_tp: int = 1) -> list[dict[str, Any]]:
         self.release()
         self.cfg = cfg
-        self.pool = make_pool(cfg, random_seed=cfg.seed + 1)
-        self.backend = make_backend(cfg, "prefill", self.pool, agent_name=agent_name)
-        return self.backend.export_meta()
+        for rank in range(src_tp):
+            if src_tp == 1:
+                pool = make_pool(cfg, random_seed=cfg.seed + 1)
+                backend = make_backend(cfg, "prefill", pool, agent_name=agent_name)
+            else:
+                rank_cfg = replace(cfg, num_heads=cfg.num_heads // src_tp)
+                pool = make_pool(rank_cfg, random_seed=cfg.seed + 1 + rank)
+                backend = shard_backend(rank_cfg, pool, f"{agent_name}-tp{rank}", tp_size=src_tp, tp_rank=rank,
+                                        num_heads_global=cfg.num_heads, global_rank=rank)
+            self.pools.append(pool)
+            self.backends.append(backend)
+        return [backend.export_meta() for backend in self.backends]
 
     def digest(self, ids: list[int]) -> str:
-        assert self.cfg is not None, "setup() first"
-        return blocks_digest(self.pool, self.cfg.pool_blocks, np.asarray(ids, dtype=np.int64))
+        assert self.pools, "setup() first"
+        return request_digest(self.pools, np.asarray(ids, dtype=np.int64))
 
     def await_read_done(self, request_id: Any, timeout_s: float) -> float:
-        """Poll the transport's read-done; return ``time.monotonic()`` when ``request_id`` appeared."""
-        assert self.backend is not None, "setup() first"
+        """Poll every rank's read-done; return ``time.monotonic()`` when all have seen ``request_id``."""
+        assert self.backends, "setup() first"
         deadline = time.monotonic() + timeout_s
+        waiting = list(self.backends)
         while True:
-            if request_id in self.backend.drain_read_done():
+            for backend in list(waiting):
+                if request_id in backend.drain_read_done():
+                    waiting.remove(backend)
+                failed = [f for f in backend.drain_read_failed() if f.request_id == request_id]
+                if failed:
+                    raise RuntimeError(f"reader reported failure for request {request_id!r}: {failed[0].reason}")
+            if not waiting:
                 return time.monotonic()
-            failed = [f for f in self.backend.drain_read_failed() if f.request_id == request_id]
-            if failed:
-                raise RuntimeError(f"reader reported failure for request {request_id!r}: {failed[0].reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no read-done for request {request_id!r} within {timeout_s}s")
             time.sleep(20e-6)
 
     def stats(self) -> dict[str, int]:
-        return self.backend.stats() if self.backend is not None else {}
+        totals: dict[str, int] = {}
+        for backend in self.backends:
+            for key, value in backend.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
 
     def release(self) -> None:
-        if self.backend is not None:
-            self.backend.close()
-        self.backend, self.pool, self.cfg = None, None, None
+        for backend in self.backends:
+            backend.close()
+        self.backends, self.pools, self.cfg = [], [], None
 
 
 def _serve(conn: Any, role_cls: type = SourceRole) -> None:
@@ -107,7 +153,7 @@ class SourceClient:
 
     two_process = False
 
-    def setup(self, cfg: LoopbackConfig, agent_name: str) -> dict[str, Any]:
+    def setup(self, cfg: LoopbackConfig, agent_name: str, src_tp: int = 1) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def digest(self, ids: np.ndarray) -> str:
@@ -129,8 +175,8 @@ class InProcessSource(SourceClient):
     def __init__(self) -> None:
         self.role = SourceRole()
 
-    def setup(self, cfg: LoopbackConfig, agent_name: str) -> dict[str, Any]:
-        return self.role.setup(cfg, agent_name)
+    def setup(self, cfg: LoopbackConfig, agent_name: str, src_tp: int = 1) -> list[dict[str, Any]]:
+        return self.role.setup(cfg, agent_name, src_tp)
 
     def digest(self, ids: np.ndarray) -> str:
         return self.role.digest(ids.tolist())
@@ -177,8 +223,8 @@ class ChildSource(SourceClient):
             raise RuntimeError(value)
         return value
 
-    def setup(self, cfg: LoopbackConfig, agent_name: str) -> Any:
-        return self._call("setup", cfg, agent_name)
+    def setup(self, cfg: LoopbackConfig, agent_name: str, src_tp: int = 1) -> Any:
+        return self._call("setup", cfg, agent_name, src_tp)
 
     def digest(self, ids: np.ndarray) -> str:
         return self._call("digest", ids.tolist())

@@ -17,11 +17,9 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
-from kvxfer.bench.config import BenchConfig, Point
+from kvxfer.bench.config import RESHARD_SRC_TP, BenchConfig, Point
 from kvxfer.bench.results import PointResult
-from kvxfer.bench.source import SourceClient, agent_name, open_source
-from kvxfer.descriptors import plan_block_copies
-from kvxfer.geometry import parse_geometry_meta
+from kvxfer.bench.source import SourceClient, agent_name, open_source, shard_backend
 from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_backend, make_pool, untouched
 
 OnPoint = Callable[[PointResult], None]
@@ -43,13 +41,18 @@ def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_poin
     source = open_source(backend, cfg.timeout_s)
     request_ids = itertools.count(1)
     try:
-        for size, group in itertools.groupby(points, key=lambda p: p.slice_bytes):
+        for (size, reshard), group in itertools.groupby(points, key=lambda p: (p.slice_bytes, p.reshard)):
             group = list(group)
             pool_cfg = cfg.pool_config(backend, size)
+            tag = f"{size}{'-tp' if reshard else ''}"
             try:
-                meta = source.setup(pool_cfg, agent_name("src", f"{size}"))
+                metas = source.setup(pool_cfg, agent_name("src", tag), RESHARD_SRC_TP if reshard else 1)
                 pool = make_pool(pool_cfg, random_seed=None)
-                decode = make_backend(pool_cfg, "decode", pool, agent_name=agent_name("dst", f"{size}"))
+                if reshard:  # decode TP 1 holds every head; it reads both prefill ranks
+                    decode = shard_backend(pool_cfg, pool, agent_name("dst", tag), tp_size=1, tp_rank=0,
+                                           num_heads_global=pool_cfg.num_heads, global_rank=100)
+                else:
+                    decode = make_backend(pool_cfg, "decode", pool, agent_name=agent_name("dst", tag))
             except Exception as exc:  # a size that cannot be set up fails its points, not the run
                 for point in group:
                     failed = _result(backend, point, source)
@@ -60,7 +63,7 @@ def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_poin
                 continue
             try:
                 for point in group:
-                    res = measure_point(cfg, point, pool_cfg, source, meta, decode, pool, request_ids)
+                    res = measure_point(cfg, point, pool_cfg, source, metas, decode, pool, request_ids)
                     results.append(res)
                     if on_point:
                         on_point(res)
@@ -77,11 +80,20 @@ def _result(backend: str, point: Point, source: SourceClient) -> PointResult:
     return res
 
 
-def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, source: SourceClient, meta: dict,
+def _post(decode: KVTransportBackend, metas: list[dict], src_ids: object, dst_ids: object, request_id: int) -> TransferHandle:
+    """One source: ``begin_pull_blocks``. Several (TP ranks): ``begin_pull_from_peers``, one group handle."""
+    if len(metas) == 1:
+        return decode.begin_pull_blocks(metas[0], src_ids, dst_ids, request_id=request_id)
+    from kvxfer.multi_pull import begin_pull_from_peers
+
+    return begin_pull_from_peers(decode, [(meta, src_ids) for meta in metas], dst_ids, request_id=request_id)
+
+
+def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, source: SourceClient, metas: list[dict],
                   decode: KVTransportBackend, pool: torch.Tensor, request_ids: Iterable[int]) -> PointResult:
     """Warm-up pulls, then measured pulls; the first measured one is verified byte for byte."""
     res = _result(decode.name, point, source)
-    peer = parse_geometry_meta(meta).geometry
+    peers = [decode.parse_peer_meta(meta) for meta in metas]
     ids = iter(request_ids)
     try:
         for repeat in range(cfg.warmup + cfg.repeats):
@@ -93,17 +105,19 @@ def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, sour
                 digest = source.digest(src_ids)
             request_id = next(ids)
             t0 = time.perf_counter()
-            plan = plan_block_copies(peer, decode.geometry, src_ids, dst_ids)
+            plans = [decode.plan_pull(peer, src_ids, dst_ids) for peer in peers]  # what begin_pull does inside
             t1 = time.perf_counter()
             source.expect(request_id, cfg.timeout_s)
             t2 = time.perf_counter()
-            handle = decode.begin_pull_blocks(meta, src_ids, dst_ids, request_id=request_id)
+            handle = _post(decode, metas, src_ids, dst_ids, request_id)
             t3 = time.perf_counter()
             spin_wait(handle, cfg.timeout_s)
             t4 = time.perf_counter()
             landed_at = time.monotonic()
             seen_at = source.read_done_at(request_id, cfg.timeout_s)
-            res.bytes, res.raw_descriptors, res.descriptors = plan.total_bytes, plan.raw_descriptors, plan.num_descriptors
+            res.bytes = sum(p.total_bytes for p in plans)
+            res.raw_descriptors = sum(p.raw_descriptors for p in plans)
+            res.descriptors = sum(p.num_descriptors for p in plans)
             if verify:
                 same = blocks_digest(pool, pool_cfg.pool_blocks, dst_ids) == digest
                 res.verified = same and untouched(pool, pool_cfg.pool_blocks, dst_ids)

@@ -55,7 +55,9 @@ class NaiveNixlSourceRole:
         self.cfg: Optional[LoopbackConfig] = None
         self.reg: Any = None
 
-    def setup(self, cfg: LoopbackConfig, name: str) -> dict[str, Any]:
+    def setup(self, cfg: LoopbackConfig, name: str, src_tp: int = 1) -> dict[str, Any]:
+        if src_tp != 1:
+            raise ValueError("the naive-NIXL baseline measures plain (non-reshard) pulls only")
         self.release()
         self.cfg, self.pool = cfg, make_pool(cfg, random_seed=cfg.seed + 1)
         self.agent = _new_agent(name)
@@ -100,7 +102,8 @@ def run(cfg: BenchConfig, points: Iterable[Point], on_point: Optional[OnPoint] =
     source = ChildSource(timeout_s=max(cfg.timeout_s, 60.0), role_cls=NaiveNixlSourceRole)
     request_ids = itertools.count(1)
     try:
-        for size, group in itertools.groupby(points, key=lambda p: p.slice_bytes):
+        plain = [p for p in points if not p.reshard]
+        for size, group in itertools.groupby(plain, key=lambda p: p.slice_bytes):
             pool_cfg = cfg.pool_config("local", size)
             agent = reg = None
             try:
