@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="per-transfer timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke sweep (2 small sizes, 1 repeat)")
-    p.add_argument("--json", default="bench.json", help="write every figure here (default: bench.json)")
+    p.add_argument("--json", default="bench-results/bench.json", help="write every figure here (default: %(default)s)")
     p.add_argument("--plot", help="write the GB/s plot (PNG) here")
     p.add_argument("--markdown", help="write a benchmarks page (markdown) here; the plot is linked relative to it")
 

@@ -122,8 +122,8 @@ class BenchConfig:
 
 
 def tiny_config(**overrides: object) -> BenchConfig:
-    """A seconds-long sweep (tests, smoke runs): two small sizes, 1 repeat."""
-    base = dict(slice_sizes=(4 * KiB, 64 * KiB), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
+    """A seconds-long sweep (tests, smoke runs): one small size, 8 blocks, 1 repeat."""
+    base = dict(slice_sizes=(4 * KiB,), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
                 max_request_bytes=4 * MiB)
     base.update(overrides)
     return BenchConfig(**base)  # type: ignore[arg-type]

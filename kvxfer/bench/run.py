@@ -63,7 +63,7 @@ def _no_progress(name: str, total: int) -> Callable[[PointResult], None]:
 def _prepare_process() -> None:
     """Quiet NIXL's INFO logging (children inherit it) and keep torch to one thread:
     on a small shared machine the intra-op pool's wake-ups cost more than they save."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import torch
 
     torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
     """Run every backend and baseline in ``cfg``; failures are recorded on points, never raised."""
     from kvxfer.backends import available_backends, normalize_name
     from kvxfer.bench.baselines import memcpy, mooncake_te, naive_nixl, ucx_perftest
-    from kvxfer.bench.sweep import run_backend
+    from kvxfer.bench.worker import run_in_worker, silence_limit
 
     _prepare_process()
     progress = progress or _no_progress
@@ -87,12 +87,14 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
     points: list[Point] = list(cfg.points(reshard=reshard_on))
 
     runnable = {info.name: info for info in available_backends()}
+    silence = silence_limit(cfg)
     for backend in cfg.backends:
         info = runnable.get(normalize_name(backend))
         if info is None or not info.available:
             report.unavailable.append(Unavailable(backend, info.reason if info else f"unknown backend {backend!r}"))
             continue
-        report.results += run_backend(cfg, backend, points, progress(backend, len(points)))
+        report.results += run_in_worker("kvxfer.bench.sweep:run_backend", (cfg, backend, points), points, backend,
+                                        "backend", progress(backend, len(points)), silence)
     points = [p for p in points if not p.reshard]  # baselines measure plain pulls
 
     if "memcpy" in cfg.baselines:
@@ -102,7 +104,8 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
         if missing:
             report.unavailable.append(missing)
         else:
-            report.results += naive_nixl.run(cfg, points, progress("naive-nixl", len(points)))
+            report.results += run_in_worker("kvxfer.bench.baselines.naive_nixl:run", (cfg, points), points,
+                                            naive_nixl.NAME, "baseline", progress(naive_nixl.NAME, len(points)), silence)
     if "ucx-perftest" in cfg.baselines:
         sizes = sorted(set(cfg.slice_sizes))
         on_point = progress("ucx-perftest", len(sizes))
@@ -121,7 +124,8 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
         else:
             report.results += outcome
 
-    build = reshard_build.measure_build() if cfg.reshard == "auto" else {"status": "not measured: --reshard off"}
+    build = (reshard_build.measure_build(repeats=max(3, 2 * cfg.repeats)) if cfg.reshard == "auto"
+             else {"status": "not measured: --reshard off"})
     report.targets = targets.evaluate(report.results, build)
     report.machine["load_average_end"] = machine.load_average()
     report.runtime_s = time.monotonic() - started

@@ -104,7 +104,8 @@ class SourceRole:
     def stats(self) -> dict[str, int]:
         totals: dict[str, int] = {}
         for backend in self.backends:
-            for key, value in backend.stats().items():
+            stats = getattr(backend, "stats", None)  # every backend on main has it; tolerate one that does not
+            for key, value in (stats() if stats else {}).items():
                 totals[key] = totals.get(key, 0) + value
         return totals
 

@@ -10,6 +10,7 @@ descriptor work, not the setup.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from typing import Any, Iterable, Optional
@@ -105,7 +106,7 @@ def run(cfg: BenchConfig, points: Iterable[Point], on_point: Optional[OnPoint] =
         plain = [p for p in points if not p.reshard]
         for size, group in itertools.groupby(plain, key=lambda p: p.slice_bytes):
             pool_cfg = cfg.pool_config("local", size)
-            agent = reg = None
+            agent = reg = peer = None
             try:
                 remote = source.setup(pool_cfg, agent_name("naive-src", str(size)))
                 pool = make_pool(pool_cfg, random_seed=None)
@@ -126,11 +127,25 @@ def run(cfg: BenchConfig, points: Iterable[Point], on_point: Optional[OnPoint] =
                     if on_point:
                         on_point(res)
             finally:
-                if agent is not None and reg is not None:
-                    agent.deregister_memory(reg)
+                _teardown(agent, reg, peer)
     finally:
         source.close()
     return results
+
+
+def _teardown(agent: Any, reg: Any, peer: Optional[str]) -> None:
+    """Release the agent now, while the interpreter is whole: a NIXL agent left to
+    interpreter shutdown can crash the process on exit."""
+    if agent is None:
+        return
+    try:
+        if peer is not None:
+            agent.remove_remote_agent(peer)
+        if reg is not None:
+            agent.deregister_memory(reg)
+    finally:
+        del agent
+        gc.collect()
 
 
 def _measure(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, source: ChildSource, agent: Any, peer: str,
