@@ -99,10 +99,19 @@ class Peer:
     def drain(self, index: int = 0) -> tuple[list, list, int]:
         return self.call(("drain", index))
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the peer to close and exit (without waiting: peers stop in parallel)."""
         if self.process.is_alive():
             try:
-                self.call(("stop", None), timeout=20)
+                self.conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self.process.is_alive():
+            try:
+                self.call(None, timeout=20)
             except (TimeoutError, EOFError, BrokenPipeError, OSError):
                 pass
         self.process.join(10)

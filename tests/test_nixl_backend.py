@@ -34,6 +34,7 @@ from kvxfer.errors import (  # noqa: E402
     BlockIdError,
     PeerMetadataError,
     TransferError,
+    TransferTimeoutError,
 )
 from kvxfer.geometry import compute_buffer_geometry  # noqa: E402
 
@@ -80,6 +81,8 @@ def peers():
     probe = subprocess.Popen([sys.executable, "-c", NO_NIXL_PROBE], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     yield {**started, "no_nixl": probe}
+    for p in started.values():
+        p.request_stop()
     for p in started.values():
         p.stop()
     if probe.poll() is None:
@@ -319,6 +322,24 @@ def test_source_killed_mid_transfer_then_new_peer(peers):
         h.wait(10)
         assert torch.equal(blocks(dst, [7, 8]), blocks(make_pool(reborn.specs[0]), [3, 200]))
         assert drain_until(reborn, 0, 1)[0] == ["after"]
+        # Our own timeout on a live peer: the READ is released (cancelled) before the source
+        # hears of it, and it hears exactly once: done if the read won the race, else failed.
+        everything = np.arange(spec.num_blocks)
+        h = b.begin_pull_blocks(reborn.metas[0], everything, everything, request_id="too-slow")
+        try:
+            h.wait(timeout_s=0.0)
+            outcome = "done"
+        except TransferTimeoutError:
+            outcome = "timeout"
+        deadline = time.monotonic() + 5
+        while not h.storage_safe and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.storage_safe
+        done, failed, _ = drain_until(reborn, 0, 1)
+        print(f"timeout case: posted={h._posted} {outcome}, source saw done={done} failed={failed}")
+        assert len(done) + len(failed) == 1 and (done == ["too-slow"] or failed[0][0] == "too-slow")
+        if outcome == "done":
+            assert done == ["too-slow"]
     finally:
         b.close()
 
@@ -328,10 +349,12 @@ def test_ucx_tls_without_transport_is_a_clear_error(monkeypatch):
     assert nixl_transport_info({"UCX_TLS": "tcp,cuda_copy"}).usable_for("VRAM")[0]
     assert not nixl_transport_info({"UCX_TLS": "^cuda"}).usable_for("VRAM")[0]
     assert nixl_transport_info({}).usable_for("VRAM")[0] and nixl_transport_info({}).usable_for("DRAM")[0]
+    assert not nixl_transport_info({"UCX_TLS": ""}).usable_for("DRAM")[0]
     assert "UCX_TLS" in nixl_transport_info({"UCX_TLS": "rc"}).summary()
-    monkeypatch.setenv("UCX_TLS", "self")
-    with pytest.raises(BackendUnavailableError, match="UCX_TLS"):
-        NixlBackend("nixl-test-tls", torch.zeros(4, 8), 8)
+    for tls in ("self", "", "cma,self"):  # the last passes our check; NIXL's UCX setup then fails
+        monkeypatch.setenv("UCX_TLS", tls)
+        with pytest.raises(BackendUnavailableError, match="UCX_TLS"):
+            NixlBackend(f"nixl-test-tls-{tls}", torch.zeros(4, 8), 8)
 
 
 NO_NIXL_PROBE = (

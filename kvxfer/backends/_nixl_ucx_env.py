@@ -73,6 +73,8 @@ class NixlTransportInfo:
 
     def usable_for(self, mem_type: str) -> tuple[bool, str]:
         """``(True, "")`` if some permitted transport can move ``mem_type`` ("DRAM"/"VRAM"), else why not."""
+        if not self.allowed:
+            return False, "UCX_TLS is set but empty, which leaves UCX no transport at all; unset it"
         if mem_type == "VRAM":
             if not any(self.permits(t) for t in CUDA_TRANSPORTS):
                 return False, (
@@ -105,8 +107,10 @@ def _expand(names: list[str]) -> frozenset[str]:
 
 def _parse_tls(value: Optional[str]) -> tuple[frozenset[str], frozenset[str]]:
     """UCX_TLS -> (allowed, excluded). ``^a,b`` means everything except a and b."""
-    if value is None or not value.strip():
+    if value is None:
         return frozenset({"*"}), frozenset()
+    if not value.strip():
+        return frozenset(), frozenset()  # set but empty: UCX then fails to create any transport
     value = value.strip()
     negate = value.startswith("^")
     names = [n.strip().lower() for n in value.lstrip("^").split(",") if n.strip()]

@@ -204,7 +204,12 @@ class _AgentShare:
         try:
             self.agent = api.nixl_agent(name, config)
         except Exception as exc:
-            raise BackendUnavailableError(f"could not create NIXL agent {name!r}: {exc}") from exc
+            # Seen here: UCX_TLS=cma,self or sm,self makes NIXL's own UCX loopback setup fail
+            # ("Destination is unreachable"); UCX needs tcp (or an RDMA transport) beside them.
+            raise BackendUnavailableError(
+                f"could not create NIXL agent {name!r} ({type(exc).__name__}: {exc}); "
+                f"{nixl_transport_info().summary()}. If UCX_TLS is set, unset it or add tcp (or rc) to it"
+            ) from exc
         if "UCX" not in self.agent.backends:
             raise BackendUnavailableError(
                 f"NIXL agent {name!r} has no UCX backend (plugins found: {self.agent.get_plugin_list()}); "
