@@ -277,6 +277,12 @@ def test_siblings_share_agent_and_close(peer):
     h.wait(10)
     assert torch.equal(blocks(b.memory_buffer, [1, 2]), blocks(make_pool(SPECS[2]), [0, 63]))
     assert drain_until(peer, 2, 1)[0] == ["sib"]
+    b.drop_peer("nixl-test-src")  # forgotten (agent, connection, prepared lists), then loaded again
+    assert "nixl-test-src" not in b._share._remote_md
+    b.memory_buffer.zero_()
+    b.begin_pull_blocks(peer.metas[2], [5], [6], request_id="sib-again").wait(10)
+    assert torch.equal(blocks(b.memory_buffer, [6]), blocks(make_pool(SPECS[2]), [5]))
+    assert drain_until(peer, 2, 1)[0] == ["sib-again"]
     share = b._share
     b.close()
     assert share.refs == 0 and share.agent is None

@@ -298,9 +298,15 @@ class _AgentShare:
             try:
                 loaded = self.agent.add_remote_agent(peer.metadata)
             except Exception as exc:
-                raise PeerMetadataError(
-                    f"NIXL rejected peer {peer.name!r}'s agent metadata ({type(exc).__name__}: {exc}); "
-                    "pass the peer's export_meta() unchanged"
+                kind = type(exc).__name__
+                if kind in ("nixlMismatchError", "nixlInvalidParamError", "TypeError", "ValueError"):
+                    raise PeerMetadataError(
+                        f"NIXL rejected peer {peer.name!r}'s agent metadata ({kind}: {exc}); "
+                        "pass the peer's export_meta() unchanged"
+                    ) from None
+                # Loading connects to the peer: a dead peer fails here (seen: NIXL_ERR_BACKEND).
+                raise TransferError(
+                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? nothing was posted"
                 ) from None
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != peer.name:
@@ -582,7 +588,12 @@ class NixlBackend(KVTransportBackend):
                     share.agent.release_xfer_handle(xfer)
                 except Exception:
                     pass
-                raise TransferError(f"request {pull.request_id!r}: NIXL refused to post the READ: {exc}") from exc
+                if type(exc).__name__ == "nixlRemoteDisconnectError":
+                    share.forget(peer.name)  # a dead peer is not kept: a restart is loaded afresh
+                raise TransferError(
+                    f"request {pull.request_id!r}: NIXL refused to post the READ from {peer.name!r} "
+                    f"({type(exc).__name__}: {exc}); nothing was posted"
+                ) from exc
         handle = NixlHandle(
             pull.request_id, self.timeout_s, self, xfer, peer, posted, path=path,
             num_descriptors=plan.num_descriptors, raw_descriptors=plan.raw_descriptors,
