@@ -382,6 +382,13 @@ def test_unavailable_without_nixl(peers):
     assert out.strip() == "ok", err[-2000:]
 
 
+def test_transport_probe_for_kvxfer_info():
+    from kvxfer.backends.nixl import nixl_transport_probe
+
+    probe = nixl_transport_probe()
+    assert probe["DRAM"] == "ok" and "tcp" in probe["transports"] and probe["package"].startswith("nixl_")
+
+
 def test_registry_name():
     assert construct_kv_transfer_backend_class("NIXL") is NixlBackend
     assert NixlBackend.availability() == (True, "")

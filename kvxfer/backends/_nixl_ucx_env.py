@@ -90,10 +90,15 @@ class NixlTransportInfo:
             )
         return True, ""
 
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """Transports this UCX can load: the built-in ones plus the shipped modules."""
+        return _BUILTIN_TRANSPORTS + self.ucx_modules
+
     def summary(self) -> str:
         """One line for ``kvxfer info``."""
         tls = "unset (UCX chooses among all it can load)" if self.ucx_tls is None else repr(self.ucx_tls)
-        modules = ", ".join(_BUILTIN_TRANSPORTS + self.ucx_modules)
+        modules = ", ".join(self.transports)
         rdma = ", ".join(self.rdma_devices) or "none"
         return f"UCX_TLS={tls}; UCX transports available: {modules}; RDMA devices: {rdma}"
 

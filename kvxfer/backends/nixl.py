@@ -21,9 +21,14 @@ Descriptors: prepared lists, indexed per request
     index arrays computed with numpy from the coalesced ``CopyPlan`` and passed to
     ``make_prepped_xfer``; NIXL merges adjacent entries again when it posts.
     Measured on this project's 2-core CPU box, 4096 scattered blocks x 64 planes
-    (262 144 rows): 17-64 ms to build the request by index, against 90-210 ms for
-    building two Nx3 ``nixlXferDList``s and ``initialize_xfer`` (which re-validates
-    every row against the registrations on each call), so indexing is the default.
+    (262 144 rows, nothing to coalesce): building the request by index took
+    17-64 ms against 90-210 ms for two Nx3 ``nixlXferDList``s + ``initialize_xfer``
+    (two agents in one process, idle machine), and 188-244 ms against 229-383 ms
+    between two processes on the loaded machine (``tools/bench_nixl.py
+    --compare-rows``). The Nx3 path re-validates every row against the
+    registrations on every call; the prepared lists did that once. So indexing is
+    the default. (At that size the copy itself, one UCX operation per 256-byte
+    row, costs seconds: coalescing, not descriptor building, is what matters.)
     A plan whose rows are not whole slices (a future head-resharding plan) or a
     pool too large for a per-slice list (``MAX_PREPPED_ENTRIES``) falls back to
     Nx3 rows straight from the plan's arrays, with no Python loop per row either.
@@ -67,7 +72,8 @@ from kvxfer.descriptors import CopyPlan
 from kvxfer.errors import BackendUnavailableError, GeometryError, PeerMetadataError, TransferError
 from kvxfer.geometry import BufferGeometry, PeerGeometry
 
-__all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info", "slice_indices"]
+__all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info",
+           "nixl_transport_probe", "slice_indices"]
 
 INSTALL_HINT = (
     "pip install nixl==1.5.1 (on a CPU-only machine run `pip install torch==2.13.0` first: "
@@ -79,6 +85,20 @@ NIXL_META_VERSION = 1
 #: memory than it saves time; such pools post Nx3 rows instead.
 MAX_PREPPED_ENTRIES = 1 << 22
 _MEM_TYPES = ("DRAM", "VRAM")
+
+
+def nixl_transport_probe() -> dict[str, Any]:
+    """For ``kvxfer info``: what UCX under NIXL will use here (no agent is created)."""
+    info = nixl_transport_info()
+    return {
+        "package": info.nixl_package or "not installed",
+        "UCX_TLS": info.ucx_tls if info.ucx_tls is not None else "unset (all UCX can load)",
+        "UCX_NET_DEVICES": info.ucx_net_devices or "unset",
+        "transports": ",".join(info.transports),
+        "rdma_devices": ",".join(info.rdma_devices) or "none",
+        "DRAM": info.usable_for("DRAM")[1] or "ok",
+        "VRAM": info.usable_for("VRAM")[1] or "ok",
+    }
 
 
 def _nixl_api() -> Any:
@@ -446,6 +466,8 @@ class NixlHandle(TransferHandle):
         if self._released:
             self._notify_failed()
         else:
+            error.args = (f"{error}; NIXL could not cancel the READ yet, so storage_safe stays False "
+                          "(and the source is not told) until it is released",)
             self._backend._unreleased.add(self)
 
     def _retry_release(self) -> None:
@@ -573,10 +595,14 @@ class NixlBackend(KVTransportBackend):
         share = self._share
         share.ensure_remote(peer)
         plan = pull.plan
+        # ``notify=False`` (a caller whose later read carries the read-done): an empty
+        # message makes NIXL send no notification at all. Failures are still reported.
+        wants_done = getattr(pull, "notify", True)
+        message = notify.encode("done", pull.request_id, peer.buffer_id) if wants_done else b""
         if plan.num_descriptors == 0:
-            share.send(peer.name, notify.encode("done", pull.request_id, peer.buffer_id))
+            if message:
+                share.send(peer.name, message)
             return CompletedHandle(pull.request_id)
-        message = notify.encode("done", pull.request_id, peer.buffer_id)
         started = time.perf_counter()
         with share.lock:
             xfer, path = self._make_xfer(pull, peer, message)
