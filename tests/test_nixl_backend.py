@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import inspect
 import os
 import signal
 import subprocess
@@ -137,6 +138,20 @@ def test_contiguous_runs_coalesce(peer, decode):
     assert handle.num_descriptors == 2 * 4 and handle.raw_descriptors == 64 * 2 * 4
     assert torch.equal(blocks(pools[0], dst_ids), blocks(expected, src_ids))
     assert drain_until(peer, 0, 1)[0] == [5]
+
+
+_HAS_NOTIFY = "notify" in inspect.signature(NixlBackend.begin_pull_blocks).parameters
+
+
+@pytest.mark.skipif(not _HAS_NOTIFY, reason="this kvxfer's begin_pull_blocks has no notify argument")
+def test_notify_false_sends_no_read_done(peer, decode):
+    backends, pools = decode
+    handle = backends[0].begin_pull_blocks(peer.metas[0], [20, 21], [30, 31], request_id="quiet", notify=False)
+    handle.wait(10)
+    assert torch.equal(blocks(pools[0], [30, 31]), blocks(make_pool(SPECS[0]), [20, 21]))
+    handle = backends[0].begin_pull_blocks(peer.metas[0], [22], [32], request_id="loud")
+    handle.wait(10)
+    assert drain_until(peer, 0, 1)[:2] == (["loud"], [])
 
 
 def test_64_requests_in_flight(peer, decode):
