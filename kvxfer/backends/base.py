@@ -41,6 +41,7 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.reshard_descriptors import plan_reshard_pull
 from kvxfer.stats import TransferStats
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
@@ -324,14 +325,15 @@ class KVTransportBackend(ABC):
             src_block_ids, dst_block_ids, peer.geometry.num_blocks, self.geometry.num_blocks
         )
         plan = self.plan_pull(peer, src_ids, dst_ids)
-        if plan.num_descriptors == 0 and src_ids.size:  # reshard: the peer holds nothing this rank needs
-            return CompletedHandle(f"{self.agent_name}:{next(self._request_counter)}" if request_id is None else request_id)
         if request_id is None:
             request_id = f"{self.agent_name}:{next(self._request_counter)}"
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
-        handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id, notify))
         self._stats.started(plan.total_bytes, plan.num_descriptors)
+        if plan.num_descriptors == 0:  # reshard: the peer holds nothing this rank needs
+            handle: TransferHandle = CompletedHandle(request_id)
+        else:
+            handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id, notify))
         handle._count_in(self._stats, plan.total_bytes)
         return handle
 
@@ -397,8 +399,6 @@ class KVTransportBackend(ABC):
         When both sides carry a shard layout (KV ``layout``, or SSM ``ssm_layout``)
         the plan reads only the layer x head slices this rank owns (``kvxfer.reshard``).
         """
-        from kvxfer.reshard_descriptors import plan_reshard_pull  # reshard pulls: layer x head slices only
-
         reshard = plan_reshard_pull(self, peer, src_block_ids, dst_block_ids)
         if reshard is not None:
             return reshard
