@@ -9,7 +9,10 @@ from typing import Sequence
 
 from rich.console import Console
 
-from kvxfer.bench.config import DEFAULT_BASELINES, DEFAULT_BLOCK_COUNTS, DEFAULT_SLICE_SIZES, PATTERNS, BenchConfig, MiB, tiny_config
+from kvxfer.bench.config import (
+    DEFAULT_BASELINES, DEFAULT_BLOCK_COUNTS, DEFAULT_RESHARD_SIZES, DEFAULT_SLICE_SIZES, PATTERNS, BenchConfig, MiB,
+    tiny_config,
+)
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
@@ -49,9 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers in the pool (planes per block = 2 x layers)")
     p.add_argument("--repeats", type=int, default=10, help="measured repeats per point")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up pulls per point")
-    p.add_argument("--max-request-mib", type=int, default=64, help="cap on one request's bytes (block counts are lowered)")
+    p.add_argument("--max-request-mib", type=int, default=16, help="cap on one request's bytes (block counts are lowered)")
     p.add_argument("--reshard", choices=["auto", "off"], default="auto",
                    help="TP-reshard axis: auto = on when kvxfer.reshard is importable")
+    p.add_argument("--reshard-sizes", type=_list(bytes), default=DEFAULT_RESHARD_SIZES,
+                   help="slice sizes that also get TP 2 -> 1 points (default: 32K,1M)")
     p.add_argument("--mooncake-python", help="interpreter that has mooncake installed (default: this one)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-transfer timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                   reshard=args.reshard, seed=args.seed, timeout_s=args.timeout, mooncake_python=args.mooncake_python)
     if args.tiny:
         return tiny_config(**common)
-    return BenchConfig(slice_sizes=args.sizes, block_counts=args.blocks, num_layers=args.layers, repeats=args.repeats,
+    return BenchConfig(slice_sizes=args.sizes, reshard_sizes=args.reshard_sizes, block_counts=args.blocks, num_layers=args.layers, repeats=args.repeats,
                        warmup=args.warmup, max_request_bytes=args.max_request_mib * MiB, **common)
 
 
@@ -81,7 +86,8 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
              "--baselines", ",".join(cfg.baselines) or "none", "--sizes", _sizes(cfg.slice_sizes),
              "--blocks", ",".join(map(str, cfg.block_counts)), "--patterns", ",".join(cfg.patterns),
              "--layers", str(cfg.num_layers), "--repeats", str(cfg.repeats), "--warmup", str(cfg.warmup),
-             "--max-request-mib", str(cfg.max_request_bytes // MiB), "--reshard", cfg.reshard, "--seed", str(cfg.seed)]
+             "--max-request-mib", str(cfg.max_request_bytes // MiB), "--reshard", cfg.reshard,
+             "--reshard-sizes", _sizes(cfg.reshard_sizes), "--seed", str(cfg.seed)]
     if cfg.mooncake_python:
         parts += ["--mooncake-python", cfg.mooncake_python]
     for flag in ("json", "plot", "markdown"):

@@ -20,6 +20,9 @@ MiB = 1024 * KiB
 
 DEFAULT_SLICE_SIZES = (4 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 DEFAULT_BLOCK_COUNTS = (16, 128)
+#: Slice sizes that also get TP-reshard points: a reshard reads one fragment per token, so
+#: small slices cost seconds per point; two sizes show the effect within the time budget.
+DEFAULT_RESHARD_SIZES = (32 * KiB, 1 * MiB)
 PATTERNS = ("contiguous", "scattered")
 DEFAULT_BASELINES = ("memcpy", "naive-nixl", "ucx-perftest", "mooncake")
 
@@ -56,10 +59,11 @@ class BenchConfig:
     block_counts: tuple[int, ...] = DEFAULT_BLOCK_COUNTS
     patterns: tuple[str, ...] = PATTERNS
     reshard: str = "auto"  # "auto": on when kvxfer.reshard imports; "off"
+    reshard_sizes: tuple[int, ...] = DEFAULT_RESHARD_SIZES  # slice sizes that get reshard points too
     num_layers: int = 4  # planes per block = 2 * num_layers (K and V)
     repeats: int = 10
     warmup: int = 2
-    max_request_bytes: int = 64 * MiB
+    max_request_bytes: int = 16 * MiB
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     seed: int = 0
     timeout_s: float = 60.0
@@ -97,7 +101,7 @@ class BenchConfig:
         capped and de-duplicated. Reshard points exist only when ``reshard`` is True."""
         for size in self.slice_sizes:
             counts = sorted({self.capped_blocks(size, n) for n in self.block_counts})
-            for tp_change in (False, True) if reshard else (False,):
+            for tp_change in (False, True) if reshard and size in self.reshard_sizes else (False,):
                 for n in counts:
                     for pattern in self.patterns:
                         yield Point(size, n, pattern, reshard=tp_change)
@@ -123,7 +127,7 @@ class BenchConfig:
 
 def tiny_config(**overrides: object) -> BenchConfig:
     """A seconds-long sweep (tests, smoke runs): one small size, 8 blocks, 1 repeat."""
-    base = dict(slice_sizes=(4 * KiB,), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
+    base = dict(slice_sizes=(4 * KiB,), reshard_sizes=(4 * KiB,), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
                 max_request_bytes=4 * MiB)
     base.update(overrides)
     return BenchConfig(**base)  # type: ignore[arg-type]

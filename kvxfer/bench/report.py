@@ -33,6 +33,11 @@ def _ms(value: Optional[float]) -> str:
     return "-" if value is None else (f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}")
 
 
+def pattern_label(r: PointResult) -> str:
+    """The id pattern, plus the TP change for reshard points."""
+    return f"{r.pattern} tp2->1" if r.reshard else r.pattern
+
+
 def _gbps(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -50,7 +55,7 @@ def rich_progress(console: Console) -> Iterator[Callable[[str, int], Callable[[P
                 bars.advance(task)
                 status = "[green]ok[/green]" if res.ok else f"[red]{res.error or 'not verified'}[/red]"
                 bars.console.print(f"  {res.source:<13} {size_label(res.slice_bytes):>8} x {res.num_blocks:<4} "
-                                   f"{res.pattern:<10} {_gbps(res.gbps):>7} GB/s  p50 {_ms(res.transfer_ms_p50)} ms  {status}")
+                                   f"{pattern_label(res):<17} {_gbps(res.gbps):>7} GB/s  p50 {_ms(res.transfer_ms_p50)} ms  {status}")
 
             return done
 
@@ -59,7 +64,7 @@ def rich_progress(console: Console) -> Iterator[Callable[[str, int], Callable[[P
 
 def sort_key(r: PointResult) -> tuple:
     order = SOURCE_ORDER.index(r.source) if r.source in SOURCE_ORDER else len(SOURCE_ORDER)
-    return (order, r.source, r.pattern, r.slice_bytes, r.num_blocks)
+    return (order, r.source, r.reshard, r.pattern, r.slice_bytes, r.num_blocks)
 
 
 def results_table(report: BenchReport, title: str = "kvxfer bench") -> Table:
@@ -71,7 +76,7 @@ def results_table(report: BenchReport, title: str = "kvxfer bench") -> Table:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in sorted(report.results, key=sort_key):
         verified = "[green]yes[/green]" if r.ok else f"[red]{r.error or 'NO'}[/red]"
-        table.add_row(r.source, size_label(r.slice_bytes), str(r.num_blocks), r.pattern, size_label(r.bytes),
+        table.add_row(r.source, size_label(r.slice_bytes), str(r.num_blocks), pattern_label(r), size_label(r.bytes),
                       f"{r.raw_descriptors:,}", f"{r.descriptors:,}", _ms(r.build_ms), _ms(r.post_ms),
                       _ms(r.transfer_ms_p50), _ms(r.transfer_ms_p99), _gbps(r.gbps), _ms(r.read_done_ms_p50), verified)
     return table
@@ -131,7 +136,7 @@ def plot_lines(results: Sequence[PointResult], pattern: str) -> dict[str, list[t
     for r in results:
         if not r.ok or not r.gbps or (r.pattern != pattern and r.source != "ucx-perftest"):
             continue
-        key = (r.source, r.slice_bytes)
+        key = (f"{r.source} tp2->1" if r.reshard else r.source, r.slice_bytes)
         if key not in best or r.bytes > best[key].bytes:
             best[key] = r
     lines: dict[str, list[tuple[int, float]]] = {}
@@ -152,9 +157,10 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, pattern in zip(axes, ("contiguous", "scattered")):
         lines = plot_lines(report.results, pattern)
-        for source in sorted(lines, key=lambda s: SOURCE_ORDER.index(s) if s in SOURCE_ORDER else 99):
+        for source in sorted(lines, key=lambda s: (SOURCE_ORDER.index(s.split()[0]) if s.split()[0] in SOURCE_ORDER
+                                                   else 99, s)):
             xs, ys = zip(*lines[source])
-            style = "--" if source in ("memcpy", "ucx-perftest") else "-"
+            style = "--" if source in ("memcpy", "ucx-perftest") else ":" if "tp2->1" in source else "-"
             ax.plot(xs, ys, style, marker="o", label=source)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r.slice_bytes for r in report.results}))
@@ -206,7 +212,7 @@ def markdown(report: BenchReport, plot_name: Optional[str], command: str) -> str
             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(report.results, key=sort_key):
         verified = "yes" if r.ok else f"**{r.error or 'NO'}**"
-        out.append(f"| {r.source} | {size_label(r.slice_bytes)} | {r.num_blocks} | {r.pattern} | {size_label(r.bytes)} | "
+        out.append(f"| {r.source} | {size_label(r.slice_bytes)} | {r.num_blocks} | {pattern_label(r)} | {size_label(r.bytes)} | "
                    f"{r.raw_descriptors:,} | {r.descriptors:,} | {_ms(r.build_ms)} | {_ms(r.post_ms)} | "
                    f"{_ms(r.transfer_ms_p50)} | {_ms(r.transfer_ms_p99)} | {_gbps(r.gbps)} | {_ms(r.read_done_ms_p50)} | {verified} |")
     return "\n".join(out) + "\n"

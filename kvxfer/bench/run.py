@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from kvxfer.bench.config import RESHARD_SRC_TP, BenchConfig, Point
 from kvxfer.bench.results import PointResult, Unavailable
@@ -54,6 +54,19 @@ class BenchReport:
             "unavailable": [asdict(u) for u in self.unavailable],
             "targets": self.targets,
         }
+
+
+def perftest_sizes(slice_sizes: Sequence[int]) -> list[int]:
+    """Every power of two from the smallest to the largest slice (and the slices themselves):
+    coalesced descriptors are multiples of a slice, and each is compared with the
+    largest ucx_perftest message that is not longer."""
+    lo, hi = min(slice_sizes), max(slice_sizes)
+    sizes = set(slice_sizes)
+    size = 1 << (lo - 1).bit_length()
+    while size <= hi:
+        sizes.add(size)
+        size <<= 1
+    return sorted(sizes)
 
 
 def _no_progress(name: str, total: int) -> Callable[[PointResult], None]:
@@ -107,7 +120,7 @@ def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] 
             report.results += run_in_worker("kvxfer.bench.baselines.naive_nixl:run", (cfg, points), points,
                                             naive_nixl.NAME, "baseline", progress(naive_nixl.NAME, len(points)), silence)
     if "ucx-perftest" in cfg.baselines:
-        sizes = sorted(set(cfg.slice_sizes))
+        sizes = perftest_sizes(cfg.slice_sizes)
         on_point = progress("ucx-perftest", len(sizes))
         outcome = ucx_perftest.run(sizes, timeout_s=cfg.timeout_s)
         if isinstance(outcome, Unavailable):
