@@ -152,6 +152,7 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter
     except ImportError:
         return "matplotlib is not installed (pip install 'kvxfer[bench]'); no plot written"
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
@@ -166,11 +167,13 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
         ax.set_xticks(sorted({r.slice_bytes for r in report.results}))
         ax.set_xticklabels([size_label(s) for s in sorted({r.slice_bytes for r in report.results})], rotation=30)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.set_title(f"{pattern} block ids")
         ax.set_xlabel("slice size (one block x one layer plane)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s (bytes / median request time)")
-    axes[1].legend(loc="best", fontsize=8)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     m = report.machine
     fig.suptitle(f"kvxfer bench, {m['cpu_model']}, {m['usable_cores']} cores ({report.started_utc})", fontsize=10)
     fig.tight_layout()
