@@ -39,7 +39,7 @@ MODES = {"default": (None, True), "tcp": ("tcp", True), "cma": (None, False)}
 SENTINEL = 7.0
 
 _MP = mp.get_context("forkserver")  # one server imports torch once; each source is a cheap fork of it
-_MP.set_forkserver_preload(["ucx_peer"])
+_MP.set_forkserver_preload(["torch", "kvxfer.backends.ucx"])  # not UCX itself: that loads lazily
 
 
 class Source:
@@ -177,6 +177,20 @@ def test_64_concurrent_requests(mode: Mode, source: Source) -> None:
         done, failed = source.drain_until(64)
         assert failed == [] and sorted(done) == sorted(f"r{i}" for i in range(64))
         assert source.drain() == ([], [])  # no duplicates arrive later
+    assert _ucp.live_objects() == {}
+
+
+def test_read_done_without_polling_and_idle_costs_no_cpu(mode: Mode, source: Source) -> None:
+    """The progress thread finishes a landed pull (and sends read-done) on its own; idle, it sleeps."""
+    with mode.decode() as dst:
+        handle = dst.begin_pull_blocks(source.meta, [2, 40], [2, 40], request_id="unpolled")
+        assert source.drain_until(1) == (["unpolled"], [])  # nobody polled the handle
+        assert handle.state.value == "DONE" and handle.poll()
+        time.sleep(0.2)
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        used = time.process_time() - cpu
+        assert used < 0.1 * (time.monotonic() - wall), f"idle backend used {used:.3f}s of CPU in 1s"
     assert _ucp.live_objects() == {}
 
 

@@ -205,7 +205,8 @@ class Worker:
         self.key = next(_KEYS)
         self.on_active_message = on_active_message
         self.inflight = 0  # outstanding operations; makes the progress thread poll on a short timer
-        self.idle_tasks: list[Callable[[], None]] = []  # run by the progress thread after each progress pass
+        self.idle_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock held
+        self.unlocked_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock released
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         _WORKERS[self.key] = self
@@ -258,7 +259,9 @@ class Worker:
                 for task in list(self.idle_tasks):
                     task()
                 status = _lib.ucp_worker_arm(self.handle)
-                busy = self.inflight > 0 or bool(self.idle_tasks)
+                busy = self.inflight > 0
+            for task in self.unlocked_tasks:
+                task()
             if status == _lib.UCS_ERR_BUSY:
                 continue  # events arrived while arming: progress again
             # Idle: block on the event fd. With work outstanding, also wake every 2 ms.

@@ -8,8 +8,8 @@ binding cannot silently disagree with ``libucp``.
 Headers and libraries come from the ``libucx`` Python package (the
 ``libucx-cu12`` wheel), located at build time. At run time the wrapper calls
 ``libucx.load_library()`` first (the wheel's supported way to put ``libucp.so.0``
-in the loader's cache); an rpath to the build-time library folder is a fallback
-for in-place builds.
+in the loader's cache). No rpath is set: under pip's build isolation the
+build-time folder is a temporary directory that is gone after the install.
 
 The few C helpers below exist for speed and safety, not convenience: posting a
 whole copy plan's gets in one C loop keeps Python work per request constant, and
@@ -280,8 +280,6 @@ def make_ffi() -> FFI:
         include_dirs=[str(prefix / "include")],
         library_dirs=[libdir],
         libraries=["ucp", "ucs"],
-        # Fallback only: at run time libucx.load_library() has already loaded libucp.
-        runtime_library_dirs=[libdir] if os.path.isdir(libdir) else [],
         extra_compile_args=["-O2", "-Wno-sign-compare"],
     )
     return ffibuilder

@@ -211,6 +211,7 @@ class UcxBackend(KVTransportBackend):
             self._context.close()
             raise
         self._worker.idle_tasks.append(self._housekeeping)
+        self._worker.unlocked_tasks.append(self._complete_landed)
         self._worker.start_progress_thread(f"kvxfer-ucx-{self.agent_name}")
 
     def _transport_meta(self) -> dict[str, Any]:
@@ -341,6 +342,23 @@ class UcxBackend(KVTransportBackend):
                 waiting.append(handle)
         self._deferred = waiting
         self._retired = [peer for peer in self._retired if not peer.close()]
+
+    def _complete_landed(self) -> None:
+        """Progress thread, worker lock released: finish handles whose gets have all landed.
+
+        So the read-done notice leaves as soon as the data is in place, even if the
+        engine polls its handle late. A handle busy in another thread is skipped
+        (never waited for: that thread finishes it).
+        """
+        with self._worker.lock:
+            landed = [handle for handle in self._live if handle._batch.done]
+        for handle in landed:
+            if handle._lock.acquire(blocking=False):
+                try:
+                    if handle.state is TransferState.PROC:
+                        handle._advance()
+                finally:
+                    handle._lock.release()
 
     # --- teardown ---------------------------------------------------------------------------
     def _deregister(self) -> None:
