@@ -89,8 +89,9 @@ class UcxHandle(TransferHandle):
     """One pull: a batch of gets on one endpoint."""
 
     def __init__(self, request_id: RequestId, timeout_s: float, backend: "UcxBackend", peer: _Peer,
-                 batch: _ucp.GetBatch) -> None:
+                 batch: _ucp.GetBatch, notify: bool = True) -> None:
         super().__init__(request_id, timeout_s)
+        self._notify_done = notify
         self._backend = backend
         self._peer = peer
         self._batch = batch
@@ -140,7 +141,8 @@ class UcxHandle(TransferHandle):
     def _on_done(self) -> None:
         self._backend._release_batch(self._peer, self._batch)
         self._backend._finish(self)
-        self._backend._notify(self._peer, {"kind": "done", "id": self.request_id})
+        if self._notify_done:
+            self._backend._notify(self._peer, {"kind": "done", "id": self.request_id})
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
@@ -242,7 +244,8 @@ class UcxBackend(KVTransportBackend):
             batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, pull.peer.geometry.buf_ptr,
                                   plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
             peer.batches.add(batch)
-            handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch)
+            # ``notify`` (read-done on completion) is a newer PullRequest field; absent means True.
+            handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=getattr(pull, "notify", True))
             self._live.add(handle)
         self._worker.signal()
         return handle
