@@ -247,7 +247,7 @@ class UcxBackend(KVTransportBackend):
             # ``notify`` (read-done on completion) is a newer PullRequest field; absent means True.
             handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=getattr(pull, "notify", True))
             self._live.add(handle)
-        self._worker.signal()
+        self._worker.signal(only_if_idle=True)
         return handle
 
     def _peer_for(self, address: bytes) -> _Peer:
@@ -309,9 +309,9 @@ class UcxBackend(KVTransportBackend):
                 if request is not None:
                     self._sends.append((endpoint, request))
                     self._worker.inflight += 1
+                    self._worker.signal(only_if_idle=True)
         except _ucp.UcpError:
             return  # the source is gone: nobody is waiting for this notice
-        self._worker.signal()
 
     def _collect_notifications(self) -> None:
         self._worker.progress()
