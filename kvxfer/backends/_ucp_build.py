@@ -22,8 +22,6 @@ Built by ``setup.py`` (``cffi_modules``) during ``pip install``, or in place wit
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from pathlib import Path
 
 from cffi import FFI
