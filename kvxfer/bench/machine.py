@@ -91,8 +91,22 @@ def describe() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
+        "transports": transport_probes(),
         "load_average_start": load_average(),
     }
+
+
+def transport_probes() -> dict[str, Any]:
+    """What ``kvxfer info`` shows per backend (e.g. NIXL's package and UCX transports); errors as text."""
+    from kvxfer.cli import TRANSPORT_PROBES
+
+    out: dict[str, Any] = {}
+    for name, probe in TRANSPORT_PROBES.items():
+        try:
+            out[name] = probe()
+        except Exception as exc:  # a probe failing is information, not a crash
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def _kvxfer_version() -> str:

@@ -197,7 +197,10 @@ def markdown(report: BenchReport, plot_name: Optional[str], command: str) -> str
            f"- torch {v['torch']}, numpy {v['numpy']}, nixl {v['nixl']}, libucx-cu12 {v['libucx-cu12']} ({v['ucx']})",
            f"- load average at start {m['load_average_start']}, at end {m.get('load_average_end')} "
            "(the machine was shared; figures are medians over repeats)",
-           f"- UCX/NIXL environment: {m['env'] or '(defaults)'}", "",
+           f"- UCX/NIXL environment: {m['env'] or '(defaults)'}; every UCX user here (NIXL's own UCX, the ucx "
+           "backend, ucx_perftest) picks its transports from that same environment",
+           *[f"- {name}: " + ", ".join(f"{k}={v}" for k, v in info.items()) for name, info in m.get("transports", {}).items()],
+           "",
            "## Targets (measured, not asserted)", ""]
     out += [f"- {line}" for line in target_lines(report.targets)]
     out += ["", "## Not measured here", ""]
