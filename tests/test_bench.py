@@ -114,6 +114,11 @@ def test_perftest_output_is_parsed():
     assert final == {"iterations": 200.0, "latency_us_p50": 141.154, "latency_us_avg": 894.669,
                      "latency_us_overall": 894.669, "bandwidth_mbps_avg": 1117.73, "bandwidth_mbps_overall": 1117.73}
     assert ucx_perftest.parse_final("no final line") is None
+    proto = ("[1.2] [vm:1:0] | remote memory read by ucp_get*(multi) into host memory from host |\n"
+             "[1.2] [vm:1:0]   | 0..4434 | short       | sysv/memory    |\n"
+             "[1.2] [vm:1:0]   | 4435..inf | zero-copy   | cma/memory   |\n"
+             "[1.2] [vm:1:0] +-------+\n")
+    assert ucx_perftest.parse_get_protocols(proto) == ["0..4434 short sysv/memory", "4435..inf zero-copy cma/memory"]
 
 
 def _point(source, kind, size, blocks, pattern, gbps, ms, descriptors, two_process=True):

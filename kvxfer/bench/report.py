@@ -183,6 +183,12 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
     return None
 
 
+def perftest_protocols(report: BenchReport) -> list[str]:
+    """A markdown line saying which UCX protocol/transport served ucx_perftest's gets (UCX_PROTO_INFO)."""
+    rows = sorted({row for r in report.results if r.source == "ucx-perftest" for row in r.extra.get("get_protocols", [])})
+    return [f"- ucx_perftest `ucp_get` was served by: {'; '.join(rows)}"] if rows else []
+
+
 def markdown(report: BenchReport, plot_name: Optional[str], command: str) -> str:
     """``docs/benchmarks.md``: the command, the machine, the targets, the plot, the table."""
     m = report.machine
@@ -200,6 +206,7 @@ def markdown(report: BenchReport, plot_name: Optional[str], command: str) -> str
            f"- UCX/NIXL environment: {m['env'] or '(defaults)'}; every UCX user here (NIXL's own UCX, the ucx "
            "backend, ucx_perftest) picks its transports from that same environment",
            *[f"- {name}: " + ", ".join(f"{k}={v}" for k, v in info.items()) for name, info in m.get("transports", {}).items()],
+           *perftest_protocols(report),
            "",
            "## Targets (measured, not asserted)", ""]
     out += [f"- {line}" for line in target_lines(report.targets)]

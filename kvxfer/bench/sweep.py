@@ -25,13 +25,20 @@ from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_backen
 OnPoint = Callable[[PointResult], None]
 
 
+#: Poll interval while waiting for a transfer. ``wait()`` backs off up to 2 ms, which
+#: would show up as latency; a pure spin would hold the GIL and a core that the
+#: transport's own progress thread needs (this machine has two). A ~20 us sleep
+#: (about 60-80 us with the kernel's timer slack) releases both and bounds the error.
+POLL_S = 20e-6
+
+
 def spin_wait(handle: TransferHandle, timeout_s: float) -> None:
-    """Wait by polling without sleeping: ``wait()`` backs off up to 2 ms, which would
-    show up as latency. Past the deadline, ``wait(0)`` raises the standard timeout."""
+    """Poll ``handle`` every ``POLL_S`` until done; past the deadline ``wait(0)`` raises the standard timeout."""
     deadline = time.monotonic() + timeout_s
     while not handle.poll():
         if time.monotonic() > deadline:
             handle.wait(0.0)
+        time.sleep(POLL_S)
 
 
 def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_point: Optional[OnPoint] = None) -> list[PointResult]:

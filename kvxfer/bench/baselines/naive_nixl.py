@@ -20,8 +20,8 @@ import torch
 
 from kvxfer.bench.config import BenchConfig, Point
 from kvxfer.bench.results import PointResult, Unavailable
-from kvxfer.bench.source import ChildSource, agent_name
-from kvxfer.bench.sweep import OnPoint
+from kvxfer.bench.source import READ_DONE_POLL_S, ChildSource, agent_name
+from kvxfer.bench.sweep import POLL_S, OnPoint
 from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_pool, untouched
 
 NAME = "naive-nixl"
@@ -76,7 +76,7 @@ class NaiveNixlSourceRole:
             for messages in self.agent.get_new_notifs().values():
                 if want in messages:
                     return time.monotonic()
-            time.sleep(20e-6)
+            time.sleep(READ_DONE_POLL_S)
         raise TimeoutError(f"no NIXL notification for request {request_id!r} within {timeout_s}s")
 
     def stats(self) -> dict[str, int]:
@@ -174,6 +174,7 @@ def _measure(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, source: C
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"naive NIXL read not done within {cfg.timeout_s}s")
+                time.sleep(POLL_S)  # the same polling as the kvxfer backends get
                 state = agent.check_xfer_state(handle)
             t3 = time.perf_counter()
             landed_at = time.monotonic()

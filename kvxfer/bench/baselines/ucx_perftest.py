@@ -66,11 +66,32 @@ def parse_final(output: str) -> Optional[dict[str, float]]:
     return None
 
 
+_PROTO_ROW = re.compile(r"\|\s*([\d.]+\.\.(?:[\d.]+|inf))\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|")
+
+
+def parse_get_protocols(output: str) -> list[str]:
+    """From ``UCX_PROTO_INFO=y`` output: the ``ucp_get`` protocol rows, e.g. ``0..inf zero-copy cma/memory``."""
+    rows: list[str] = []
+    in_get = False
+    for line in output.splitlines():
+        if "remote memory read by ucp_get" in line:
+            in_get, rows = True, []
+            continue
+        if in_get:
+            match = _PROTO_ROW.search(line)
+            if match:
+                rows.append(" ".join(match.groups()))
+            elif rows:
+                in_get = False
+    return rows
+
+
 def measure(binary: PerftestBinary, size: int, timeout_s: float = 60.0) -> PointResult:
     """One message size: a server and a client, both killed if still alive at the end."""
     res = PointResult(NAME, "baseline", size, 1, "contiguous", bytes=size, raw_descriptors=1, descriptors=1)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(p) for p in binary.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
+    env["UCX_PROTO_INFO"] = "y"  # print which transport serves the gets (recorded with the point)
     iters = max(50, min(20000, ITER_BYTES // size))
     port = _free_port()
     common = ["-p", str(port)]
@@ -90,7 +111,8 @@ def measure(binary: PerftestBinary, size: int, timeout_s: float = 60.0) -> Point
         if final is None:
             res.error = f"could not parse ucx_perftest output (rc={client.returncode}): {output.strip()[-300:]}"
             return res
-        res.extra.update(final, iterations=int(final["iterations"]), ucx_tls=env.get("UCX_TLS", "(default)"))
+        res.extra.update(final, iterations=int(final["iterations"]), ucx_tls=env.get("UCX_TLS", "(default)"),
+                         get_protocols=parse_get_protocols(output))
         res.samples.add(build_ms=0.0, post_ms=0.0, transfer_ms=final["latency_us_p50"] / 1e3)
         res.summarize()  # gbps: size / median get time, defined as for every other line
         res.transfer_ms_p99 = None  # ucx_perftest reports the median and the mean, not a p99
