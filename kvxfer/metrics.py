@@ -7,6 +7,12 @@ scrape always shows the live numbers, and closed backends simply drop out.
 
 ``prometheus-client`` is optional (``pip install 'kvxfer[prometheus]'``); without it,
 constructing a collector raises ``ImportError`` saying so.
+
+Usage::
+
+    from kvxfer.metrics import serve
+    collector = serve([backend], port=9400)   # then scrape http://host:9400/metrics
+    collector.add(other_backend)              # backends created later
 """
 
 from __future__ import annotations
@@ -88,4 +94,13 @@ def register(backends: Iterable[KVTransportBackend] = (), registry: Optional[Any
     if registry is None:
         registry = _prometheus().REGISTRY
     registry.register(collector)
+    return collector
+
+
+def serve(backends: Iterable[KVTransportBackend], port: int, addr: str = "0.0.0.0") -> KVXferCollector:
+    """Register a collector over ``backends`` in the global registry and serve ``/metrics`` on ``port``."""
+    import prometheus_client
+
+    collector = register(backends)
+    prometheus_client.start_http_server(port, addr=addr)
     return collector

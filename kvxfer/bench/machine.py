@@ -85,6 +85,7 @@ def describe() -> dict[str, Any]:
             "numpy": numpy.__version__,
             "nixl": package_version("nixl"),
             "libucx-cu12": package_version("libucx-cu12"),
+            "mooncake-transfer-engine-non-cuda": package_version("mooncake-transfer-engine-non-cuda"),
             "ucx": ucx_version(),
             "kvxfer": package_version("kvxfer") or _kvxfer_version(),
         },
