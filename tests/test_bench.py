@@ -134,8 +134,13 @@ def test_targets_compare_like_with_like():
         _point("nixl", "backend", 1 * MiB, 8, "contiguous", 9.5, 1.0, 8),  # 8 MiB runs -> perftest at 1 MiB
         _point("nixl", "backend", 32 * KiB, 16, "scattered", 1.0, 2.0, 128),
         _point("naive-nixl", "baseline", 32 * KiB, 16, "scattered", 0.4, 5.0, 128),
+        _point("local", "backend", 32 * KiB, 16, "scattered", 0.1, 50.0, 128, two_process=False),  # not a transport
     ]
+    reshard = _point("nixl", "backend", 32 * KiB, 16, "scattered", 0.1, 50.0, 4096)
+    reshard.reshard = True  # a TP change moves other bytes: not compared with a plain naive pull
+    results.append(reshard)
     large = large_reads_vs_perftest(results)["backends"]["nixl"]
     assert large["median_ratio"] == pytest.approx(0.95) and large["met"]
-    scattered = scattered_32k_vs_naive(results)["backends"]["nixl"]
-    assert scattered["min_speedup"] == pytest.approx(2.5) and scattered["met"]
+    scattered = scattered_32k_vs_naive(results)["backends"]
+    assert set(scattered) == {"nixl"} and len(scattered["nixl"]["points"]) == 1
+    assert scattered["nixl"]["min_speedup"] == pytest.approx(2.5) and scattered["nixl"]["met"]

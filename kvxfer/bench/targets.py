@@ -1,8 +1,10 @@
 """The issue's targets, measured and stated, never asserted.
 
 * coalesced large reads (mean descriptor >= 1 MiB) vs ``ucx_perftest ucp_get`` at
-  the same message size (target >= 90%);
+  the largest message size not above it (target >= 90%; median vs median, and also
+  stated against ucx_perftest's mean throughput);
 * scattered 32 KiB blocks vs naive NIXL, same points (target >= 2x);
+both compare two-process, non-reshard points only (an in-process copy is not a transport);
 * descriptor build for a TP 2 -> 1 reshard of 128 blocks x 64 planes x 16 tokens
   (target < 10 ms), only when ``kvxfer.reshard`` is importable.
 """
@@ -30,7 +32,8 @@ def large_reads_vs_perftest(results: Sequence[PointResult]) -> dict[str, Any]:
         out["status"] = "not measured: ucx_perftest did not run"
         return out
     for r in results:
-        if r.kind != "backend" or not r.ok or not r.extra.get("two_process") or r.mean_descriptor_bytes < MiB:
+        if (r.kind != "backend" or not r.ok or r.reshard or not r.extra.get("two_process")
+                or r.mean_descriptor_bytes < MiB):
             continue
         ref = _perftest_at(perftest, r.mean_descriptor_bytes)
         if ref is None or not ref.gbps or not r.gbps:
@@ -38,10 +41,14 @@ def large_reads_vs_perftest(results: Sequence[PointResult]) -> dict[str, Any]:
         entry = out["backends"].setdefault(r.source, {"points": []})
         entry["points"].append({"point": f"{r.slice_bytes}B x {r.num_blocks} {r.pattern}",
                                 "mean_descriptor_bytes": r.mean_descriptor_bytes, "gbps": r.gbps,
-                                "perftest_size": ref.slice_bytes, "perftest_gbps": ref.gbps, "ratio": r.gbps / ref.gbps})
+                                "perftest_size": ref.slice_bytes, "perftest_gbps": ref.gbps, "ratio": r.gbps / ref.gbps,
+                                "perftest_gbps_mean": ref.gbps_mean,
+                                "ratio_vs_mean": (r.gbps / ref.gbps_mean) if ref.gbps_mean else None})
     for entry in out["backends"].values():
         ratios = [p["ratio"] for p in entry["points"]]
-        entry.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), met=statistics.median(ratios) >= 0.9)
+        vs_mean = [p["ratio_vs_mean"] for p in entry["points"] if p["ratio_vs_mean"]]
+        entry.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), met=statistics.median(ratios) >= 0.9,
+                     median_ratio_vs_mean=statistics.median(vs_mean) if vs_mean else None)
     if not out["backends"]:
         out["status"] = "not measured: no two-process backend point has >= 1 MiB descriptors"
     return out
@@ -55,7 +62,8 @@ def scattered_32k_vs_naive(results: Sequence[PointResult]) -> dict[str, Any]:
         out["status"] = "not measured: naive NIXL has no scattered 32 KiB point"
         return out
     for r in results:
-        if r.kind != "backend" or not r.ok or r.pattern != "scattered" or r.slice_bytes != 32 * 1024:
+        if (r.kind != "backend" or not r.ok or r.reshard or not r.extra.get("two_process")
+                or r.pattern != "scattered" or r.slice_bytes != 32 * 1024):
             continue
         ref = naive.get((r.num_blocks,))
         if ref is None or not r.transfer_ms_p50 or not ref.transfer_ms_p50:
