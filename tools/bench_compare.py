@@ -2,7 +2,7 @@
 
 This is ``kvxfer bench`` with the settings the docs quote (every backend that runs
 here, every baseline, the full sweep), writing ``docs/benchmarks.md``,
-``docs/bench.png`` and ``bench-results/bench.json``. The page records the exact
+``docs/bench.png`` and ``docs/bench.json``. The page records the exact
 command, so anyone can rerun the same measurement without this script.
 
 Mooncake usually lives in its own environment (its wheel pulls in packages the
@@ -34,7 +34,7 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     os.chdir(ROOT)  # relative paths, so the command quoted in the page works from any checkout
     out = Path(args.out)
-    argv = ["bench", "--json", "bench-results/bench.json", "--plot", str(out / "bench.png"),
+    argv = ["bench", "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"),
             "--markdown", str(out / "benchmarks.md")]
     if args.quick:
         argv += ["--repeats", "3", "--warmup", "1"]

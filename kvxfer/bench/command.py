@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rich.console import Console
 
@@ -96,6 +96,16 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _relative(path: Optional[Path], page: Path) -> Optional[str]:
+    """``path`` as the markdown page at ``page`` should link it."""
+    if path is None:
+        return None
+    try:
+        return str(path.resolve().relative_to(page.resolve().parent))
+    except ValueError:
+        return str(path.resolve())
+
+
 def run_command(args: argparse.Namespace, console: Console) -> int:
     from kvxfer.bench.report import markdown, print_report, rich_progress, write_json, write_plot
     from kvxfer.bench.run import run_bench
@@ -118,13 +128,7 @@ def run_command(args: argparse.Namespace, console: Console) -> int:
             plot_path = None
     if args.markdown:
         md = Path(args.markdown)
-        rel = None
-        if plot_path:
-            try:
-                rel = str(plot_path.resolve().relative_to(md.resolve().parent))
-            except ValueError:
-                rel = str(plot_path.resolve())
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(markdown(report, rel, command))
+        md.write_text(markdown(report, _relative(plot_path, md), command, _relative(Path(args.json), md) if args.json else None))
         console.print(f"markdown: {md}")
     return 0 if report.ok else 1

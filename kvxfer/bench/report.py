@@ -191,14 +191,15 @@ def perftest_protocols(report: BenchReport) -> list[str]:
     return [f"- ucx_perftest `ucp_get` was served by: {'; '.join(rows)}"] if rows else []
 
 
-def markdown(report: BenchReport, plot_name: Optional[str], command: str) -> str:
+def markdown(report: BenchReport, plot_name: Optional[str], command: str, json_name: Optional[str] = None) -> str:
     """``docs/benchmarks.md``: the command, the machine, the targets, the plot, the table."""
     m = report.machine
     v = m["versions"]
     out = ["# Benchmarks", "",
            "Produced by `kvxfer bench` (`kvxfer/bench/`); regenerate with:", "", "```", command, "```", "",
            f"Run {report.started_utc}, {report.runtime_s:.0f} s, {len(report.results)} points, "
-           + ("every transfer verified byte for byte." if report.ok else "**some points failed (see the table)**."), "",
+           + ("every transfer verified byte for byte." if report.ok else "**some points failed (see the table)**.")
+           + (f" Every figure and sample, with the machine: [{Path(json_name).name}]({json_name})." if json_name else ""), "",
            "## Machine", "",
            f"- CPU: {m['cpu_model']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable)",
            f"- memory: {(m['memory_bytes'] or 0) / 2**30:.1f} GiB; kernel {m['kernel']}; Python {m['python']}",
