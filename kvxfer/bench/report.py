@@ -114,7 +114,8 @@ def target_lines(targets: dict[str, Any]) -> list[str]:
 
 
 def print_report(report: BenchReport, console: Console) -> None:
-    console.print(results_table(report))
+    wide = console if console.width >= 170 else Console(width=170, file=console.file, force_terminal=console.is_terminal)
+    wide.print(results_table(report))  # 14 columns: never squeeze them into 80
     for u in report.unavailable:
         console.print(f"[yellow]{u.name}: not available:[/yellow] {u.reason}")
     console.print(f"reshard axis: {report.reshard_axis}")
