@@ -97,6 +97,11 @@ def test_bench_help_lists_the_axes(capsys):
     assert exit_.value.code == 0 and all(f in out for f in ("--sizes", "--blocks", "--patterns", "--reshard", "--baselines"))
 
 
+def test_unknown_backend_is_an_error_before_anything_runs(capsys):
+    assert main(["bench", "--tiny", "--backends", "no-such-backend", "--baselines", "none"]) == 2
+    assert "unknown backend" in capsys.readouterr().out
+
+
 def test_sizes_and_caps():
     assert [parse_size(s) for s in ("4K", "32KiB", "1M", "4096")] == [4096, 32768, 1 << 20, 4096]
     cfg = BenchConfig(slice_sizes=(4 * MiB,), block_counts=(16, 128), max_request_bytes=64 * MiB, num_layers=4)

@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's config; an unknown backend name raises ``BackendUnavailableError`` (exit 2) before anything runs."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    for name in args.backends or ():
+        construct_kv_transfer_backend_class(name)
     baselines = tuple(b for b in args.baselines if b != "none")
     common = dict(backends=args.backends or default_backends(), baselines=baselines, patterns=args.patterns,
                   reshard=args.reshard, seed=args.seed, timeout_s=args.timeout, mooncake_python=args.mooncake_python)
