@@ -74,9 +74,18 @@ def _no_progress(name: str, total: int) -> Callable[[PointResult], None]:
 
 
 def _prepare_process() -> None:
-    """Quiet NIXL's INFO logging (children inherit it) and keep torch to one thread:
-    on a small shared machine the intra-op pool's wake-ups cost more than they save."""
+    """Quiet NIXL's INFO logging and keep torch to one thread (on a small shared machine
+    the intra-op pool's wake-ups cost more than they save). The environment the nixl
+    backend would set for itself (``UCX_MODULES=^ib`` without an RDMA device) is set
+    here once, so every UCX user of the run -- backends, naive NIXL, ucx_perftest, all
+    children -- runs with the same UCX settings."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        from kvxfer.backends._nixl_ucx_env import keep_idle_ib_module_out
+    except ImportError:  # no nixl backend in this checkout: nothing to align with
+        pass
+    else:
+        keep_idle_ib_module_out()
     import torch
 
     torch.set_num_threads(1)
