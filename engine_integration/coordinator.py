@@ -29,6 +29,7 @@ import itertools
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -107,9 +108,6 @@ def _process_gone(pid: int) -> bool:
 def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[str]:
     """Why ``new`` cannot exchange KV with ``ref`` (``None`` if it can)."""
     where = f"{ref.role} {ref.identity!r}"
-    if new.model_fingerprint != ref.model_fingerprint:
-        return (f"model fingerprint {new.model_fingerprint} differs from {ref.model_fingerprint} on {where}: "
-                "the engines run different models or model configs")
     if len(new.transfer_meta) != len(ref.transfer_meta):
         return f"{len(new.transfer_meta)} transfer metas (ranks) here, {len(ref.transfer_meta)} on {where}"
     for i, (a, b) in enumerate(zip(new.transfer_meta, ref.transfer_meta)):
@@ -117,6 +115,9 @@ def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[st
             if a.get(name) != b.get(name):
                 return (f"transfer meta [{i}] field {name!r} is {a.get(name)!r} here but {b.get(name)!r} on {where}; "
                         "prefill and decode must use the same transport and KV geometry")
+    if new.model_fingerprint != ref.model_fingerprint:
+        return (f"model fingerprint {new.model_fingerprint} differs from {ref.model_fingerprint} on {where}: "
+                "the engines run different models or model configs")
     return None
 
 
@@ -154,7 +155,8 @@ class Coordinator:
             pass  # a peer that is gone; heartbeats and pid checks will remove it
 
     def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop("coordinator terminated"))
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.stop("coordinator terminated"))
         try:
             while not self._stop:
                 if self.sock.poll(int(self.config.tick_s * 1000)):
@@ -422,7 +424,7 @@ def start_coordinator_process(config: CoordinatorConfig = CoordinatorConfig(), *
 def stop_coordinator_process(proc: Any, timeout_s: float = 10.0) -> None:
     from engine_integration import procs
 
-    procs.stop(proc, timeout_s)
+    procs.stop(proc, timeout_s, terminate_first=True)  # SIGTERM is its orderly stop
 
 
 def main(argv: Optional[list[str]] = None) -> None:

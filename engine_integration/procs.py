@@ -71,9 +71,10 @@ def report(payload: Any) -> None:
     sys.stdout = devnull  # the parent stopped reading; keep stray prints from blocking us
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """Wait for a graceful exit, then SIGTERM, then SIGKILL."""
-    for action in (None, proc.terminate, proc.kill):
+def stop(proc: subprocess.Popen, timeout_s: float = 10.0, *, terminate_first: bool = False) -> None:
+    """Wait for a graceful exit (unless ``terminate_first``), then SIGTERM, then SIGKILL."""
+    actions = (proc.terminate, proc.kill) if terminate_first else (None, proc.terminate, proc.kill)
+    for action in actions:
         if action is not None:
             action()
         try:

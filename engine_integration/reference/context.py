@@ -18,6 +18,10 @@ class ReferenceContext:
     """A ``[2, L, B, T, H, d]`` pool of ``num_blocks`` blocks plus its bookkeeping."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        shape = config.kv_pool_shape(num_blocks)
+        if shape.count(num_blocks) != 1:
+            raise ValueError(f"num_blocks={num_blocks} equals another dimension of the pool {shape}; transports find "
+                             "the blocks axis by its size, so pick a block count that differs from the other dims")
         self.config = config
         self.num_blocks = num_blocks
         self.device = torch.device(device)
