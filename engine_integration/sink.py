@@ -102,10 +102,10 @@ class HandoffSink:
 
     # --- the engine-loop hook -------------------------------------------------------------
     def step(self) -> list[SinkEvent]:
-        """Poll pulls, clear quarantine, admit from the queue head; never blocks."""
-        events = self._poll_transfers()
+        """Admit from the queue head, poll pulls (new ones too), clear quarantine; never blocks."""
+        events = self._admit_from_queue()
+        events += self._poll_transfers()
         events += self._clear_quarantine()
-        events += self._admit_from_queue()
         return events
 
     @property

@@ -141,8 +141,7 @@ def test_failed_pull_quarantines_blocks_until_storage_safe():
     sink = HandoffSink(_EngineAdapter(engine), _StubBackend(handle), lambda src, i: {"stub": True})
     d = HandoffDescriptor(7, "p0", 0, (0, 1, 2), tuple(block_hashes(list(range(9)), 4)), tuple(range(9)), (5,))
     sink.submit(d, 4)
-    assert sink.step() == []  # reserved and posted
-    [event] = sink.step()
+    [event] = sink.step()  # reserved, posted, polled: failed
     assert event.state is KVPoll.Failed and not event.source_safe and "peer went away" in event.reason
     assert sink.num_quarantined_blocks == 3 and engine.context.allocator.num_free == 5  # not reused
     assert sink.step() == []

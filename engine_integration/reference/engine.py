@@ -95,7 +95,14 @@ class ReferenceController:
 
 
 class ReferenceDynamicEngine:
-    """Co-located engine: FIFO admission by free blocks, prefill, then greedy decode."""
+    """Co-located engine: FIFO admission by free blocks, prefill, then greedy decode.
+
+    Each step prefills requests until ``max_prefill_tokens_per_step`` prompt tokens
+    (at least one request), so a burst of prompts does not stall the decode batch or,
+    on a prefill instance, hold back the handoffs of the first prompts.
+    """
+
+    max_prefill_tokens_per_step = 256
 
     def __init__(self, controller: ReferenceController, context: ReferenceContext) -> None:
         self.controller = controller
@@ -127,11 +134,13 @@ class ReferenceDynamicEngine:
         return out
 
     def _schedule_prefills(self) -> None:
-        while self.waiting:
+        budget = self.max_prefill_tokens_per_step
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if not self.controller.prefill(request, self.context, self._reserve_tokens(request)):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
+            budget -= len(request.prompt)
             self._after_prefill(request)
 
     def _reserve_tokens(self, request: InferenceRequest) -> int:
