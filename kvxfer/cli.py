@@ -87,6 +87,38 @@ def _loopback(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from kvxfer.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(backend=args.backend or default_backend_name(), handoffs=args.handoffs,
+                     in_flight=args.in_flight, seed=args.seed)
+    report = run_soak(cfg)
+    table = Table(title=f"kvxfer soak on {cfg.backend}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in [
+        ("handoffs verified", f"{report.handoffs_done} / {cfg.handoffs}"),
+        ("bytes verified", f"{report.bytes_verified:,}"),
+        ("bytes lost", f"{report.bytes_lost:,}"),
+        ("byte mismatches", str(report.mismatches)),
+        ("failed requests", str(len(report.failures))),
+        ("prefill blocks still pinned", str(report.prefill_pinned_at_end)),
+        ("decode handles still open", str(report.decode_open_handles_at_end)),
+        ("decode blocks still reserved", str(report.decode_reserved_at_end)),
+        ("peak RSS growth (MiB)", ", ".join(f"{k} {v:.1f}" for k, v in report.rss_growth_mib.items())),
+        ("duration", f"{report.duration_s:.1f} s"),
+    ]:
+        table.add_row(name, value)
+    console.print(table)
+    for failure in report.failures[:10]:
+        console.print(f"[red]failure:[/red] {failure}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_json(), fh, indent=2, default=str)
+    console.print("[green]OK[/green]" if report.ok else "[red]FAILED[/red]")
+    return 0 if report.ok else 1
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine_integration.launch import run_generate_command
 
@@ -113,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--timeout", type=float, default=60.0, help="transfer timeout, seconds")
     loop.add_argument("--json", help="also write the figures to this JSON file")
     loop.set_defaults(func=_loopback)
+
+    soak = sub.add_parser("soak", help="thousands of handoffs with block reuse, every byte verified, leaks counted")
+    soak.add_argument("--backend", help="transport (default: the best available here)")
+    soak.add_argument("--handoffs", type=int, default=2000)
+    soak.add_argument("--in-flight", type=int, default=8)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--json", help="also write the report to this JSON file")
+    soak.set_defaults(func=_soak)
 
     gen = sub.add_parser("generate", help="greedy generation on the reference engine, co-located or disaggregated")
     gen.add_argument("--prompts", required=True, help="JSON lines file, each line a list of token ids")

@@ -46,3 +46,7 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 class AuthenticationError(KVXferError):
     """A control-plane message failed authentication; it was dropped unparsed."""
+
+
+class TornReadError(TransferError):
+    """The source reused blocks before or while we read them: the bytes are not the request's."""

@@ -18,6 +18,7 @@ import torch
 
 from kvxfer.errors import GeometryError, PeerMetadataError
 from kvxfer.layout import KVShardLayout
+from kvxfer.ssm_layout import SSMShardLayout
 
 #: Bumped whenever a field changes meaning; peers with another version are refused.
 SCHEMA_VERSION = 1
@@ -122,6 +123,14 @@ def compute_buffer_geometry(
                 f"does not have {expected_num_blocks} there"
             )
         blocks_axis = SSM_BLOCKS_AXIS
+        # A typed layout must match the pool; any other object is passed through unchecked (no reshard).
+        expected = ssm_layout.state_shape(ssm_state_kind, expected_num_blocks) if isinstance(ssm_layout, SSMShardLayout) else shape
+        if shape != expected:
+            raise GeometryError(
+                f"{where} the SSM {ssm_state_kind} buffer has shape {shape} but its ssm_layout gives {expected} "
+                "([L_local, B, channels_local, d_conv] for conv, [L_local, B, nheads_local, headdim, d_state] "
+                "for recurrent)"
+            )
     else:
         candidates = [axis for axis, size in enumerate(shape) if size == expected_num_blocks]
         if len(candidates) != 1:
@@ -282,7 +291,7 @@ class PeerGeometry:
 
     geometry: BufferGeometry
     dtype: str
-    ssm_layout: Optional[Mapping[str, Any]] = None
+    ssm_layout: Optional[SSMShardLayout] = None
     ssm_state_kind: Optional[str] = None
 
 
@@ -344,8 +353,8 @@ def parse_geometry_meta(meta: Any) -> PeerGeometry:
     layout = None if layout_meta is None else KVShardLayout.from_meta(layout_meta)
     ssm_layout = meta.get("ssm_layout")
     ssm_state_kind = meta.get("ssm_state_kind")
-    if ssm_layout is not None and not isinstance(ssm_layout, Mapping):
-        raise PeerMetadataError("peer meta field 'ssm_layout' must be an object or null")
+    if ssm_layout is not None:
+        ssm_layout = SSMShardLayout.from_meta(ssm_layout)
     if (ssm_layout is None) != (ssm_state_kind is None) or ssm_state_kind not in (None, *SSM_STATE_KINDS):
         raise PeerMetadataError(
             f"peer meta fields 'ssm_layout'/'ssm_state_kind' must both be set (kind in {SSM_STATE_KINDS}) or both null"

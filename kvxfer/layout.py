@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-from kvxfer.errors import GeometryError, PeerMetadataError
+from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
 
 
 @dataclass(frozen=True)
@@ -49,33 +49,8 @@ class KVShardLayout:
                 )
         if not isinstance(self.global_rank, int) or self.global_rank < 0:
             raise GeometryError(f"KVShardLayout.global_rank must be >= 0, got {self.global_rank!r}")
-        if (self.layer_start is None) != (self.num_local_layers is None):
-            raise GeometryError(
-                "KVShardLayout: give layer_start and num_local_layers together, or neither "
-                f"(got layer_start={self.layer_start!r}, num_local_layers={self.num_local_layers!r})"
-            )
-        if self.layer_start is None:
-            if self.num_layers % self.pp_size:
-                raise GeometryError(
-                    f"{self.num_layers} layers do not split evenly over pp_size={self.pp_size}; "
-                    "pass an explicit layer window (layer_start, layer_end)"
-                )
-        elif not (0 <= self.layer_start and self.num_local_layers >= 1
-                  and self.layer_start + self.num_local_layers <= self.num_layers):
-            raise GeometryError(
-                f"layer window [{self.layer_start}, {self.layer_start + self.num_local_layers}) "
-                f"is not inside the model's {self.num_layers} layers"
-            )
-        if self.tp_size <= self.num_heads:
-            if self.num_heads % self.tp_size:
-                raise GeometryError(
-                    f"{self.num_heads} KV heads do not divide evenly over tp_size={self.tp_size}"
-                )
-        elif self.tp_size % self.num_heads:
-            raise GeometryError(
-                f"tp_size={self.tp_size} exceeds num_heads={self.num_heads} but is not a multiple "
-                "of it, so heads cannot be replicated evenly"
-            )
+        check_layer_window("KVShardLayout", self.num_layers, self.pp_size, self.layer_start, self.num_local_layers)
+        check_head_split("KVShardLayout", "KV heads", self.num_heads, self.tp_size, allow_replication=True)
 
     @property
     def heads_per_partition(self) -> int:
@@ -91,12 +66,19 @@ class KVShardLayout:
 
     def local_layer_range(self) -> tuple[int, int]:
         """Global ``[start, end)`` of the layers this rank holds."""
-        if self.layer_start is not None and self.num_local_layers is not None:
-            return self.layer_start, self.layer_start + self.num_local_layers
-        per_stage = self.num_layers // self.pp_size
-        return self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage
+        return layer_window(self.num_layers, self.pp_size, self.pp_rank, self.layer_start, self.num_local_layers)
+
+    @property
+    def head_replicas(self) -> int:
+        """How many TP ranks hold each head (1 unless ``tp_size > num_heads``)."""
+        return max(1, self.tp_size // self.num_heads)
+
+    def model_key(self) -> tuple[Any, ...]:
+        """What two layouts must agree on to describe the same model's KV cache."""
+        return ("kv", self.num_layers, self.num_heads)
 
     def to_meta(self) -> dict[str, Any]:
+        """JSON-serialisable form; ``from_meta`` is its inverse."""
         return asdict(self)
 
     @classmethod
@@ -112,3 +94,51 @@ class KVShardLayout:
             return cls(**dict(meta))
         except (GeometryError, TypeError) as exc:
             raise PeerMetadataError(f"peer meta field 'layout' is invalid: {exc}") from None
+
+
+def layer_window(num_layers: int, pp_size: int, pp_rank: int,
+                 layer_start: Optional[int], num_local_layers: Optional[int]) -> tuple[int, int]:
+    """Global ``[start, end)`` layers of a pipeline stage: the explicit window, else an even split."""
+    if layer_start is not None and num_local_layers is not None:
+        return layer_start, layer_start + num_local_layers
+    per_stage = num_layers // pp_size
+    return pp_rank * per_stage, (pp_rank + 1) * per_stage
+
+
+def check_layer_window(what: str, num_layers: int, pp_size: int,
+                       layer_start: Optional[int], num_local_layers: Optional[int]) -> None:
+    """An explicit window must lie inside the model; without one the split must be even."""
+    if (layer_start is None) != (num_local_layers is None):
+        raise GeometryError(
+            f"{what}: give layer_start and num_local_layers together, or neither "
+            f"(got layer_start={layer_start!r}, num_local_layers={num_local_layers!r})"
+        )
+    if layer_start is None:
+        if num_layers % pp_size:
+            raise LayoutError(
+                f"{what}: {num_layers} layers do not split evenly over pp_size={pp_size}; "
+                "pass an explicit layer window (layer_start, layer_end)"
+            )
+        return
+    for name, value in (("layer_start", layer_start), ("num_local_layers", num_local_layers)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise GeometryError(f"{what}.{name} must be an int, got {value!r}")
+    if not (0 <= layer_start and num_local_layers >= 1 and layer_start + num_local_layers <= num_layers):
+        raise LayoutError(
+            f"{what}: layer window [{layer_start}, {layer_start + num_local_layers}) "
+            f"is not inside the model's {num_layers} layers"
+        )
+
+
+def check_head_split(what: str, noun: str, num_heads: int, tp_size: int, *, allow_replication: bool) -> None:
+    """Heads split evenly over TP ranks, or (KV only) TP ranks evenly replicate heads."""
+    if tp_size <= num_heads:
+        if num_heads % tp_size:
+            raise LayoutError(f"{what}: {num_heads} {noun} do not divide evenly over tp_size={tp_size}")
+    elif not allow_replication:
+        raise LayoutError(f"{what}: tp_size={tp_size} exceeds the {num_heads} {noun}; they cannot be split")
+    elif tp_size % num_heads:
+        raise LayoutError(
+            f"{what}: tp_size={tp_size} exceeds num_heads={num_heads} but is not a multiple "
+            "of it, so heads cannot be replicated evenly"
+        )

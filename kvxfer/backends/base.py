@@ -41,6 +41,7 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.reshard_descriptors import plan_reshard_pull
 from kvxfer.stats import TransferStats
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
@@ -194,13 +195,20 @@ class GroupHandle(TransferHandle):
         return all([part.poll() for part in self.parts])  # poll all, even after one is pending
 
     def _abort(self) -> bool:
-        safe = True
-        for part in self.parts:
-            with part._lock:
-                if part.state is TransferState.PROC:
-                    part._fail(TransferError(f"request {self.request_id!r}: aborted with its group"))
-            safe &= part.storage_safe
-        return safe
+        return abort_parts(self.parts, f"request {self.request_id!r}: aborted with its group")
+
+
+def abort_parts(parts: Sequence[Optional[TransferHandle]], reason: str) -> bool:
+    """Fail every part still in flight; True if no byte of any part can still land."""
+    safe = True
+    for part in parts:
+        if part is None:
+            continue
+        with part._lock:
+            if part.state is TransferState.PROC:
+                part._fail(TransferError(reason))
+        safe &= part.storage_safe
+    return safe
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,7 @@ class PullRequest:
     dst_ids: np.ndarray
     plan: CopyPlan
     request_id: RequestId
+    notify: bool = True  # send the source a read-done when the read completes
 
 
 @dataclass(frozen=True)
@@ -300,11 +309,15 @@ class KVTransportBackend(ABC):
         dst_block_ids: IdList,
         *,
         request_id: Optional[RequestId] = None,
+        notify: bool = True,
     ) -> TransferHandle:
         """Start a one-sided read of the peer's ``src_block_ids`` into our ``dst_block_ids``.
 
         Everything is validated before anything is posted: a bad meta or bad ids
         raise (``PeerMetadataError`` / ``BlockIdError``) with both sides untouched.
+        ``notify=False`` suppresses the read-done notification (not the failure
+        report) to the source, for a caller whose later read carries it (see
+        ``kvxfer.generations``).
         """
         self._check_open()
         peer = self.parse_peer_meta(peer_meta)
@@ -316,8 +329,11 @@ class KVTransportBackend(ABC):
             request_id = f"{self.agent_name}:{next(self._request_counter)}"
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
-        handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id))
         self._stats.started(plan.total_bytes, plan.num_descriptors)
+        if plan.num_descriptors == 0:  # reshard: the peer holds nothing this rank needs
+            handle: TransferHandle = CompletedHandle(request_id)
+        else:
+            handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id, notify))
         handle._count_in(self._stats, plan.total_bytes)
         return handle
 
@@ -378,7 +394,14 @@ class KVTransportBackend(ABC):
         return peer
 
     def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
-        """Validate compatibility and ids, and plan the byte ranges (bounds-checked)."""
+        """Validate compatibility and ids, and plan the byte ranges (bounds-checked).
+
+        When both sides carry a shard layout (KV ``layout``, or SSM ``ssm_layout``)
+        the plan reads only the layer x head slices this rank owns (``kvxfer.reshard``).
+        """
+        reshard = plan_reshard_pull(self, peer, src_block_ids, dst_block_ids)
+        if reshard is not None:
+            return reshard
         check_peer_compatible(self.geometry, self.dtype, peer)
         return plan_block_copies(peer.geometry, self.geometry, src_block_ids, dst_block_ids)
 

@@ -17,7 +17,9 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle
+from kvxfer.backends.local_reshard import copy_resharded
 from kvxfer.errors import PeerMetadataError
+from kvxfer.reshard_descriptors import reshard_transfers_for_pull
 
 _LIVE: dict[int, "LocalBackend"] = {}  # buffer id -> live registration in this process
 _LIVE_LOCK = threading.Lock()
@@ -93,17 +95,23 @@ class LocalBackend(KVTransportBackend):
 
     def _post_read(self, pull: PullRequest) -> TransferHandle:
         source = self._find_source(pull.peer_meta)
-        src = _slices_view(source)
-        dst = _slices_view(self)
-        src_ids = torch.from_numpy(pull.src_ids).to(src.device)
-        dst_ids = torch.from_numpy(pull.dst_ids).to(dst.device)
-        dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+        transfers = reshard_transfers_for_pull(self, pull.peer)
+        if transfers is None:
+            src = _slices_view(source)
+            dst = _slices_view(self)
+            src_ids = torch.from_numpy(pull.src_ids).to(src.device)
+            dst_ids = torch.from_numpy(pull.dst_ids).to(dst.device)
+            dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+        else:
+            dst = self.memory_buffer
+            copy_resharded(source, self, transfers, pull.src_ids, pull.dst_ids)
         event = None
         if dst.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(dst.device))
-        with source._reads_lock:
-            source._reads_in_flight.append((event, pull.request_id))
+        if pull.notify:
+            with source._reads_lock:
+                source._reads_in_flight.append((event, pull.request_id))
         return LocalHandle(pull.request_id, self.timeout_s, source, event)
 
     def _collect_notifications(self) -> None:

@@ -1,0 +1,127 @@
+"""Torn-read detection: per-block generation counters that a reader re-checks.
+
+The worst failure in disaggregated serving is silent: the prefill side frees (or
+reuses) blocks while a decode reader is still reading them, and decode answers
+with someone else's KV cache. Here the source keeps one int64 counter per block,
+registered with the transport beside the pool, and bumps it whenever it frees or
+reallocates a block. A handoff carries the counters as they were when the blocks
+were pinned. The reader pulls the data *without* a read-done, then reads those
+counters with one small one-sided read that *does* carry the read-done, and fails
+with ``TornReadError`` if any counter moved. Because the source only learns "read
+done" after the counters were read, it cannot free a block between the data read
+and the check: a mismatch is always a real reuse, never a false alarm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, abort_parts
+from kvxfer.descriptors import IdList
+from kvxfer.errors import BlockIdError, TornReadError
+
+_UNREAD = -1
+
+
+class BlockGenerations:
+    """Source side: the counters of one pool, registered on the pool's agent."""
+
+    def __init__(self, kv_backend: KVTransportBackend) -> None:
+        num_blocks = kv_backend.geometry.num_blocks
+        self.kv = kv_backend
+        self.table = torch.zeros(num_blocks, dtype=torch.int64)
+        self.registration = kv_backend.new_registered_buffer(memory_buffer=self.table, expected_num_blocks=num_blocks)
+
+    def bump(self, block_ids: IdList) -> None:
+        """Call whenever blocks are freed or handed to a new owner, before they are rewritten."""
+        ids = torch.as_tensor(np.atleast_1d(np.asarray(block_ids, dtype=np.int64)))
+        self.table.index_add_(0, ids, torch.ones_like(ids))
+
+    def snapshot(self, block_ids: IdList) -> list[int]:
+        """The counters to put in a handoff descriptor when the blocks are pinned."""
+        return self.table[torch.as_tensor(np.atleast_1d(np.asarray(block_ids, dtype=np.int64)))].tolist()
+
+    def export_meta(self) -> dict[str, Any]:
+        return self.registration.export_meta()
+
+    def drain_read_done(self) -> list[RequestId]:
+        """Read-dones of both plain pulls (on the pool) and verified pulls (on the counters)."""
+        return self.kv.drain_read_done() + self.registration.drain_read_done()
+
+    def drain_read_failed(self) -> list[ReadFailure]:
+        return self.kv.drain_read_failed() + self.registration.drain_read_failed()
+
+    def close(self) -> None:
+        self.registration.close()
+
+
+class GenerationChecker:
+    """Decode side: verified pulls into one pool."""
+
+    def __init__(self, kv_backend: KVTransportBackend) -> None:
+        num_blocks = kv_backend.geometry.num_blocks
+        self.kv = kv_backend
+        # counters land at the *destination* block ids: those belong to exactly one
+        # in-flight request, so concurrent checks never share a slot
+        self.scratch = torch.full((num_blocks,), _UNREAD, dtype=torch.int64)
+        self.registration = kv_backend.new_registered_buffer(memory_buffer=self.scratch, expected_num_blocks=num_blocks)
+
+    def begin_pull_verified(
+        self,
+        peer_kv_meta: Mapping[str, Any],
+        peer_generations_meta: Mapping[str, Any],
+        src_block_ids: IdList,
+        dst_block_ids: IdList,
+        expected_generations: Sequence[int],
+        *,
+        request_id: RequestId,
+    ) -> TransferHandle:
+        """Pull the blocks, then check their counters; the handle fails with ``TornReadError`` on reuse."""
+        expected = np.asarray(expected_generations, dtype=np.int64)
+        if expected.shape != (len(src_block_ids),):
+            raise BlockIdError(f"{expected.size} expected generations for {len(src_block_ids)} blocks")
+        data = self.kv.begin_pull_blocks(peer_kv_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
+        return VerifiedPull(self, data, peer_generations_meta, np.asarray(src_block_ids), np.asarray(dst_block_ids),
+                            expected, request_id)
+
+    def close(self) -> None:
+        self.registration.close()
+
+
+class VerifiedPull(TransferHandle):
+    """Data read, then the counters read (carrying the read-done), then the comparison."""
+
+    def __init__(self, checker: GenerationChecker, data: TransferHandle, generations_meta: Mapping[str, Any],
+                 src_ids: np.ndarray, dst_ids: np.ndarray, expected: np.ndarray, request_id: RequestId) -> None:
+        super().__init__(request_id, data.timeout_s)
+        self._checker = checker
+        self._data = data
+        self._generations_meta = generations_meta
+        self._src_ids, self._dst_ids, self._expected = src_ids, dst_ids, expected
+        self._counters: Optional[TransferHandle] = None
+
+    def _progress(self) -> bool:
+        if self._counters is None:
+            if not self._data.poll():
+                return False
+            slots = torch.as_tensor(self._dst_ids)
+            self._checker.scratch[slots] = _UNREAD
+            self._counters = self._checker.registration.begin_pull_blocks(
+                self._generations_meta, self._src_ids, self._dst_ids, request_id=self.request_id)
+        if not self._counters.poll():
+            return False
+        seen = self._checker.scratch[torch.as_tensor(self._dst_ids)].numpy()
+        moved = np.flatnonzero(seen != self._expected)
+        if moved.size:
+            blocks = self._src_ids[moved][:8].tolist()
+            raise TornReadError(
+                f"request {self.request_id!r}: source blocks {blocks} were freed or reused during the transfer "
+                f"({moved.size} of {self._src_ids.size} changed generation); the pulled bytes are discarded"
+            )
+        return True
+
+    def _abort(self) -> bool:
+        return abort_parts([self._data, self._counters], f"request {self.request_id!r}: verified pull aborted")
