@@ -436,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     config = CoordinatorConfig(**json.loads(args[0])) if args else CoordinatorConfig()
     coord = Coordinator(config)
-    procs.report({"address": coord.address, "pid": os.getpid()})
+    procs.report({"address": coord.address, "pid": os.getpid()}, int(args[1]))
     coord.serve()
 
 

@@ -1,9 +1,12 @@
-"""Start helper processes as ``python -m <module> <json>`` and wait for their first word.
+"""Start helper processes as ``python -m <module> <json> <fd>`` and wait for their first word.
 
 Plain subprocesses rather than ``multiprocessing``: they never re-import the caller's
 ``__main__`` (so a script without an ``if __name__ == "__main__"`` guard still works),
 and a test can SIGKILL one by pid like any real deployment would see it die.
-The child prints exactly one JSON line on stdout (``report``) and nothing after it.
+
+The child reports readiness as one JSON line on a private pipe (``report``), not on
+stdout: transports log to stdout, and the child's stdout is sent to our stderr so it
+never mixes with a command's own output.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
+_READY_FDS: dict[int, int] = {}  # child pid -> our end of its ready pipe
 
 
 class ProcessStartError(RuntimeError):
@@ -25,7 +29,7 @@ class ProcessStartError(RuntimeError):
 
 
 def spawn(module: str, payload: Any, *, start_timeout_s: float = 60.0) -> tuple[subprocess.Popen, Any]:
-    """Start ``module`` with ``payload`` (JSON) and return it with the line it reported."""
+    """Start ``module`` with ``payload`` (JSON) and return it with what it reported."""
     proc = launch(module, payload)
     return proc, wait_ready(proc, module, start_timeout_s)
 
@@ -34,41 +38,49 @@ def launch(module: str, payload: Any) -> subprocess.Popen:
     """Start ``module`` without waiting (start several, then ``wait_ready`` on each)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.Popen([sys.executable, "-m", module, json.dumps(payload)], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env)
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(payload), str(write_fd)],
+                                stdin=subprocess.DEVNULL, stdout=2, pass_fds=(write_fd,), env=env)
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    _READY_FDS[proc.pid] = read_fd
+    return proc
 
 
 def wait_ready(proc: subprocess.Popen, module: str, start_timeout_s: float) -> Any:
-    """The JSON line ``proc`` reports; raises ``ProcessStartError`` if it exits or times out first."""
+    """What ``proc`` reported; raises ``ProcessStartError`` if it exits or times out first."""
+    fd = _READY_FDS.pop(proc.pid)
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + start_timeout_s
-    line = b""
+    data = b""
     try:
-        while not line.endswith(b"\n"):
+        while not data.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0:
                 proc.kill()
                 proc.wait(10)
                 raise ProcessStartError(f"{module} did not report ready within {start_timeout_s}s")
             if sel.select(min(left, 0.5)):
-                chunk = os.read(proc.stdout.fileno(), 65536)
+                chunk = os.read(fd, 65536)
                 if not chunk:
                     proc.wait(10)
                     raise ProcessStartError(f"{module} exited with status {proc.returncode} before reporting ready")
-                line += chunk
+                data += chunk
     finally:
         sel.close()
-    proc.stdout.close()
-    return json.loads(line)
+        os.close(fd)
+    return json.loads(data)
 
 
-def report(payload: Any) -> None:
-    """Child side: the one line the parent waits for."""
-    sys.stdout.write(json.dumps(payload) + "\n")
-    sys.stdout.flush()
-    devnull = open(os.devnull, "w")
-    sys.stdout = devnull  # the parent stopped reading; keep stray prints from blocking us
+def report(payload: Any, fd: int) -> None:
+    """Child side: the one line the parent waits for, on the pipe it passed us."""
+    os.write(fd, (json.dumps(payload) + "\n").encode())
+    os.close(fd)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 10.0, *, terminate_first: bool = False) -> None:

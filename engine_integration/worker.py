@@ -68,8 +68,8 @@ def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.005) -> None:
             poller.poll(int(idle_wait_s * 1000))
 
 
-def host_main(specs: Sequence[EngineSpec], coordinator_address: str) -> int:
-    """Process body: build and register, report ready (or the refusal) on stdout, serve."""
+def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: int) -> int:
+    """Process body: build and register, report ready (or the refusal) on ``ready_fd``, serve."""
     import torch
 
     from engine_integration import procs
@@ -80,11 +80,11 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str) -> int:
         for spec in specs:
             engines.append(build_engine(spec, coordinator_address))
     except Exception as exc:  # reported to the launcher, which raises it with this reason
-        procs.report({"refused": f"{type(exc).__name__}: {exc}"})
+        procs.report({"refused": f"{type(exc).__name__}: {exc}"}, ready_fd)
         for engine in engines:
             engine.disconnect("startup failed")
         return 3
-    procs.report({"ready": [e.identity for e in engines], "pid": os.getpid()})
+    procs.report({"ready": [e.identity for e in engines], "pid": os.getpid()}, ready_fd)
     try:
         serve(engines)
     finally:
@@ -160,4 +160,4 @@ def start_engine_hosts(groups: Sequence[Sequence[EngineSpec]], coordinator_addre
 
 if __name__ == "__main__":
     _payload = json.loads(sys.argv[1])
-    sys.exit(host_main([spec_from_dict(d) for d in _payload["specs"]], _payload["address"]))
+    sys.exit(host_main([spec_from_dict(d) for d in _payload["specs"]], _payload["address"], int(sys.argv[2])))
