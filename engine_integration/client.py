@@ -28,6 +28,8 @@ class GenerationResult:
 
 
 class CoordinatorClient:
+    """Results are matched by id, so ``stats()`` may be called while requests are in flight."""
+
     def __init__(self, address: str, *, secret: Optional[str] = None) -> None:
         self.codec = wire.Codec(secret)
         self.ctx = zmq.Context.instance()
@@ -35,6 +37,18 @@ class CoordinatorClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self._ids = itertools.count(1)
+        self._results: dict[int, GenerationResult] = {}  # arrived, not yet collected
+
+    def _receive(self, timeout_ms: int) -> Optional[wire.Msg]:
+        """One message (a ``Result`` is filed under its id and returned too), or None."""
+        if not self.sock.poll(timeout_ms):
+            return None
+        msg = self.codec.decode(self.sock.recv())
+        if isinstance(msg, wire.Result):
+            self._results[msg.client_request_id] = GenerationResult(
+                tuple(msg.tokens) if msg.tokens is not None else None, msg.error, dict(msg.timings),
+                msg.cached_prefix_blocks, msg.pulled_blocks)
+        return msg
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         cid = next(self._ids)
@@ -43,22 +57,14 @@ class CoordinatorClient:
 
     def collect(self, ids: Sequence[int], timeout_s: float) -> list[GenerationResult]:
         """Results for ``ids`` in that order; one not back within ``timeout_s`` is an error."""
-        want = set(ids)
-        got: dict[int, GenerationResult] = {}
         deadline = time.monotonic() + timeout_s
-        while want - got.keys():
+        while not all(i in self._results for i in ids):
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(min(left, 1.0) * 1000) + 1):
-                if time.monotonic() >= deadline:
-                    break
-                continue
-            msg = self.codec.decode(self.sock.recv())
-            if isinstance(msg, wire.Result) and msg.client_request_id in want:
-                got[msg.client_request_id] = GenerationResult(
-                    tuple(msg.tokens) if msg.tokens is not None else None, msg.error, dict(msg.timings),
-                    msg.cached_prefix_blocks, msg.pulled_blocks)
+            if left <= 0:
+                break
+            self._receive(int(min(left, 1.0) * 1000) + 1)
         missing = GenerationResult(None, f"no result from the coordinator within {timeout_s}s")
-        return [got.get(i, missing) for i in ids]
+        return [self._results.pop(i, missing) for i in ids]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  timeout_s: float = 120.0) -> list[GenerationResult]:
@@ -69,10 +75,9 @@ class CoordinatorClient:
         self.sock.send(self.codec.encode(wire.StatsRequest()))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.sock.poll(100):
-                msg = self.codec.decode(self.sock.recv())
-                if isinstance(msg, wire.Stats):
-                    return msg
+            msg = self._receive(100)
+            if isinstance(msg, wire.Stats):
+                return msg
         raise TimeoutError(f"no stats from the coordinator within {timeout_s}s")
 
     def shutdown(self, reason: str = "client asked") -> None:

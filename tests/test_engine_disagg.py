@@ -92,7 +92,12 @@ def test_decode_killed_mid_handoff_fails_requests_releases_pins_and_restart_serv
     client = cluster.client
     prompts = [[(11 * i + j) % 256 for j in range(9 + i)] for i in range(8)]  # ~14 decode blocks each: one at a time
     ids = [client.submit(p, 48) for p in prompts]
-    cluster.wait_for_stats(lambda s: _engine(s, "decode-0").get("running", 0) > 0, timeout_s=30)
+
+    def mid_handoff(s) -> bool:  # one decoding, others queued at the decode with their source blocks pinned
+        d, p = _engine(s, "decode-0"), _engine(s, "prefill-0")
+        return d.get("running", 0) > 0 and d.get("queued", 0) > 0 and p.get("pins", 0) > 0
+
+    cluster.wait_for_stats(mid_handoff, timeout_s=30)
     decode_host = cluster.host_of("decode-0")
     decode_host.kill()
     t0 = time.monotonic()
