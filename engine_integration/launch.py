@@ -32,6 +32,7 @@ class ClusterConfig:
     request_timeout_s: float = 120.0
     transfer_timeout_s: float = 30.0
     secret: Optional[str] = None
+    device: Optional[str] = None  #: None: a GPU where present, else the CPU
 
 
 class DisaggCluster:
@@ -48,8 +49,11 @@ class DisaggCluster:
         self._client: Optional[CoordinatorClient] = None
 
     def spec(self, role: str, identity: str, **overrides: Any) -> EngineSpec:
+        from engine_integration.reference.model import default_device
+
         c = self.config
         base = EngineSpec(role=role, identity=identity, backend=c.backend, model=c.model,
+                          device=c.device or default_device(),
                           num_blocks=c.prefill_blocks if role == "prefill" else c.decode_blocks,
                           transfer_timeout_s=c.transfer_timeout_s, secret=c.secret)
         return replace(base, **overrides)
@@ -120,14 +124,15 @@ class DisaggCluster:
 
 def generate_colocated(prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                        model: ModelConfig = ModelConfig(), num_blocks: int = 1024,
-                       device: str = "cpu") -> list[GenerationResult]:
+                       device: Optional[str] = None) -> list[GenerationResult]:
     """Prefill and decode in one engine, one pool: the reference output."""
     import torch
 
     from engine_integration.reference import ReferenceDynamicEngine, build_reference_engine
+    from engine_integration.reference.model import default_device
 
     torch.set_num_threads(1)
-    engine = build_reference_engine(model, num_blocks, device, ReferenceDynamicEngine)
+    engine = build_reference_engine(model, num_blocks, device or default_device(), ReferenceDynamicEngine)
     for i, prompt in enumerate(prompts):
         engine.add_request(i, prompt, max_new_tokens)
     records: dict[int, dict] = {}

@@ -150,3 +150,22 @@ def test_registration_refused_with_reason_and_read_done_forwarded(coordinator):
     decode.send(wire.Finished(start.request_id, [9, 8]))
     [result] = client.collect([cid], timeout_s=5)
     assert result.tokens == (9, 8) and result.pulled_blocks == 2
+
+
+def test_engine_can_spawn_its_own_coordinator():
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import ModelConfig, build_reference_engine
+
+    engine = build_reference_engine(ModelConfig(), 32, engine_cls=DisaggDynamicInferenceEngine)
+    engine.set_disaggregation_config(role="prefill", identity="p-spawn", spawn_coordinator=True,
+                                     coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0))
+    try:
+        engine.connect(backend="local", register_timeout_s=20)
+        client = CoordinatorClient(engine._coordinator_address)
+        stats = client.stats()
+        assert stats.engines["p-spawn"]["role"] == "prefill" and stats.engines["p-spawn"]["alive"]
+        client.close()
+        proc = engine._coordinator_process
+    finally:
+        engine.disconnect("test over")
+    assert proc.poll() is not None  # the spawned coordinator is stopped with its engine

@@ -105,6 +105,11 @@ class TinyLlama:
         return _rms_norm(x, self.final_norm, c.norm_eps) @ self.lm_head
 
 
+def default_device() -> str:
+    """The first GPU where there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def greedy(logits: torch.Tensor) -> int:
     """The next token of the last position (ties go to the lowest id, as argmax does)."""
     return int(torch.argmax(logits[-1]).item())
