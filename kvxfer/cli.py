@@ -17,8 +17,14 @@ from kvxfer.loopback import LoopbackConfig, LoopbackResult, run_loopback
 
 console = Console()
 
-# Backends contribute a "what transports will I use" probe here, keyed by name.
-TRANSPORT_PROBES: dict[str, Callable[[], dict[str, Any]]] = {}
+def _nixl_probe() -> dict[str, Any]:
+    from kvxfer.backends.nixl import nixl_transport_probe
+
+    return nixl_transport_probe()
+
+
+# What each backend's transport will use here (UCX transports, devices), for `kvxfer info`.
+TRANSPORT_PROBES: dict[str, Callable[[], dict[str, Any]]] = {"nixl": _nixl_probe}
 
 
 def _info(_: argparse.Namespace) -> int:

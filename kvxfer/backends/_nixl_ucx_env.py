@@ -1,0 +1,155 @@
+"""Which UCX transports the NIXL backend will use here, and whether they fit the memory.
+
+NIXL moves bytes with UCX, and UCX picks its transports from ``UCX_TLS`` (unset:
+every transport it can load). A user's shell often carries a ``UCX_TLS`` tuned
+for something else (``tcp`` only, or no ``cuda_copy``); with it, a VRAM pool
+either fails deep inside the first transfer or silently crawls through host
+staging. kvxfer does not change the environment behind the user's back: it reads
+it, shows it (``kvxfer info``), and refuses at construction a configuration that
+cannot move the registered memory type at all.
+
+Nothing here imports nixl: the facts come from the environment and from the UCX
+modules shipped next to the installed nixl wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+# UCX_TLS aliases, expanded to the transport names they stand for (UCX docs, "UCX_TLS").
+_ALIASES: dict[str, frozenset[str]] = {
+    "all": frozenset({"*"}),
+    "sm": frozenset({"posix", "sysv", "cma", "knem", "xpmem"}),
+    "shm": frozenset({"posix", "sysv", "cma", "knem", "xpmem"}),
+    "mm": frozenset({"posix", "sysv", "xpmem"}),
+    "ib": frozenset({"rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5"}),
+    "rc": frozenset({"rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5"}),
+    "rc_x": frozenset({"rc_mlx5", "ud_mlx5"}),
+    "rc_v": frozenset({"rc_verbs", "ud_verbs"}),
+    "ud": frozenset({"ud_verbs", "ud_mlx5"}),
+    "ud_x": frozenset({"ud_mlx5"}),
+    "ud_v": frozenset({"ud_verbs"}),
+    "dc": frozenset({"dc_mlx5"}),
+    "dc_x": frozenset({"dc_mlx5"}),
+    "cuda": frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"}),
+}
+#: Transports that can reach host memory in another process (``self`` cannot).
+HOST_TRANSPORTS = frozenset({"tcp", "posix", "sysv", "cma", "knem", "xpmem", "rc_verbs", "rc_mlx5",
+                             "ud_verbs", "ud_mlx5", "dc_mlx5", "srd", "efa"})
+#: Without one of these UCX cannot even recognise a CUDA pointer, let alone move it.
+CUDA_TRANSPORTS = frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"})
+# Built into libuct itself; everything else is a loadable module (libuct_<name>.so).
+_BUILTIN_TRANSPORTS = ("self", "tcp", "posix", "sysv")
+
+
+@dataclass(frozen=True)
+class NixlTransportInfo:
+    """What UCX underneath NIXL is configured to use on this machine.
+
+    ``ucx_tls`` is the raw ``UCX_TLS`` (None: unset, UCX picks from everything it
+    can load). ``allowed`` is that setting expanded (``{"*"}`` for everything),
+    ``excluded`` the ``^``-list when UCX_TLS is a negation. ``ucx_modules`` are
+    the optional UCX modules shipped with the nixl wheel (``cma``, ``ib``,
+    ``cuda``...), ``rdma_devices`` the RDMA NICs the kernel shows.
+    """
+
+    nixl_package: Optional[str]
+    ucx_tls: Optional[str]
+    allowed: frozenset[str]
+    excluded: frozenset[str]
+    ucx_net_devices: Optional[str]
+    ucx_modules: tuple[str, ...]
+    rdma_devices: tuple[str, ...]
+
+    def permits(self, transport: str) -> bool:
+        """Whether UCX_TLS lets UCX use ``transport``."""
+        if transport in self.excluded:
+            return False
+        return "*" in self.allowed or transport in self.allowed
+
+    def usable_for(self, mem_type: str) -> tuple[bool, str]:
+        """``(True, "")`` if some permitted transport can move ``mem_type`` ("DRAM"/"VRAM"), else why not."""
+        if not self.allowed:
+            return False, "UCX_TLS is set but empty, which leaves UCX no transport at all; unset it"
+        if mem_type == "VRAM":
+            if not any(self.permits(t) for t in CUDA_TRANSPORTS):
+                return False, (
+                    f"UCX_TLS={self.ucx_tls!r} allows no CUDA transport ({', '.join(sorted(CUDA_TRANSPORTS))}); "
+                    "UCX cannot move GPU memory with it. Add cuda_copy,cuda_ipc (and rc or tcp for the "
+                    "network) to UCX_TLS, or unset it"
+                )
+            return True, ""
+        if not any(self.permits(t) for t in HOST_TRANSPORTS):
+            return False, (
+                f"UCX_TLS={self.ucx_tls!r} allows no transport that reaches another process "
+                f"({', '.join(sorted(HOST_TRANSPORTS))}); add e.g. tcp,sm (or rc for RDMA) or unset it"
+            )
+        return True, ""
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """Transports this UCX can load: the built-in ones plus the shipped modules."""
+        return _BUILTIN_TRANSPORTS + self.ucx_modules
+
+    def summary(self) -> str:
+        """One line for ``kvxfer info``."""
+        tls = "unset (UCX chooses among all it can load)" if self.ucx_tls is None else repr(self.ucx_tls)
+        modules = ", ".join(self.transports)
+        rdma = ", ".join(self.rdma_devices) or "none"
+        return f"UCX_TLS={tls}; UCX transports available: {modules}; RDMA devices: {rdma}"
+
+
+def _expand(names: list[str]) -> frozenset[str]:
+    out: set[str] = set()
+    for name in names:
+        out |= _ALIASES.get(name, frozenset({name}))
+    return frozenset(out)
+
+
+def _parse_tls(value: Optional[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """UCX_TLS -> (allowed, excluded). ``^a,b`` means everything except a and b."""
+    if value is None:
+        return frozenset({"*"}), frozenset()
+    if not value.strip():
+        return frozenset(), frozenset()  # set but empty: UCX then fails to create any transport
+    value = value.strip()
+    negate = value.startswith("^")
+    names = [n.strip().lower() for n in value.lstrip("^").split(",") if n.strip()]
+    names = [n.removeprefix("\\") for n in names]  # "\rc" means "exactly rc", no alias expansion
+    if negate:
+        return frozenset({"*"}), _expand(names)
+    return _expand(names), frozenset()
+
+
+def _nixl_libs_dir() -> tuple[Optional[str], Optional[Path]]:
+    """The installed nixl flavour (nixl_cu13, nixl_cu12...) and its bundled-libraries folder."""
+    for flavour in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+        spec = importlib.util.find_spec(flavour)
+        if spec is not None and spec.origin:
+            libs = Path(spec.origin).parent.parent / f"{flavour}.libs"
+            return flavour, libs if libs.is_dir() else None
+    return None, None
+
+
+def nixl_transport_info(environ: Optional[Mapping[str, str]] = None) -> NixlTransportInfo:
+    """What UCX under NIXL will use here (reads the environment; imports nothing heavy)."""
+    env = os.environ if environ is None else environ
+    flavour, libs = _nixl_libs_dir()
+    modules: tuple[str, ...] = ()
+    if libs is not None and (libs / "ucx").is_dir():
+        modules = tuple(sorted({
+            p.name.split(".so")[0].removeprefix("libuct_")
+            for p in (libs / "ucx").glob("libuct_*.so*")
+        }))
+    rdma_root = Path("/sys/class/infiniband")
+    rdma = tuple(sorted(p.name for p in rdma_root.iterdir())) if rdma_root.is_dir() else ()
+    tls = env.get("UCX_TLS")
+    allowed, excluded = _parse_tls(tls)
+    return NixlTransportInfo(
+        nixl_package=flavour, ucx_tls=tls, allowed=allowed, excluded=excluded,
+        ucx_net_devices=env.get("UCX_NET_DEVICES"), ucx_modules=modules, rdma_devices=rdma,
+    )
