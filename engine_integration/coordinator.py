@@ -7,8 +7,9 @@ decode's ``Finished`` -> the client's ``Result``.
 
 Registration refuses an engine whose model, geometry or transport differs from the
 engines already registered, and sends the reason back. An engine is removed when its
-heartbeats stop (``heartbeat_timeout_s``) or when its process is gone (same host: its
-pid is checked every tick); its requests fail with an error naming it.
+control connection closes (socket monitor), when its heartbeats stop
+(``heartbeat_timeout_s``), or when its process is gone (same host: its pid is checked
+every tick); its requests fail with an error naming it.
 
 Why a dead decode's source pins can be released: a one-sided read is posted by the
 reader's process through its transport endpoint (a NIXL agent / UCX worker and its
@@ -137,6 +138,10 @@ class Coordinator:
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{config.host}")
         self.address = f"tcp://{config.host}:{self.port}"
+        # "Socket gone": the monitor reports a closed connection by its fd; each engine
+        # message tells us which fd that engine's connection uses (ZMQ_SRCFD).
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_owner: dict[int, bytes] = {}
         self.host = socket.gethostname()
         self.engines: dict[bytes, _Engine] = {}
         self.removed: dict[bytes, str] = {}
@@ -157,23 +162,55 @@ class Coordinator:
     def serve(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.stop("coordinator terminated"))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         try:
             while not self._stop:
-                if self.sock.poll(int(self.config.tick_s * 1000)):
+                ready = dict(poller.poll(int(self.config.tick_s * 1000)))
+                if self.sock in ready:
                     while self.sock.poll(0):
-                        zmq_id, frame = self.sock.recv_multipart()
-                        try:
-                            msg = self.codec.decode(frame)
-                        except Exception:  # malformed or unauthenticated: dropped (counted by the codec)
-                            continue
-                        self.handle(zmq_id, msg)
+                        self._receive()
+                if self.monitor in ready:
+                    self._connection_events()
                 self.tick()
         finally:
             for eng in self.engines.values():
                 if eng.alive:
                     self.send(eng.zmq_id, wire.Shutdown("coordinator stopping"))
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
             self.sock.close(linger=100)
             self.ctx.term()
+
+    def _receive(self) -> None:
+        frames = self.sock.recv_multipart(copy=False)
+        if len(frames) != 2:
+            return
+        zmq_id = frames[0].bytes
+        try:
+            msg = self.codec.decode(frames[1].bytes)
+        except Exception:  # malformed or unauthenticated: dropped (counted by the codec)
+            return
+        if zmq_id in self.engines or isinstance(msg, wire.Register):
+            try:
+                self._fd_owner[int(frames[1].get(zmq.SRCFD))] = zmq_id
+            except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+                pass  # no fd information: heartbeats and pid checks still apply
+        self.handle(zmq_id, msg)
+
+    def _connection_events(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            eng = self.engines.get(self._fd_owner.pop(int(event["value"]), b""))
+            if eng is not None and eng.alive:
+                gone = eng.reg.host == self.host and _process_gone(eng.reg.pid)
+                self._remove(eng, f"{eng.reg.role} {eng.identity!r} closed its connection to the coordinator"
+                             + (f" (pid {eng.reg.pid} exited)" if gone else ""), confirmed=gone)
 
     def stop(self, reason: str = "") -> None:
         self._stop = True

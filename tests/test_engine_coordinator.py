@@ -132,6 +132,19 @@ def test_silent_but_alive_decode_keeps_pins_until_its_process_is_gone(coordinato
     assert release is not None and release.request_ids == [rid]
 
 
+def test_closed_connection_removes_engine_at_once_but_keeps_pins_while_its_process_lives(coordinator,
+                                                                                      decode_process):
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    decode.close()  # the socket is gone; the process (which may hold posted reads) is not
+    t0 = time.monotonic()
+    result = _collect(client, cid, [prefill])
+    assert "closed its connection" in result.error and time.monotonic() - t0 < 0.9  # before the heartbeat limit
+    assert prefill.expect(wire.Release, 1.0, keepalive=[prefill]) is None
+    decode_process.kill()
+    decode_process.wait(10)
+    assert prefill.expect(wire.Release, 5.0, keepalive=[prefill]).request_ids == [rid]
+
+
 def test_registration_refused_with_reason_and_read_done_forwarded(coordinator):
     prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid())
     bad = ScriptedEngine(coordinator, "decode", "d1", os.getpid(), meta={**META, "dtype": "bfloat16"})
