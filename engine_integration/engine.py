@@ -161,9 +161,7 @@ class StateHandoffDynamicInferenceEngine(InferenceStateHandoffMixin, ReferenceDy
         ReferenceDynamicEngine.__init__(self, controller, context)
 
     def step(self) -> list[dict[str, Any]]:
-        if self._handoff_source is not None:
-            for request_id, state in self._handoff_source.poll_transport():
-                self._on_source_released(request_id, state)
+        self._poll_source()
         if self._handoff_sink is not None:
             for event in self._handoff_sink.step():
                 self._on_handoff_event(event)
@@ -200,6 +198,12 @@ class StateHandoffDynamicInferenceEngine(InferenceStateHandoffMixin, ReferenceDy
             return
         self._send_requests_to_coordinator([request])
         self.context.allocator.release(request.block_ids)  # the pins now keep the blocks alive
+        self._poll_source()  # between prefills too: some transports serve reads only when we progress
+
+    def _poll_source(self) -> None:
+        if self._handoff_source is not None:
+            for request_id, state in self._handoff_source.poll_transport():
+                self._on_source_released(request_id, state)
 
     def _send_requests_to_coordinator(self, requests: list[InferenceRequest]) -> None:
         """Register external handoffs before publishing their source descriptors.
@@ -370,14 +374,26 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             self._notify_kv_read_done(event.request_id)
 
     # --- the loop -------------------------------------------------------------------------
-    def serve_step(self) -> bool:
-        """Handle coordinator messages, run one engine step, heartbeat; True if there was work."""
+    def _between_decode_chunks(self) -> None:
+        """Take new handoffs and finish pulls mid-step, so a long decode batch does not delay them."""
+        self._poll_messages()
+        self._poll_source()
+        if self._handoff_sink is not None:
+            for event in self._handoff_sink.step():
+                self._on_handoff_event(event)
+
+    def serve_step(self) -> float:
+        """Handle coordinator messages, run one engine step, heartbeat.
+
+        Returns how long the loop may wait before the next call: 0 with compute to do
+        (or messages just handled), a millisecond with only pulls in flight, else the
+        heartbeat interval (an arriving message wakes the loop anyway).
+        """
         from engine_integration import wire
 
         handled = self._poll_messages()
         if self.shutdown_reason is not None:
-            return False
-        busy = self.has_unfinished_requests()
+            return self.heartbeat_interval_s
         for record in self.step():
             if "error" in record:
                 self._send(wire.Failed(record["request_id"], record["error"]))
@@ -388,7 +404,12 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             self._send_heartbeat()
         if now - self._last_heard > self.coordinator_timeout_s:
             self.shutdown_reason = f"no word from the coordinator for {now - self._last_heard:.1f}s"
-        return busy or handled > 0
+        if handled or self.waiting or self.running:
+            return 0.0
+        sink = self._handoff_sink
+        if sink is not None and (sink.num_transferring or sink.num_queued or sink.num_quarantined_blocks):
+            return 0.001
+        return self.heartbeat_interval_s
 
     def _poll_messages(self) -> int:
         import zmq

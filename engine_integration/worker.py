@@ -52,20 +52,26 @@ def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
     return engine
 
 
-def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.005) -> None:
-    """Step every engine until each one is told to stop (or loses its coordinator)."""
+def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05, transfer_wait_s: float = 0.001) -> None:
+    """Step every engine until each one is told to stop (or loses its coordinator).
+
+    The loop never spins idle: with compute to do it steps at once; with only pulls in
+    flight it naps ``transfer_wait_s`` (the transport progresses on its own, and a
+    spinning loop would steal the CPU it needs); otherwise it sleeps until a message
+    arrives or ``idle_wait_s`` passes (heartbeats, read-done drains).
+    """
     import zmq
 
     poller = zmq.Poller()
     for engine in engines:
         poller.register(engine.socket, zmq.POLLIN)
     while any(e.shutdown_reason is None for e in engines):
-        busy = False
+        wait = idle_wait_s
         for engine in engines:
             if engine.shutdown_reason is None:
-                busy |= engine.serve_step()
-        if not busy:
-            poller.poll(int(idle_wait_s * 1000))
+                wait = min(wait, engine.serve_step())
+        if wait > 0:
+            poller.poll(int(wait * 1000) or 1)
 
 
 def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: int) -> int:

@@ -103,6 +103,7 @@ class ReferenceDynamicEngine:
     """
 
     max_prefill_tokens_per_step = 256
+    decode_chunk = 8
 
     def __init__(self, controller: ReferenceController, context: ReferenceContext) -> None:
         self.controller = controller
@@ -153,12 +154,24 @@ class ReferenceDynamicEngine:
             self.running.append(request)
 
     def _decode(self) -> None:
-        if not self.running:
-            return
-        self.controller.decode_step(self.running, self.context)
-        for request in [r for r in self.running if r.done]:
-            self.running.remove(request)
-            self._finish(request)
+        """One token for every running request, ``decode_chunk`` requests at a time.
+
+        Between chunks ``_between_decode_chunks`` lets the engine loop react (new
+        handoffs, transfers, aborts) without waiting for the whole batch: this engine
+        runs one forward per request, so a step grows with the batch.
+        """
+        batch = list(self.running)
+        for start in range(0, len(batch), self.decode_chunk):
+            if start:
+                self._between_decode_chunks()
+            chunk = [r for r in batch[start:start + self.decode_chunk] if r in self.running]  # not aborted meanwhile
+            self.controller.decode_step(chunk, self.context)
+            for request in [r for r in chunk if r.done]:
+                self.running.remove(request)
+                self._finish(request)
+
+    def _between_decode_chunks(self) -> None:
+        """Hook for the engine loop (the co-located engine has nothing to do here)."""
 
     def _finish(self, request: InferenceRequest) -> None:
         self.context.allocator.release(request.block_ids)
