@@ -23,8 +23,14 @@ def _nixl_probe() -> dict[str, Any]:
     return nixl_transport_probe()
 
 
+def _ucx_probe() -> dict[str, Any]:
+    from kvxfer.backends.ucx import ucx_transport_info
+
+    return ucx_transport_info()
+
+
 # What each backend's transport will use here (UCX transports, devices), for `kvxfer info`.
-TRANSPORT_PROBES: dict[str, Callable[[], dict[str, Any]]] = {"nixl": _nixl_probe}
+TRANSPORT_PROBES: dict[str, Callable[[], dict[str, Any]]] = {"nixl": _nixl_probe, "ucx": _ucx_probe}
 
 
 def _info(_: argparse.Namespace) -> int:

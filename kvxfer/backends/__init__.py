@@ -97,6 +97,7 @@ def default_backend_name() -> str:
 # Built-in backends register themselves on import; their heavy dependencies load lazily.
 from kvxfer.backends import local  # noqa: E402,F401
 from kvxfer.backends import nixl  # noqa: E402,F401
+from kvxfer.backends import ucx  # noqa: E402,F401
 
 __all__ = [
     "BackendInfo", "KVTransportBackend", "TransferHandle", "TransferState", "available_backends",

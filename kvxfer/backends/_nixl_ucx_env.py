@@ -153,3 +153,22 @@ def nixl_transport_info(environ: Optional[Mapping[str, str]] = None) -> NixlTran
         nixl_package=flavour, ucx_tls=tls, allowed=allowed, excluded=excluded,
         ucx_net_devices=env.get("UCX_NET_DEVICES"), ucx_modules=modules, rdma_devices=rdma,
     )
+
+
+def keep_idle_ib_module_out(environ: Optional[dict[str, str]] = None) -> bool:
+    """Set ``UCX_MODULES=^ib`` when this machine has no RDMA device; True if it did.
+
+    The one change kvxfer makes to the environment, and only where it cannot cost a
+    byte of bandwidth: the nixl wheel bundles its own libnl, and when UCX's ib
+    module also pulls in the system's rdma-core (so its libnl), both copies
+    unregister the same tables at exit and the process dies with SIGSEGV (exit
+    139) after its work is done. Seen here with Debian's libibverbs1 installed.
+    With no RDMA device the ib module has nothing to drive, so it is not loaded.
+    A user's own ``UCX_MODULES`` is left alone; ``kvxfer info`` shows the value.
+    """
+    env = os.environ if environ is None else environ
+    rdma_root = Path("/sys/class/infiniband")
+    if "UCX_MODULES" in env or (rdma_root.is_dir() and any(rdma_root.iterdir())):
+        return False
+    env["UCX_MODULES"] = "^ib"
+    return True

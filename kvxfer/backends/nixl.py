@@ -47,6 +47,7 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -59,7 +60,7 @@ import numpy as np
 
 from kvxfer.backends import register_backend
 from kvxfer.backends import _nixl_notify as notify
-from kvxfer.backends._nixl_ucx_env import NixlTransportInfo, nixl_transport_info
+from kvxfer.backends._nixl_ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,
@@ -94,6 +95,7 @@ def nixl_transport_probe() -> dict[str, Any]:
         "package": info.nixl_package or "not installed",
         "UCX_TLS": info.ucx_tls if info.ucx_tls is not None else "unset (all UCX can load)",
         "UCX_NET_DEVICES": info.ucx_net_devices or "unset",
+        "UCX_MODULES": os.environ.get("UCX_MODULES", "unset (kvxfer sets ^ib when no RDMA device exists)"),
         "transports": ",".join(info.transports),
         "rdma_devices": ",".join(info.rdma_devices) or "none",
         "DRAM": info.usable_for("DRAM")[1] or "ok",
@@ -221,6 +223,7 @@ class _AgentShare:
     def __init__(self, name: str) -> None:
         api = _nixl_api()
         config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        keep_idle_ib_module_out()
         try:
             self.agent = api.nixl_agent(name, config)
         except Exception as exc:

@@ -1,0 +1,509 @@
+"""Thin Python objects over the cffi UCP binding, with live-object counters.
+
+Why this layer exists: UCP objects (contexts, workers, endpoints, memory
+handles, rkeys, requests) are manual-lifetime C objects. Each Python wrapper
+owns exactly one, releases it exactly once, and counts itself in ``LIVE`` so a
+test can assert that 1,000 open/transfer/close cycles leave nothing behind.
+
+Threading: a worker is created ``UCS_THREAD_MODE_SERIALIZED`` and every call
+that touches it (or its endpoints, rkeys and requests) runs under
+``Worker.lock``. Callbacks (active messages, endpoint errors, completions) only
+run inside ``ucp_worker_progress``, i.e. with that lock held.
+
+Progress: ``Worker.start_progress_thread`` runs a thread that progresses the
+worker and then sleeps on the worker's event fd (``ucp_worker_arm`` + ``poll``),
+so an idle worker costs no CPU. While operations are outstanding it also wakes
+on a short timer, so a transport that does not signal its completions through
+the event fd still finishes them.
+
+The compiled module is imported lazily (``load()``): kvxfer works without it,
+and the UCX backend reports itself unavailable with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import select
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+LIVE: Counter[str] = Counter()  # kind -> live objects of that kind in this process
+_LIVE_LOCK = threading.Lock()
+
+_ffi: Any = None
+_lib: Any = None
+_load_error: Optional[str] = None
+
+# Callback targets, keyed by the integer that travels as the C callback's ``arg``.
+_WORKERS: dict[int, "Worker"] = {}
+_ENDPOINTS: dict[int, "Endpoint"] = {}
+_KEYS = itertools.count(1)
+
+
+class UcpError(RuntimeError):
+    """A UCP call failed; ``status`` is the ``ucs_status_t`` code."""
+
+    def __init__(self, what: str, status: int) -> None:
+        self.status = status
+        super().__init__(f"{what} failed: {status_string(status)} ({status})")
+
+
+def _count(kind: str, delta: int) -> None:
+    with _LIVE_LOCK:
+        LIVE[kind] += delta
+
+
+def live_objects() -> dict[str, int]:
+    """Snapshot of the live-object counters (only non-zero kinds)."""
+    with _LIVE_LOCK:
+        return {kind: n for kind, n in LIVE.items() if n}
+
+
+def load() -> tuple[Any, Any]:
+    """Import the compiled binding (loading the wheel's libucp first); raise ImportError with the fix."""
+    global _ffi, _lib, _load_error
+    if _lib is not None:
+        return _ffi, _lib
+    if _load_error is not None:
+        raise ImportError(_load_error)
+    try:
+        try:
+            import libucx  # the libucx-cu12 wheel: puts libucs/libuct/libucp in the loader's cache
+
+            libucx.load_library()
+        except ImportError:
+            pass  # a system UCX may still satisfy the extension's rpath / ld.so.conf
+        _ucp_cffi = importlib.import_module("kvxfer.backends._ucp_cffi")
+    except (ImportError, OSError) as exc:
+        _load_error = (
+            f"the UCX binding could not be loaded ({exc}); install kvxfer with its build dependencies "
+            "(`pip install -e .` builds kvxfer/backends/_ucp_cffi with cffi against libucx-cu12==1.22.0), "
+            "or build it in place with `python -m kvxfer.backends._ucp_build`"
+        )
+        raise ImportError(_load_error) from None
+    _ffi, _lib = _ucp_cffi.ffi, _ucp_cffi.lib
+    _install_callbacks(_ffi)
+    return _ffi, _lib
+
+
+def status_string(status: int) -> str:
+    if _lib is None:
+        return f"status {status}"
+    return _ffi.string(_lib.ucs_status_string(status)).decode()
+
+
+def _check(status: int, what: str) -> None:
+    if status != _lib.UCS_OK:
+        raise UcpError(what, status)
+
+
+def version() -> str:
+    _, lib = load()
+    return _ffi.string(lib.ucp_get_version_string()).decode()
+
+
+def _install_callbacks(ffi: Any) -> None:
+    """Define the ``extern "Python"`` callbacks once per process."""
+
+    def _on_callback_error(exc_type: Any, exc: Any, tb: Any) -> None:
+        import traceback
+
+        traceback.print_exception(exc_type, exc, tb)
+
+    @ffi.def_extern(onerror=_on_callback_error)
+    def kvx_am_recv_py(arg, header, header_length, data, length, param):  # type: ignore[no-untyped-def]
+        worker = _WORKERS.get(int(ffi.cast("uintptr_t", arg)))
+        if worker is not None and worker.on_active_message is not None:
+            worker.on_active_message(bytes(ffi.buffer(header, header_length)))
+        return _lib.UCS_OK
+
+    @ffi.def_extern(onerror=_on_callback_error)
+    def kvx_ep_error_py(arg, ep, status):  # type: ignore[no-untyped-def]
+        endpoint = _ENDPOINTS.get(int(ffi.cast("uintptr_t", arg)))
+        if endpoint is not None:
+            endpoint._on_error(int(status))
+
+
+class Context:
+    """A UCP context with the RMA, AM and WAKEUP features (one per backend instance)."""
+
+    def __init__(self) -> None:
+        ffi, lib = load()
+        config = ffi.new("ucp_config_t **")
+        _check(lib.ucp_config_read(ffi.NULL, ffi.NULL, config), "ucp_config_read")
+        try:
+            params = ffi.new("ucp_params_t *")
+            params.field_mask = lib.UCP_PARAM_FIELD_FEATURES
+            params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | lib.UCP_FEATURE_WAKEUP
+            handle = ffi.new("ucp_context_h *")
+            _check(lib.ucp_init(params, config[0], handle), "ucp_init")
+        finally:
+            lib.ucp_config_release(config[0])
+        self.handle = handle[0]
+        _count("context", 1)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            _lib.ucp_cleanup(self.handle)
+            self.handle = None
+            _count("context", -1)
+
+
+class MemoryRegion:
+    """``ucp_mem_map`` of an existing buffer; ``packed_rkey`` is what a peer needs to read it."""
+
+    def __init__(self, context: Context, address: int, length: int, cuda: bool) -> None:
+        ffi, lib = _ffi, _lib
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = (lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                             | lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
+        params.address = ffi.cast("void *", address)
+        params.length = length
+        params.memory_type = lib.UCS_MEMORY_TYPE_CUDA if cuda else lib.UCS_MEMORY_TYPE_HOST
+        memh = ffi.new("ucp_mem_h *")
+        _check(lib.ucp_mem_map(context.handle, params, memh), "ucp_mem_map")
+        self.context = context
+        self.handle = memh[0]
+        self.address, self.length, self.cuda = address, length, cuda
+        _count("memh", 1)
+        buf, size = ffi.new("void **"), ffi.new("size_t *")
+        try:
+            _check(lib.ucp_rkey_pack(context.handle, self.handle, buf, size), "ucp_rkey_pack")
+        except UcpError:
+            self.close()
+            raise
+        self.packed_rkey = bytes(ffi.buffer(buf[0], size[0]))
+        lib.ucp_rkey_buffer_release(buf[0])
+
+    def close(self) -> None:
+        if self.handle is not None:
+            _lib.ucp_mem_unmap(self.context.handle, self.handle)
+            self.handle = None
+            _count("memh", -1)
+
+
+class Worker:
+    """A UCP worker, its lock, its address, an AM handler and an optional progress thread."""
+
+    def __init__(self, context: Context, am_id: int,
+                 on_active_message: Optional[Callable[[bytes], None]] = None) -> None:
+        ffi, lib = _ffi, _lib
+        params = ffi.new("ucp_worker_params_t *")
+        params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        params.thread_mode = lib.UCS_THREAD_MODE_SERIALIZED
+        handle = ffi.new("ucp_worker_h *")
+        _check(lib.ucp_worker_create(context.handle, params, handle), "ucp_worker_create")
+        self.handle = handle[0]
+        _count("worker", 1)
+        self.lock = threading.RLock()
+        self.key = next(_KEYS)
+        self.on_active_message = on_active_message
+        self.inflight = 0  # outstanding operations; makes the progress thread poll on a short timer
+        self.idle_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock held
+        self.unlocked_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock released
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self._idle_sleep = False  # True while the progress thread sleeps without a timer
+        _WORKERS[self.key] = self
+        try:
+            addr, size = ffi.new("ucp_address_t **"), ffi.new("size_t *")
+            _check(lib.ucp_worker_get_address(self.handle, addr, size), "ucp_worker_get_address")
+            self.address = bytes(ffi.buffer(addr[0], size[0]))
+            lib.ucp_worker_release_address(self.handle, addr[0])
+            efd = ffi.new("int *")
+            _check(lib.ucp_worker_get_efd(self.handle, efd), "ucp_worker_get_efd")
+            self.efd = efd[0]
+            am = ffi.new("ucp_am_handler_param_t *")
+            am.field_mask = (lib.UCP_AM_HANDLER_PARAM_FIELD_ID | lib.UCP_AM_HANDLER_PARAM_FIELD_CB
+                             | lib.UCP_AM_HANDLER_PARAM_FIELD_ARG)
+            am.id = am_id
+            am.cb = lib.kvx_am_recv_py
+            am.arg = ffi.cast("void *", self.key)
+            _check(lib.ucp_worker_set_am_recv_handler(self.handle, am), "ucp_worker_set_am_recv_handler")
+        except UcpError:
+            self.close()
+            raise
+
+    # --- progress ----------------------------------------------------------------------
+    def progress(self) -> None:
+        """Progress until the worker has nothing more to do right now."""
+        with self.lock:
+            if self.handle is not None:
+                while _lib.ucp_worker_progress(self.handle):
+                    pass
+
+    def signal(self, only_if_idle: bool = False) -> None:
+        """Wake the progress thread (to stop it, or so it notices new work).
+
+        ``only_if_idle``: skip it unless the thread is in its long idle sleep. A
+        wakeup costs a thread switch and GIL hand-off (~100 us measured), so
+        posting does not pay it when the thread already polls on the short timer.
+        """
+        if only_if_idle and not self._idle_sleep:
+            return
+        with self.lock:
+            if self.handle is not None:
+                _lib.ucp_worker_signal(self.handle)
+
+    def start_progress_thread(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._progress_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _progress_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self.efd, select.POLLIN)
+        while not self._stop:
+            with self.lock:
+                if self.handle is None:
+                    return
+                while _lib.ucp_worker_progress(self.handle):
+                    pass
+                for task in list(self.idle_tasks):
+                    task()
+                status = _lib.ucp_worker_arm(self.handle)
+                busy = self.inflight > 0
+            for task in self.unlocked_tasks:
+                task()
+            if status == _lib.UCS_ERR_BUSY:
+                continue  # events arrived while arming: progress again
+            # Idle: block on the event fd. With work outstanding, also wake every 2 ms.
+            if busy:
+                poller.poll(2)
+            else:
+                self._idle_sleep = True
+                if self.inflight > 0:  # posted between arming and here: don't sleep on it
+                    self._idle_sleep = False
+                    continue
+                poller.poll(1000)
+                self._idle_sleep = False
+
+    # --- teardown ----------------------------------------------------------------------
+    def stop_progress_thread(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self.signal()
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def close(self) -> None:
+        self.stop_progress_thread()
+        with self.lock:
+            if self.handle is not None:
+                _lib.ucp_worker_destroy(self.handle)
+                self.handle = None
+                _count("worker", -1)
+        _WORKERS.pop(self.key, None)
+
+    def wait_request(self, request: Any, deadline: float) -> int:
+        """Progress until ``request`` (a non-NULL, non-error pointer) completes; free it; its status.
+
+        Returns ``UCS_ERR_TIMED_OUT`` (and leaves it counted) if the deadline passes first.
+        """
+        lib = _lib
+        while True:
+            with self.lock:
+                lib.ucp_worker_progress(self.handle)
+                status = lib.ucp_request_check_status(request)
+                if status != lib.UCS_INPROGRESS:
+                    lib.ucp_request_free(request)
+                    _count("request", -1)
+                    return int(status)
+            if time.monotonic() > deadline:
+                return int(lib.UCS_ERR_TIMED_OUT)
+            time.sleep(0.0002)
+
+
+class Endpoint:
+    """An endpoint to a peer worker, with peer error handling and an error callback.
+
+    ``peer_error_handling=False`` leaves UCX's default (no peer failure handling).
+    Measured with UCX 1.22 on one host: peer error handling rules out the shared
+    memory transports (posix/sysv: "no peer failure handler"), and ``ucp_get``
+    then runs as software emulation over tcp (the source's progress thread serves
+    it); without it, gets are zero-copy CMA reads that need no source CPU.
+    """
+
+    def __init__(self, worker: Worker, peer_address: bytes, on_error: Callable[["Endpoint", int], None],
+                 peer_error_handling: bool = True) -> None:
+        ffi, lib = _ffi, _lib
+        self.worker = worker
+        self.peer_address = peer_address
+        self.on_error = on_error
+        self.error: Optional[int] = None
+        self.key = next(_KEYS)
+        self._address_buf = ffi.new("char[]", peer_address)  # must outlive ucp_ep_create only
+        params = ffi.new("ucp_ep_params_t *")
+        params.field_mask = (lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                             | lib.UCP_EP_PARAM_FIELD_ERR_HANDLER)
+        params.address = ffi.cast("const ucp_address_t *", self._address_buf)
+        if peer_error_handling:
+            params.err_mode = lib.UCP_ERR_HANDLING_MODE_PEER
+        else:
+            params.field_mask &= ~lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE  # UCX default: no peer failure handling
+        params.err_handler.cb = lib.kvx_ep_error_py
+        params.err_handler.arg = ffi.cast("void *", self.key)
+        handle = ffi.new("ucp_ep_h *")
+        _ENDPOINTS[self.key] = self
+        with worker.lock:
+            status = lib.ucp_ep_create(worker.handle, params, handle)
+        if status != lib.UCS_OK:
+            _ENDPOINTS.pop(self.key, None)
+            raise UcpError("ucp_ep_create", status)
+        self.handle = handle[0]
+        _count("endpoint", 1)
+
+    def _on_error(self, status: int) -> None:
+        if self.error is None:
+            self.error = status
+            self.on_error(self, status)
+
+    def transports(self) -> list[tuple[str, str]]:
+        """(transport, device) per lane, from ``ucp_ep_query``."""
+        ffi, lib = _ffi, _lib
+        entries = ffi.new("ucp_transport_entry_t[]", 16)
+        attr = ffi.new("ucp_ep_attr_t *")
+        attr.field_mask = lib.UCP_EP_ATTR_FIELD_TRANSPORTS
+        attr.transports.entries = entries
+        attr.transports.num_entries = 16
+        attr.transports.entry_size = ffi.sizeof("ucp_transport_entry_t")
+        with self.worker.lock:
+            if self.handle is None or lib.ucp_ep_query(self.handle, attr) != lib.UCS_OK:
+                return []
+            return [(ffi.string(entries[i].transport_name).decode(), ffi.string(entries[i].device_name).decode())
+                    for i in range(attr.transports.num_entries)]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Force-close: outstanding requests on it complete with ``UCS_ERR_CANCELED``."""
+        ffi, lib = _ffi, _lib
+        if self.handle is None:
+            return
+        params = ffi.new("ucp_request_param_t *")
+        params.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
+        params.flags = lib.UCP_EP_CLOSE_FLAG_FORCE
+        with self.worker.lock:
+            ptr = lib.ucp_ep_close_nbx(self.handle, params)
+            self.handle = None
+            _count("endpoint", -1)
+            pending = lib.kvx_ptr_status(ptr) == lib.UCS_INPROGRESS
+            if pending:
+                _count("request", 1)
+        if pending:
+            self.worker.wait_request(ptr, time.monotonic() + timeout_s)
+        _ENDPOINTS.pop(self.key, None)
+
+
+class RemoteKey:
+    """A peer's packed rkey unpacked on one endpoint."""
+
+    def __init__(self, endpoint: Endpoint, packed: bytes) -> None:
+        ffi, lib = _ffi, _lib
+        rkey = ffi.new("ucp_rkey_h *")
+        with endpoint.worker.lock:
+            _check(lib.ucp_ep_rkey_unpack(endpoint.handle, packed, rkey), "ucp_ep_rkey_unpack")
+        self.endpoint = endpoint
+        self.handle = rkey[0]
+        _count("rkey", 1)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            with self.endpoint.worker.lock:
+                _lib.ucp_rkey_destroy(self.handle)
+            self.handle = None
+            _count("rkey", -1)
+
+
+class GetBatch:
+    """Every row of one copy plan posted as ``ucp_get_nbx``; completion counted in C.
+
+    ``done`` is True once every posted get has completed (or been cancelled);
+    ``status`` is the first error seen (``UCS_OK`` if none). ``release()`` frees
+    the requests and must run exactly once, after ``done``.
+    """
+
+    def __init__(self, endpoint: Endpoint, rkey: RemoteKey, local_base: int, remote_base: int,
+                 src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray, cuda: bool) -> None:
+        ffi, lib = _ffi, _lib
+        self.worker = endpoint.worker
+        n = int(lengths.size)
+        self._arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offsets, dst_offsets, lengths)]
+        self.counter = ffi.new("kvx_counter_t *")
+        self.requests = ffi.new("void *[]", max(n, 1))
+        self.n = n
+        self.released = False
+        posted = ffi.new("size_t *")
+        src, dst, lens = (ffi.cast("const int64_t *", a.ctypes.data) for a in self._arrays)
+        with self.worker.lock:
+            status = lib.kvx_get_batch(endpoint.handle, rkey.handle, local_base, remote_base, src, dst, lens, n,
+                                       1 if cuda else 0, self.counter, self.requests, posted)
+            self.outstanding = int(self.counter.pending)
+            _count("request", self.outstanding)
+            self.worker.inflight += 1
+        self.posted = int(posted[0])
+        self.post_status = int(status)
+        if status != lib.UCS_OK and self.counter.status == lib.UCS_OK:
+            self.counter.status = status
+
+    @property
+    def done(self) -> bool:
+        return self.counter.pending == 0
+
+    @property
+    def status(self) -> int:
+        return int(self.counter.status)
+
+    def cancel(self) -> int:
+        """Ask UCX to cancel what is still in flight; returns how many were asked."""
+        with self.worker.lock:
+            if self.released:
+                return 0
+            return int(_lib.kvx_cancel_pending(self.worker.handle, self.requests, self.n))
+
+    def release(self) -> None:
+        with self.worker.lock:
+            if self.released:
+                return
+            assert self.counter.pending == 0, "release() before every get completed"
+            freed = int(_lib.kvx_free_requests(self.requests, self.n))
+            _count("request", -freed)
+            self.released = True
+            self.worker.inflight -= 1
+
+
+def send_active_message(endpoint: Endpoint, am_id: int, payload: bytes) -> Optional[Any]:
+    """Post a small AM (payload in the header, copied by UCX). Returns the request to wait on, or None."""
+    ffi, lib = _ffi, _lib
+    params = ffi.new("ucp_request_param_t *")
+    params.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
+    params.flags = lib.UCP_AM_SEND_FLAG_COPY_HEADER
+    with endpoint.worker.lock:
+        if endpoint.handle is None:
+            raise UcpError("ucp_am_send_nbx", int(lib.UCS_ERR_CANCELED))
+        ptr = lib.ucp_am_send_nbx(endpoint.handle, am_id, payload, len(payload), ffi.NULL, 0, params)
+        status = lib.kvx_ptr_status(ptr)
+        if status == lib.UCS_INPROGRESS:
+            _count("request", 1)
+            return ptr
+    _check(status, "ucp_am_send_nbx")
+    return None
+
+
+def request_status(worker: Worker, request: Any) -> int:
+    """Status of an in-flight request; frees it (and uncounts it) once complete."""
+    lib = _lib
+    with worker.lock:
+        status = int(lib.ucp_request_check_status(request))
+        if status != lib.UCS_INPROGRESS:
+            lib.ucp_request_free(request)
+            _count("request", -1)
+        return status
+
+
+def ucx_tls() -> str:
+    """The transports UCX was told to use (``UCX_TLS``), or UCX's default."""
+    return os.environ.get("UCX_TLS", "all (UCX default)")

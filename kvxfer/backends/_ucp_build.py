@@ -1,0 +1,296 @@
+"""cffi builder for ``kvxfer.backends._ucp_cffi``: a thin, API-mode binding to UCX's UCP.
+
+Why API mode: the struct layouts (``ucp_params_t``, ``ucp_request_param_t``, ...)
+change between UCX releases. Declaring only the fields we touch, with ``...;``,
+lets the C compiler read the real header and fill in offsets and sizes, so the
+binding cannot silently disagree with ``libucp``.
+
+Headers and libraries come from the ``libucx`` Python package (the
+``libucx-cu12`` wheel), located at build time. At run time the wrapper calls
+``libucx.load_library()`` first (the wheel's supported way to put ``libucp.so.0``
+in the loader's cache). No rpath is set: under pip's build isolation the
+build-time folder is a temporary directory that is gone after the install.
+
+The few C helpers below exist for speed and safety, not convenience: posting a
+whole copy plan's gets in one C loop keeps Python work per request constant, and
+completion is counted by a C callback so no Python runs per completed get.
+
+Built by ``setup.py`` (``cffi_modules``) during ``pip install``, or in place with
+``python -m kvxfer.backends._ucp_build``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from cffi import FFI
+
+MODULE_NAME = "kvxfer.backends._ucp_cffi"
+
+CDEF = r"""
+typedef int... ucs_status_t;
+typedef int... ucs_memory_type_t;
+typedef int... ucs_thread_mode_t;
+typedef int... ucp_err_handling_mode_t;
+typedef void *ucs_status_ptr_t;
+
+typedef struct ucp_context *ucp_context_h;
+typedef struct ucp_worker *ucp_worker_h;
+typedef struct ucp_ep *ucp_ep_h;
+typedef struct ucp_mem *ucp_mem_h;
+typedef struct ucp_rkey *ucp_rkey_h;
+typedef struct ucp_config ucp_config_t;
+typedef struct ucp_address ucp_address_t;
+
+typedef void (*ucp_send_nbx_callback_t)(void *request, ucs_status_t status, void *user_data);
+typedef void (*ucp_err_handler_cb_t)(void *arg, ucp_ep_h ep, ucs_status_t status);
+
+typedef struct {
+    uint64_t recv_attr;
+    ucp_ep_h reply_ep;
+    ...;
+} ucp_am_recv_param_t;
+
+typedef ucs_status_t (*ucp_am_recv_callback_t)(void *arg, const void *header, size_t header_length,
+                                               void *data, size_t length, const ucp_am_recv_param_t *param);
+
+typedef struct { uint64_t field_mask; uint64_t features; ...; } ucp_params_t;
+typedef struct { uint64_t field_mask; ucs_thread_mode_t thread_mode; ...; } ucp_worker_params_t;
+typedef struct ucp_err_handler { ucp_err_handler_cb_t cb; void *arg; } ucp_err_handler_t;
+typedef struct {
+    uint64_t field_mask;
+    const ucp_address_t *address;
+    ucp_err_handling_mode_t err_mode;
+    ucp_err_handler_t err_handler;
+    ...;
+} ucp_ep_params_t;
+typedef struct {
+    uint64_t field_mask;
+    void *address;
+    size_t length;
+    ucs_memory_type_t memory_type;
+    ...;
+} ucp_mem_map_params_t;
+typedef struct {
+    uint32_t op_attr_mask;
+    uint32_t flags;
+    void *user_data;
+    ucs_memory_type_t memory_type;
+    ...;
+} ucp_request_param_t;
+typedef struct {
+    uint64_t field_mask;
+    unsigned id;
+    uint32_t flags;
+    ucp_am_recv_callback_t cb;
+    void *arg;
+    ...;
+} ucp_am_handler_param_t;
+typedef struct { const char *transport_name; const char *device_name; ...; } ucp_transport_entry_t;
+typedef struct { ucp_transport_entry_t *entries; unsigned num_entries; size_t entry_size; ...; } ucp_transports_t;
+typedef struct { uint64_t field_mask; ucp_transports_t transports; ...; } ucp_ep_attr_t;
+
+#define UCS_OK ...
+#define UCS_INPROGRESS ...
+#define UCS_ERR_BUSY ...
+#define UCS_ERR_CANCELED ...
+#define UCS_ERR_TIMED_OUT ...
+#define UCS_MEMORY_TYPE_HOST ...
+#define UCS_MEMORY_TYPE_CUDA ...
+#define UCS_THREAD_MODE_SERIALIZED ...
+#define UCP_PARAM_FIELD_FEATURES ...
+#define UCP_FEATURE_RMA ...
+#define UCP_FEATURE_AM ...
+#define UCP_FEATURE_WAKEUP ...
+#define UCP_WORKER_PARAM_FIELD_THREAD_MODE ...
+#define UCP_EP_PARAM_FIELD_REMOTE_ADDRESS ...
+#define UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE ...
+#define UCP_EP_PARAM_FIELD_ERR_HANDLER ...
+#define UCP_ERR_HANDLING_MODE_PEER ...
+#define UCP_MEM_MAP_PARAM_FIELD_ADDRESS ...
+#define UCP_MEM_MAP_PARAM_FIELD_LENGTH ...
+#define UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE ...
+#define UCP_OP_ATTR_FIELD_FLAGS ...
+#define UCP_OP_ATTR_FIELD_CALLBACK ...
+#define UCP_OP_ATTR_FIELD_USER_DATA ...
+#define UCP_OP_ATTR_FIELD_MEMORY_TYPE ...
+#define UCP_EP_CLOSE_FLAG_FORCE ...
+#define UCP_AM_HANDLER_PARAM_FIELD_ID ...
+#define UCP_AM_HANDLER_PARAM_FIELD_FLAGS ...
+#define UCP_AM_HANDLER_PARAM_FIELD_CB ...
+#define UCP_AM_HANDLER_PARAM_FIELD_ARG ...
+#define UCP_AM_SEND_FLAG_COPY_HEADER ...
+#define UCP_AM_SEND_FLAG_REPLY ...
+#define UCP_AM_RECV_ATTR_FLAG_RNDV ...
+#define UCP_EP_ATTR_FIELD_TRANSPORTS ...
+
+const char *ucs_status_string(ucs_status_t status);
+const char *ucp_get_version_string(void);
+ucs_status_t ucp_config_read(const char *env_prefix, const char *filename, ucp_config_t **config_p);
+void ucp_config_release(ucp_config_t *config);
+ucs_status_t ucp_init(const ucp_params_t *params, const ucp_config_t *config, ucp_context_h *context_p);
+void ucp_cleanup(ucp_context_h context_p);
+
+ucs_status_t ucp_worker_create(ucp_context_h context, const ucp_worker_params_t *params, ucp_worker_h *worker_p);
+void ucp_worker_destroy(ucp_worker_h worker);
+ucs_status_t ucp_worker_get_address(ucp_worker_h worker, ucp_address_t **address_p, size_t *address_length_p);
+void ucp_worker_release_address(ucp_worker_h worker, ucp_address_t *address);
+unsigned ucp_worker_progress(ucp_worker_h worker);
+ucs_status_t ucp_worker_get_efd(ucp_worker_h worker, int *fd);
+ucs_status_t ucp_worker_arm(ucp_worker_h worker);
+ucs_status_t ucp_worker_signal(ucp_worker_h worker);
+ucs_status_t ucp_worker_set_am_recv_handler(ucp_worker_h worker, const ucp_am_handler_param_t *param);
+
+ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h *ep_p);
+ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_param_t *param);
+ucs_status_t ucp_ep_query(ucp_ep_h ep, ucp_ep_attr_t *attr);
+
+ucs_status_t ucp_mem_map(ucp_context_h context, const ucp_mem_map_params_t *params, ucp_mem_h *memh_p);
+ucs_status_t ucp_mem_unmap(ucp_context_h context, ucp_mem_h memh);
+ucs_status_t ucp_rkey_pack(ucp_context_h context, ucp_mem_h memh, void **rkey_buffer_p, size_t *size_p);
+void ucp_rkey_buffer_release(void *rkey_buffer);
+ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h ep, const void *rkey_buffer, ucp_rkey_h *rkey_p);
+void ucp_rkey_destroy(ucp_rkey_h rkey);
+
+ucs_status_ptr_t ucp_am_send_nbx(ucp_ep_h ep, unsigned id, const void *header, size_t header_length,
+                                 const void *buffer, size_t count, const ucp_request_param_t *param);
+ucs_status_t ucp_request_check_status(void *request);
+void ucp_request_cancel(ucp_worker_h worker, void *request);
+void ucp_request_free(void *request);
+
+/* kvxfer helpers (defined in the source below) */
+typedef struct { int64_t pending; int status; } kvx_counter_t;
+int kvx_ptr_status(void *ptr);
+void kvx_counter_cb(void *request, ucs_status_t status, void *user_data);
+int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+                  const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
+                  int cuda, kvx_counter_t *counter, void **requests, size_t *posted);
+size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n);
+size_t kvx_free_requests(void **requests, size_t n);
+
+extern "Python" ucs_status_t kvx_am_recv_py(void *arg, const void *header, size_t header_length,
+                                            void *data, size_t length, const ucp_am_recv_param_t *param);
+extern "Python" void kvx_ep_error_py(void *arg, ucp_ep_h ep, ucs_status_t status);
+"""
+
+SOURCE = r"""
+#include <ucp/api/ucp.h>
+
+typedef struct { int64_t pending; int status; } kvx_counter_t;
+
+/* UCS_PTR_STATUS is a macro: NULL -> UCS_OK, error pointer -> its status, request -> UCS_INPROGRESS. */
+static int kvx_ptr_status(void *ptr) { return (int)UCS_PTR_STATUS(ptr); }
+
+/* Completion of one request of a batch: count it down and keep the first error. */
+static void kvx_counter_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvx_counter_t *counter = (kvx_counter_t *)user_data;
+    (void)request;
+    counter->pending--;
+    if (status != UCS_OK && counter->status == UCS_OK) {
+        counter->status = status;
+    }
+}
+
+/* Post one get per row. Requests still in flight land in requests[i] (NULL when
+ * the get completed at once); *posted says how many rows were posted. The
+ * counter's pending is raised for every in-flight request before it can
+ * complete (completion only happens inside ucp_worker_progress). */
+static int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+                         const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
+                         int cuda, kvx_counter_t *counter, void **requests, size_t *posted)
+{
+    ucp_request_param_t param;
+    size_t i;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = kvx_counter_cb;
+    param.user_data = counter;
+    if (cuda) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        param.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
+    *posted = 0;
+    for (i = 0; i < n; ++i) {
+        ucs_status_ptr_t ptr = ucp_get_nbx(ep, (void *)(uintptr_t)(local_base + (uint64_t)dst_off[i]),
+                                           (size_t)lengths[i], remote_base + (uint64_t)src_off[i], rkey, &param);
+        requests[i] = NULL;
+        if (UCS_PTR_IS_ERR(ptr)) {
+            return (int)UCS_PTR_STATUS(ptr);
+        }
+        *posted = i + 1;
+        if (ptr != NULL) {
+            requests[i] = ptr;
+            counter->pending++;
+        }
+    }
+    return (int)UCS_OK;
+}
+
+/* Ask UCX to cancel every request of a batch that is still in flight. */
+static size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n)
+{
+    size_t i, cancelled = 0;
+    for (i = 0; i < n; ++i) {
+        if (requests[i] != NULL && ucp_request_check_status(requests[i]) == UCS_INPROGRESS) {
+            ucp_request_cancel(worker, requests[i]);
+            ++cancelled;
+        }
+    }
+    return cancelled;
+}
+
+/* Free a completed batch's requests; returns how many were freed. */
+static size_t kvx_free_requests(void **requests, size_t n)
+{
+    size_t i, freed = 0;
+    for (i = 0; i < n; ++i) {
+        if (requests[i] != NULL) {
+            ucp_request_free(requests[i]);
+            requests[i] = NULL;
+            ++freed;
+        }
+    }
+    return freed;
+}
+"""
+
+
+def libucx_prefix() -> Path:
+    """The installed ``libucx`` package folder (headers in include/, libraries in lib/)."""
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the 'libucx' package (pip install libucx-cu12==1.22.0) is needed to build the UCX binding")
+    prefix = Path(list(spec.submodule_search_locations)[0])
+    if not (prefix / "include" / "ucp" / "api" / "ucp.h").is_file():
+        raise RuntimeError(f"{prefix} has no include/ucp/api/ucp.h; reinstall libucx-cu12")
+    return prefix
+
+
+def make_ffi() -> FFI:
+    prefix = libucx_prefix()
+    libdir = str(prefix / "lib")
+    ffibuilder = FFI()
+    ffibuilder.cdef(CDEF)
+    ffibuilder.set_source(
+        MODULE_NAME,
+        SOURCE,
+        include_dirs=[str(prefix / "include")],
+        library_dirs=[libdir],
+        libraries=["ucp", "ucs"],
+        extra_compile_args=["-O2", "-Wno-sign-compare"],
+    )
+    return ffibuilder
+
+
+ffibuilder = make_ffi()  # what setup.py's ``cffi_modules`` picks up
+
+if __name__ == "__main__":
+    # In-place build for development: compiles under build/cffi and copies the
+    # extension next to this file (as an editable install would).
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    built = Path(ffibuilder.compile(tmpdir=str(root / "build" / "cffi"), verbose=False))
+    shutil.copy2(built, Path(__file__).resolve().parent / built.name)
+    print(Path(__file__).resolve().parent / built.name)

@@ -1,0 +1,432 @@
+"""``ucx``: one-sided reads with UCX's UCP directly (no NIXL in between).
+
+Decode side: ``begin_pull_blocks`` opens (or reuses) an endpoint to the source's
+worker, unpacks the source's packed rkey once per endpoint, and posts one
+``ucp_get_nbx`` per coalesced row of the copy plan. When every get has completed
+it sends the source an active message with the request id (read-done); a failed
+transfer sends a failure AM instead, but only once no get can still land.
+
+Source side: the AM handler queues the notices; ``drain_read_done()`` and
+``drain_read_failed()`` return them.
+
+Why the details are as they are:
+- A peer that errors (``UCP_ERR_HANDLING_MODE_PEER``) is dropped from the
+  endpoint cache at once; its endpoint is force-closed later by the progress
+  thread, so a restarted peer (a new worker address) just gets a new endpoint.
+- On failure or timeout the in-flight gets are cancelled; if UCX cannot cancel
+  them quickly the endpoint is force-closed (which completes them all).
+  ``storage_safe`` stays False until that has happened.
+- Each backend instance has its own context and worker, and a progress thread
+  that sleeps on the worker's event fd, so an idle backend uses no CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from collections import deque
+from typing import Any, Mapping, Optional
+
+from kvxfer.backends import _ucp, register_backend
+from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
+from kvxfer.errors import PeerMetadataError, TransferError
+from kvxfer.geometry import PeerGeometry
+
+AM_ID = 0x4B56  # "KV": the active-message id of read-done / read-failed notices
+_CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force-closing the endpoint
+_CLOSE_GRACE_S = 1.0  # how long close() lets read-done notices leave
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(meta: Mapping[str, Any], field: str) -> bytes:
+    value = meta.get(field)
+    if not isinstance(value, str) or not value:
+        raise PeerMetadataError(f"peer meta field {field!r} must be a non-empty base64 string; export it with the ucx backend")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise PeerMetadataError(f"peer meta field {field!r} is not valid base64: {exc}") from None
+
+
+class _Peer:
+    """One endpoint to a source worker and the rkeys unpacked on it."""
+
+    def __init__(self, backend: "UcxBackend", address: bytes) -> None:
+        self.address = address
+        self.endpoint = _ucp.Endpoint(backend._worker, address, backend._on_endpoint_error,
+                                      peer_error_handling=backend.peer_error_handling)
+        self.rkeys: dict[bytes, _ucp.RemoteKey] = {}
+        self.batches: set[_ucp.GetBatch] = set()  # posted, not yet released
+
+    def rkey(self, packed: bytes) -> _ucp.RemoteKey:
+        key = self.rkeys.get(packed)
+        if key is None:
+            key = self.rkeys[packed] = _ucp.RemoteKey(self.endpoint, packed)
+        return key
+
+    @property
+    def failed(self) -> bool:
+        return self.endpoint.error is not None or self.endpoint.handle is None
+
+    def close(self) -> bool:
+        """Force-close the endpoint (completing its gets), then destroy the rkeys. True when fully closed."""
+        self.endpoint.close()
+        if any(not batch.done for batch in self.batches):
+            return False
+        for key in self.rkeys.values():
+            key.close()
+        self.rkeys.clear()
+        return True
+
+
+class UcxHandle(TransferHandle):
+    """One pull: a batch of gets on one endpoint."""
+
+    def __init__(self, request_id: RequestId, timeout_s: float, backend: "UcxBackend", peer: _Peer,
+                 batch: _ucp.GetBatch, notify: bool = True) -> None:
+        super().__init__(request_id, timeout_s)
+        self._notify_done = notify
+        self._backend = backend
+        self._peer = peer
+        self._batch = batch
+        self._failure_reason: Optional[str] = None
+        self._failure_sent = False
+
+    @property
+    def storage_safe(self) -> bool:
+        if self._state is TransferState.ERR and not self._storage_safe:
+            return self._batch.done  # every get has completed or been cancelled: nothing can land now
+        return super().storage_safe
+
+    def _progress(self) -> bool:
+        batch = self._batch
+        if not batch.done:
+            self._backend._worker.progress()
+        if not batch.done:
+            return False
+        if batch.status != _ucp._lib.UCS_OK:
+            raise TransferError(
+                f"request {self.request_id!r}: UCX get failed: {_ucp.status_string(batch.status)}"
+                + ("; the source endpoint reported an error (the source process may have died)" if self._peer.failed else "")
+            )
+        return True
+
+    def _abort(self) -> bool:
+        batch = self._batch
+        if not batch.done:
+            batch.cancel()
+            self._wait_batch(_CANCEL_GRACE_S)
+        if not batch.done:
+            # Not cancellable in time: force-close the endpoint, which completes every get on it.
+            self._backend._drop_peer(self._peer)
+            self._peer.endpoint.close()
+            self._wait_batch(_CANCEL_GRACE_S)
+        if batch.done:
+            self._backend._release_batch(self._peer, batch)
+            return True
+        return False
+
+    def _wait_batch(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._batch.done and time.monotonic() < deadline:
+            self._backend._worker.progress()
+            time.sleep(0.0005)
+
+    def _on_done(self) -> None:
+        self._backend._release_batch(self._peer, self._batch)
+        self._backend._finish(self)
+        if self._notify_done:
+            self._backend._notify(self._peer, {"kind": "done", "id": self.request_id})
+
+    def _on_failed(self, error: TransferError) -> None:
+        self._failure_reason = str(error)
+        self._backend._finish(self)
+        if self._batch.released:
+            self._send_failure()
+        else:
+            self._backend._defer(self)  # sent by the progress thread once every get has completed
+
+    def _send_failure(self) -> None:
+        if self._failure_sent:
+            return
+        self._failure_sent = True
+        if self._peer.endpoint.error is None:  # a dead source cannot be told, and need not be
+            self._backend._notify_address(self._peer.address,
+                                          {"kind": "failed", "id": self.request_id, "reason": self._failure_reason})
+
+
+@register_backend
+class UcxBackend(KVTransportBackend):
+    """UCP transport: ``ucp_mem_map`` + packed rkey, ``ucp_get_nbx`` reads, AM read-done."""
+
+    name = "ucx"
+    is_push = False
+
+    def __init__(self, *args: Any, peer_error_handling: bool = True, **kwargs: Any) -> None:
+        """Same arguments as every backend, plus ``peer_error_handling``.
+
+        ``peer_error_handling=True`` (default) creates endpoints with
+        ``UCP_ERR_HANDLING_MODE_PEER``: a dead source fails its transfers at once
+        and is dropped. On one host this excludes shared memory, so gets go over
+        tcp emulation; ``False`` lets UCX use CMA/shared memory (zero-copy gets,
+        no source CPU) and a dead source is then only caught by the timeout or
+        the failed read.
+        """
+        self.peer_error_handling = bool(peer_error_handling)
+        super().__init__(*args, **kwargs)
+
+    def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
+        kwargs.setdefault("peer_error_handling", self.peer_error_handling)
+        return super().new_registered_buffer(**kwargs)
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            _ucp.load()
+        except ImportError as exc:
+            return False, str(exc)
+        return True, ""
+
+    # --- registration -----------------------------------------------------------------------
+    def _register(self) -> None:
+        self._state_lock = threading.Lock()
+        self._peers: dict[bytes, _Peer] = {}
+        self._retired: list[_Peer] = []  # dropped from the cache, endpoint still to close
+        self._live: set[UcxHandle] = set()
+        self._deferred: list[UcxHandle] = []  # failed, gets not all completed yet
+        self._sends: list[tuple[_ucp.Endpoint, Any]] = []  # AM requests in flight
+        self._notices: deque[bytes] = deque()
+        self._context = _ucp.Context()
+        try:
+            self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
+            self._region = _ucp.MemoryRegion(self._context, self.geometry.buf_ptr, self.geometry.region_bytes,
+                                             cuda=self.memory_buffer.is_cuda)
+        except Exception:
+            if getattr(self, "_worker", None) is not None:
+                self._worker.close()
+            self._context.close()
+            raise
+        self._worker.idle_tasks.append(self._housekeeping)
+        self._worker.unlocked_tasks.append(self._complete_landed)
+        self._worker.start_progress_thread(f"kvxfer-ucx-{self.agent_name}")
+
+    def _transport_meta(self) -> dict[str, Any]:
+        return {
+            "ucx_worker_address": _b64(self._worker.address),
+            "ucx_rkey": _b64(self._region.packed_rkey),
+            "ucx_version": _ucp.version(),
+            "memory_type": "cuda" if self._region.cuda else "host",
+        }
+
+    def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
+        peer = super().parse_peer_meta(peer_meta)
+        _unb64(peer_meta, "ucx_worker_address")
+        _unb64(peer_meta, "ucx_rkey")
+        return peer
+
+    # --- pulls ------------------------------------------------------------------------------
+    def _post_read(self, pull: PullRequest) -> TransferHandle:
+        address = _unb64(pull.peer_meta, "ucx_worker_address")
+        packed = _unb64(pull.peer_meta, "ucx_rkey")
+        plan = pull.plan
+        with self._worker.lock:
+            try:
+                peer = self._peer_for(address)
+                rkey = peer.rkey(packed)
+            except _ucp.UcpError as exc:
+                raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
+            batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, pull.peer.geometry.buf_ptr,
+                                  plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
+            peer.batches.add(batch)
+            # ``notify`` (read-done on completion) is a newer PullRequest field; absent means True.
+            handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=getattr(pull, "notify", True))
+            self._live.add(handle)
+        self._worker.signal(only_if_idle=True)
+        return handle
+
+    def _peer_for(self, address: bytes) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None and peer.failed:
+            self._drop_peer(peer)
+            peer = None
+        if peer is None:
+            peer = self._peers[address] = _Peer(self, address)
+        return peer
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        with self._worker.lock:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            if peer not in self._retired:
+                self._retired.append(peer)
+
+    def _on_endpoint_error(self, endpoint: _ucp.Endpoint, status: int) -> None:
+        """UCX's error callback (progress thread, worker lock held): forget that peer."""
+        peer = self._peers.get(endpoint.peer_address)
+        if peer is not None and peer.endpoint is endpoint:
+            self._drop_peer(peer)
+
+    def _release_batch(self, peer: _Peer, batch: _ucp.GetBatch) -> None:
+        with self._worker.lock:
+            batch.release()
+            peer.batches.discard(batch)
+
+    def _finish(self, handle: UcxHandle) -> None:
+        with self._worker.lock:
+            self._live.discard(handle)
+
+    def _defer(self, handle: UcxHandle) -> None:
+        with self._worker.lock:
+            self._deferred.append(handle)
+        self._worker.signal()
+
+    # --- notices ----------------------------------------------------------------------------
+    def _notify(self, peer: _Peer, message: dict[str, Any]) -> None:
+        if peer.endpoint.error is not None or peer.endpoint.handle is None:
+            self._notify_address(peer.address, message)
+            return
+        self._send(peer.endpoint, message)
+
+    def _notify_address(self, address: bytes, message: dict[str, Any]) -> None:
+        with self._worker.lock:
+            try:
+                peer = self._peer_for(address)
+            except _ucp.UcpError:
+                return
+            self._send(peer.endpoint, message)
+
+    def _send(self, endpoint: _ucp.Endpoint, message: dict[str, Any]) -> None:
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        try:
+            with self._worker.lock:
+                request = _ucp.send_active_message(endpoint, AM_ID, payload)
+                if request is not None:
+                    self._sends.append((endpoint, request))
+                    self._worker.inflight += 1
+                    self._worker.signal(only_if_idle=True)
+        except _ucp.UcpError:
+            return  # the source is gone: nobody is waiting for this notice
+
+    def _collect_notifications(self) -> None:
+        self._worker.progress()
+        while self._notices:
+            raw = self._notices.popleft()
+            try:
+                message = json.loads(raw)
+                kind, request_id = message["kind"], message["id"]
+            except (ValueError, KeyError, TypeError):
+                continue  # not one of ours
+            if kind == "done":
+                self._deliver_read_done(request_id)
+            elif kind == "failed":
+                self._deliver_read_failed(request_id, str(message.get("reason", "")))
+
+    def _housekeeping(self) -> None:
+        """Progress-thread work (worker lock held): finish AM sends, deferred failures, dead endpoints."""
+        still = []
+        for endpoint, request in self._sends:
+            if _ucp.request_status(self._worker, request) == _ucp._lib.UCS_INPROGRESS:
+                still.append((endpoint, request))
+            else:
+                self._worker.inflight -= 1
+        self._sends = still
+        waiting = []
+        for handle in self._deferred:
+            if handle._batch.done:
+                self._release_batch(handle._peer, handle._batch)
+                handle._send_failure()
+            else:
+                waiting.append(handle)
+        self._deferred = waiting
+        self._retired = [peer for peer in self._retired if not peer.close()]
+
+    def _complete_landed(self) -> None:
+        """Progress thread, worker lock released: finish handles whose gets have all landed.
+
+        So the read-done notice leaves as soon as the data is in place, even if the
+        engine polls its handle late. A handle busy in another thread is skipped
+        (never waited for: that thread finishes it).
+        """
+        with self._worker.lock:
+            landed = [handle for handle in self._live if handle._batch.done]
+        for handle in landed:
+            if handle._lock.acquire(blocking=False):
+                try:
+                    if handle.state is TransferState.PROC:
+                        handle._advance()
+                finally:
+                    handle._lock.release()
+
+    # --- teardown ---------------------------------------------------------------------------
+    def _deregister(self) -> None:
+        for handle in list(self._live):
+            with handle._lock:
+                if handle.state is TransferState.PROC:
+                    handle._fail(TransferError(f"request {handle.request_id!r}: the ucx backend was closed"))
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while (self._sends or self._deferred) and time.monotonic() < deadline:
+            with self._worker.lock:
+                self._worker.progress()
+                self._housekeeping()
+            time.sleep(0.0005)
+        self._worker.stop_progress_thread()
+        with self._worker.lock:
+            for endpoint, request in self._sends:
+                self._worker.wait_request(request, time.monotonic())  # frees it if complete
+            for peer in list(self._peers.values()):
+                self._drop_peer(peer)
+            for peer in self._retired:
+                peer.endpoint.close()
+            self._worker.progress()
+            for handle in self._deferred:
+                if handle._batch.done:
+                    self._release_batch(handle._peer, handle._batch)
+            for peer in self._retired:
+                peer.close()
+            self._retired.clear()
+        self._region.close()
+        self._worker.close()
+        self._context.close()
+
+    def disconnect(self, peer_meta: Optional[Mapping[str, Any]] = None) -> None:
+        """Close the cached endpoint to one source (or to all): e.g. a prefill instance went away.
+
+        Transfers still in flight on it fail (their gets are cancelled); the next
+        pull from that source connects again.
+        """
+        self._check_open()
+        with self._worker.lock:
+            if peer_meta is None:
+                peers = list(self._peers.values())
+            else:
+                found = self._peers.get(_unb64(peer_meta, "ucx_worker_address"))
+                peers = [found] if found is not None else []
+            for peer in peers:
+                self._drop_peer(peer)
+            self._housekeeping()
+
+    # --- introspection ----------------------------------------------------------------------
+    def transports_in_use(self) -> dict[str, list[tuple[str, str]]]:
+        """(transport, device) lanes of each cached endpoint, keyed by a short peer tag."""
+        with self._worker.lock:
+            peers = list(self._peers.values())
+        return {peer.address[:8].hex(): peer.endpoint.transports() for peer in peers}
+
+
+def ucx_transport_info(backend: Optional[UcxBackend] = None) -> dict[str, Any]:
+    """What ``kvxfer info`` shows for UCX: version, UCX_TLS, and the lanes of a live backend's endpoints."""
+    ok, why = UcxBackend.availability()
+    info: dict[str, Any] = {"available": ok, "UCX_TLS": _ucp.ucx_tls()}
+    if not ok:
+        info["reason"] = why
+        return info
+    info["version"] = _ucp.version()
+    if backend is not None and not backend.closed:
+        info["endpoints"] = backend.transports_in_use()
+    return info
