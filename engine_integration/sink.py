@@ -51,7 +51,7 @@ class PullStats:
     pulled_blocks: int
     queue_s: float       #: waiting in the FIFO for blocks (and the source's meta)
     pull_s: float        #: from posting the read to seeing it complete in the engine loop
-    admit_seq: int       #: admission order on this instance (FIFO check)
+    admit_seq: int       #: order in which blocks were reserved on this instance (FIFO check)
 
 
 @dataclass
@@ -64,6 +64,7 @@ class _Import:
     fresh: list[int] = field(default_factory=list)
     handle: Any = None
     started_at: float = 0.0
+    admit_seq: int = 0
     abort_reason: str = ""
 
 
@@ -139,6 +140,8 @@ class HandoffSink:
             if not self._reserve(entry):
                 break
             self._queue.popleft()
+            self._admitted += 1
+            entry.admit_seq = self._admitted
             events += self._start_pull(entry, meta)
         return events
 
@@ -189,9 +192,8 @@ class HandoffSink:
         d = entry.descriptor
         n_cached = len(entry.cached)
         pulled = len(d.block_ids) - n_cached
-        self._admitted += 1
         self.pull_stats[d.request_id] = PullStats(pulled, entry.started_at - entry.enqueued_at,
-                                                  time.monotonic() - entry.started_at, self._admitted)
+                                                  time.monotonic() - entry.started_at, entry.admit_seq)
         table = entry.cached + entry.fresh
         n_full = len(d.block_hashes)
         self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])

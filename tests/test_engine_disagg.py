@@ -19,12 +19,16 @@ from kvxfer.backends import available_backends
 
 from engine_helpers import varied_prompts
 
-RUNNABLE = [info.name for info in available_backends() if info.available]
+_INFOS = available_backends()
+RUNNABLE = [info.name for info in _INFOS if info.available]
 CROSS_PROCESS = [name for name in RUNNABLE if name not in IN_PROCESS_BACKENDS]
+# Registered but not runnable here (e.g. a binding not built): listed, with the fix, not hidden.
+_MISSING = [pytest.param(info.name, marks=pytest.mark.skip(reason=f"{info.name} not installed here: {info.reason}"))
+            for info in _INFOS if not info.available]
 DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests must queue
 
 
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=RUNNABLE + _MISSING)
 def cluster(request):
     config = ClusterConfig(backend=request.param, decode_blocks=DECODE_BLOCKS, prefill_blocks=512,
                            heartbeat_timeout_s=2.0, request_timeout_s=60.0, transfer_timeout_s=20.0)
@@ -105,7 +109,8 @@ def test_decode_killed_mid_handoff_fails_requests_releases_pins_and_restart_serv
     assert time.monotonic() - t0 < 20, "the failure took too long to reach the client"
     errors = [r.error for r in results if r.error]
     assert errors, "the kill should have failed the requests still in flight"
-    assert all("decode 'decode-0'" in e and "exited" in e for e in errors), errors
+    # whichever the coordinator notices first: the closed connection or the exited pid
+    assert all("decode 'decode-0'" in e and ("exited" in e or "closed its connection" in e) for e in errors), errors
     assert not any("no result" in e for e in errors)
     stats = cluster.wait_for_stats(_settled, timeout_s=20)  # no pinned block leaked on the prefill
     assert not _engine(stats, "decode-0")["alive"]
