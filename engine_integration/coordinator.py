@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import zmq
 

@@ -21,8 +21,11 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import zmq
+
+from engine_integration import wire
 from engine_integration.adapter import ImportedRequest
 from engine_integration.descriptor import HandoffDescriptor, RequestId
 from engine_integration.poll import KVPoll
@@ -291,9 +294,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
                 register_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.2,
                 coordinator_timeout_s: float = 10.0, secret: Optional[str] = None) -> None:
         """Set up the transport and register with the coordinator; raises ``RegistrationRefused``."""
-        import zmq
-
-        from engine_integration import wire
 
         if self._coordinator_address is None or self._disagg_role is None:
             raise RuntimeError("call set_disaggregation_config first")
@@ -331,14 +331,10 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
 
     def _notify_kv_read_done(self, request_id: RequestId) -> None:
         """Tell the native coordinator that decode no longer needs source storage."""
-        from engine_integration import wire
-
         self._send(wire.ReadDone(request_id))  # type: ignore[arg-type]
 
     def _notify_kv_transfer_ready(self, request_id: RequestId, cached_prefix_blocks: int) -> None:
         """Tell the native coordinator that the destination storage is committed."""
-        from engine_integration import wire
-
         stats = self._handoff_sink.pull_stats.pop(request_id, None) if self._handoff_sink else None
         self._send(wire.TransferReady(request_id, cached_prefix_blocks,  # type: ignore[arg-type]
                                       stats.pulled_blocks if stats else 0, stats.pull_s if stats else 0.0,
@@ -353,8 +349,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         return StateHandoffDynamicInferenceEngine._record_and_serialize_finished_request(self, request)
 
     def _publish_handoff(self, request: InferenceRequest, descriptor: HandoffDescriptor) -> None:
-        from engine_integration import wire
-
         self._exported[request.request_id] = descriptor
         record = self._record_and_serialize_finished_request(request)
         self._exported.pop(request.request_id, None)
@@ -362,8 +356,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         self._send(wire.HandoffReady(request.request_id, record["descriptor"], record["prefill_s"]))  # type: ignore[arg-type]
 
     def _on_handoff_event(self, event: SinkEvent) -> None:
-        from engine_integration import wire
-
         if event.state is KVPoll.Success:
             self._notify_kv_transfer_ready(event.request_id, event.cached_prefix_blocks)
             self._notify_kv_read_done(event.request_id)
@@ -389,8 +381,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         (or messages just handled), a millisecond with only pulls in flight, else the
         heartbeat interval (an arriving message wakes the loop anyway).
         """
-        from engine_integration import wire
-
         handled = self._poll_messages()
         if self.shutdown_reason is not None:
             return self.heartbeat_interval_s
@@ -412,9 +402,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         return self.heartbeat_interval_s
 
     def _poll_messages(self) -> int:
-        import zmq
-
-        from engine_integration import wire
 
         n = 0
         while self._socket.poll(0, zmq.POLLIN):
@@ -437,8 +424,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         return n
 
     def _send_heartbeat(self) -> None:
-        from engine_integration import wire
-
         self._last_heartbeat = time.monotonic()
         self._send(wire.Heartbeat(**self.handoff_stats()))
 
@@ -451,8 +436,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
 
     def disconnect(self, reason: str = "") -> None:
         """Say goodbye, close the socket and the transport, stop a spawned coordinator."""
-        from engine_integration import wire
-
         if self._socket is not None:
             try:
                 self._send(wire.Goodbye(reason))

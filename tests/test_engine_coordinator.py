@@ -34,6 +34,9 @@ class ScriptedEngine:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"{identity}/1".encode())
         self.sock.connect(address)
+        self.identity = identity.removeprefix("d-")
+        self.free = 60  # free blocks reported in heartbeats
+        self.last_heartbeat = 0.0
         self.registered: "wire.Msg | None" = None
         self.send(wire.Register(role, identity, "1", pid, os.uname().nodename, "fp", [meta], 64))
         self.registered = self.recv(5.0)
@@ -41,13 +44,19 @@ class ScriptedEngine:
     def send(self, msg: wire.Msg) -> None:
         self.sock.send(self.codec.encode(msg))
 
+    def heartbeat(self) -> None:
+        """At most every 0.1 s, like a real engine (each one is answered with a keepalive)."""
+        if time.monotonic() - self.last_heartbeat >= 0.1:
+            self.last_heartbeat = time.monotonic()
+            self.send(wire.Heartbeat(self.free, 0, 0, 0, 0))
+
     def recv(self, timeout_s: float, *, keepalive: "list[ScriptedEngine]" = ()) -> "wire.Msg | None":
         """Next message other than a keepalive; heartbeats for ``keepalive`` engines meanwhile."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for eng in keepalive:
-                eng.send(wire.Heartbeat(60, 0, 0, 0, 0))
-            if self.sock.poll(100):
+                eng.heartbeat()
+            if self.sock.poll(50):
                 msg = self.codec.decode(self.sock.recv())
                 if not (isinstance(msg, wire.Registered) and msg.ok and self.registered is not None):
                     return msg
@@ -86,8 +95,8 @@ def _collect(client, cid, keepalive, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for eng in keepalive:
-            eng.send(wire.Heartbeat(60, 0, 0, 0, 0))
-        [result] = client.collect([cid], timeout_s=0.2)
+            eng.heartbeat()
+        [result] = client.collect([cid], timeout_s=0.1)
         if result.error is None or "no result" not in result.error:
             return result
     raise AssertionError("no result")
@@ -182,3 +191,27 @@ def test_engine_can_spawn_its_own_coordinator():
     finally:
         engine.disconnect("test over")
     assert proc.poll() is not None  # the spawned coordinator is stopped with its engine
+
+
+def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid())
+    small = ScriptedEngine(coordinator, "decode", "d-small", os.getpid())
+    big = ScriptedEngine(coordinator, "decode", "d-big", os.getpid())
+    small.free, big.free = 10, 60
+    everyone = [prefill, small, big]
+    client = CoordinatorClient(coordinator)
+
+    def route(hashes):
+        client.submit([1, 2, 3, 4, 5], 2)
+        add = prefill.expect(wire.AddRequest, 5.0, keepalive=everyone)
+        prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+                                                        "block_hashes": hashes}, 0.01))
+        got = {e.identity: e.expect(wire.StartDecode, 0.5, keepalive=everyone) for e in (small, big)}
+        return [name for name, msg in got.items() if msg is not None]
+
+    prefill.expect(wire.Shutdown, 0.3, keepalive=everyone)  # (nothing comes) heartbeats carry the free counts
+    assert route([11]) == ["big"]                # most free blocks
+    small.free = 100                             # now the small one has more room...
+    prefill.expect(wire.Shutdown, 0.3, keepalive=everyone)
+    assert route([11, 12]) == ["big"]            # ...but the big one holds the prefix
+    assert route([99]) == ["small"]              # no prefix anywhere: most free blocks
