@@ -78,7 +78,9 @@ class LocalBackend(KVTransportBackend):
     def _transport_meta(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "local_buffer_id": self.buffer_id}
 
-    def _find_source(self, meta: Any) -> "LocalBackend":
+    def _find_source(self, pull: PullRequest) -> "LocalBackend":
+        """The live registration the meta names, and only if the meta describes it truly."""
+        meta = pull.peer_meta
         if meta.get("pid") != os.getpid():
             raise PeerMetadataError(
                 "the local backend only reaches registrations in this process; the peer meta comes from "
@@ -90,11 +92,15 @@ class LocalBackend(KVTransportBackend):
         with _LIVE_LOCK:
             source = _LIVE.get(buffer_id)
         if source is None:
-            raise PeerMetadataError(f"no live local registration {meta.get('local_buffer_id')!r}; was the source closed?")
+            raise PeerMetadataError(f"no live local registration {buffer_id!r}; was the source closed?")
+        if pull.peer.geometry != source.geometry or pull.peer.dtype != source.dtype_name:
+            raise PeerMetadataError(
+                f"peer meta does not describe local registration {buffer_id} (its geometry or dtype differs)"
+            )
         return source
 
     def _post_read(self, pull: PullRequest) -> TransferHandle:
-        source = self._find_source(pull.peer_meta)
+        source = self._find_source(pull)
         transfers = reshard_transfers_for_pull(self, pull.peer)
         if transfers is None:
             src = _slices_view(source)

@@ -1,0 +1,146 @@
+"""Prefill and decode on two hosts joined by a cable we can cut.
+
+Two network namespaces joined by a veth pair stand in for two hosts; UCX runs over
+TCP between them. A transfer across works; the link is cut mid-transfer and the
+decode handle fails within its timeout (no hang) with its storage safe; the link
+comes back and new transfers succeed without restarting either process.
+Needs root and ``ip netns`` (CI runs as root); skipped, with the reason, elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.netns_peer import AUTHKEY, NUM_BLOCKS
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 5.0  # the backends' transfer timeout in netns_peer
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _namespaces_work() -> str:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    name = f"kvxprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+        _ip("netns", "del", name)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot create network namespaces here: {exc}"
+    return ""
+
+
+WHY_NOT = _namespaces_work()
+
+
+@pytest.fixture
+def hosts():
+    """Two namespaces, a veth cable between them (10.77.0.1 <-> 10.77.0.2)."""
+    tag = os.getpid() % 100000
+    ns_a, ns_b, veth_a, veth_b = f"kvxa{tag}", f"kvxb{tag}", f"kva{tag}", f"kvb{tag}"
+    _ip("netns", "add", ns_a)
+    _ip("netns", "add", ns_b)
+    try:
+        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        _ip("link", "set", veth_a, "netns", ns_a)
+        _ip("link", "set", veth_b, "netns", ns_b)
+        for ns, dev, addr in ((ns_a, veth_a, "10.77.0.1/24"), (ns_b, veth_b, "10.77.0.2/24")):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield {"a": (ns_a, veth_a), "b": (ns_b, veth_b)}
+    finally:
+        for ns in (ns_a, ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+class Peer:
+    """A netns_peer process and the authenticated Unix-socket connection to it."""
+
+    def __init__(self, role: str, ns: str, dev: str, backend: str, tmp: Path) -> None:
+        self.socket = str(tmp / f"{role}.sock")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.netns_peer", role, self.socket, backend],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{role} did not start: {self.proc.stdout.read().decode()[-2000:]}")
+            time.sleep(0.1)
+        self.conn = Client(self.socket, family="AF_UNIX", authkey=AUTHKEY)
+        _, self.meta = self.call_reply()
+
+    def call_reply(self, *command, timeout: float = 60):
+        if command:
+            self.conn.send(command)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {command[:1]} within {timeout}s")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.call_reply("quit", timeout=20)
+        except (OSError, EOFError, TimeoutError):
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _pull(decode: Peer, prefill: Peer, rid: int, count: int, seed: int):
+    rng = np.random.default_rng(seed)
+    src = rng.choice(NUM_BLOCKS, count, replace=False).tolist()
+    dst = rng.choice(NUM_BLOCKS, count, replace=False).tolist()
+    assert decode.call_reply("pull", prefill.meta, src, dst, rid) == ("posted",)
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces work")
+@pytest.mark.parametrize("backend", ["ucx", "nixl"])
+def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backend, tmp_path):
+    (ns_a, veth_a), (ns_b, veth_b) = hosts["a"], hosts["b"]
+    prefill = Peer("prefill", ns_a, veth_a, backend, tmp_path)
+    decode = Peer("decode", ns_b, veth_b, backend, tmp_path)
+    try:
+        # 1. a transfer across the link works, bytes exact, read-done at the source
+        _pull(decode, prefill, rid=1, count=32, seed=1)
+        status, exact, _ = decode.call_reply("wait", 1)
+        assert status == "done" and exact
+        time.sleep(0.2)
+        assert 1 in prefill.call_reply("drain")[0]
+
+        # 2. cut the cable mid-transfer: the handle fails within its timeout, storage safe
+        _pull(decode, prefill, rid=2, count=NUM_BLOCKS, seed=2)
+        time.sleep(0.05)
+        _ip("-n", ns_a, "link", "set", veth_a, "down")
+        reply = decode.call_reply("wait", 2, timeout=TIMEOUT_S + 30)
+        assert reply[0] == "failed", f"the transfer finished before the cut ({reply}); make it larger"
+        _, error, message, elapsed, storage_safe = reply
+        assert error in ("TransferTimeoutError", "TransferError"), message
+        assert elapsed < TIMEOUT_S + 5 and storage_safe
+
+        # 3. the cable comes back: new transfers succeed, neither process restarted
+        _ip("-n", ns_a, "link", "set", veth_a, "up")
+        time.sleep(1.0)
+        for attempt in range(3):
+            _pull(decode, prefill, rid=10 + attempt, count=32, seed=10 + attempt)
+            reply = decode.call_reply("wait", 10 + attempt, timeout=TIMEOUT_S + 30)
+            if reply[0] == "done":
+                break
+        assert reply[0] == "done" and reply[1], f"no recovery after the link came back: {reply}"
+        assert prefill.proc.poll() is None and decode.proc.poll() is None
+    finally:
+        decode.close()
+        prefill.close()
