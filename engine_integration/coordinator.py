@@ -445,7 +445,7 @@ class Coordinator:
                 **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__} if eng.hb else {}),
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
-        return wire.Stats(engines, live)
+        return wire.Stats(engines, live, self.codec.dropped)
 
 
 # --- running it as a process ------------------------------------------------------------

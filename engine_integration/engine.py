@@ -260,6 +260,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         self._codec: Any = None
         self._coordinator_address: Optional[str] = None
         self._coordinator_process: Any = None
+        self._coordinator_secret: Optional[str] = None  # the secret of a coordinator we spawned
         self._disagg_role: Optional[str] = None
         self._disagg_identity: Optional[str] = None
         self.incarnation = uuid.uuid4().hex[:12]
@@ -285,6 +286,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
 
             cfg = coordinator_group if isinstance(coordinator_group, CoordinatorConfig) else CoordinatorConfig()
             self._coordinator_process, self._coordinator_address = start_coordinator_process(cfg)
+            self._coordinator_secret = cfg.secret
         else:
             if not isinstance(coordinator_group, str):
                 raise ValueError("coordinator_group must be the coordinator's address when not spawning one")
@@ -293,7 +295,11 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
     def connect(self, *, backend: str = "local", transfer_timeout_s: float = 30.0, queue_timeout_s: float = 120.0,
                 register_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.2,
                 coordinator_timeout_s: float = 10.0, secret: Optional[str] = None) -> None:
-        """Set up the transport and register with the coordinator; raises ``RegistrationRefused``."""
+        """Set up the transport and register with the coordinator; raises ``RegistrationRefused``.
+
+        ``secret`` authenticates every control frame; it defaults to the secret of a
+        coordinator this engine spawned.
+        """
 
         if self._coordinator_address is None or self._disagg_role is None:
             raise RuntimeError("call set_disaggregation_config first")
@@ -302,7 +308,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
                                    timeout_s=transfer_timeout_s, queue_timeout_s=queue_timeout_s)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.coordinator_timeout_s = coordinator_timeout_s
-        self._codec = wire.Codec(secret)
+        self._codec = wire.Codec(secret if secret is not None else self._coordinator_secret)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.identity}/{self.incarnation}".encode())

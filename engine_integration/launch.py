@@ -8,6 +8,8 @@ decode engines share one host process, with any other transport each gets its ow
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -17,9 +19,22 @@ from engine_integration.client import CoordinatorClient, GenerationResult
 from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
+from kvxfer.auth import SECRET_FILE_ENV, load_secret
 
 #: Transports that only reach registrations in their own process.
 IN_PROCESS_BACKENDS = frozenset({"local"})
+
+
+def default_cluster_secret() -> str:
+    """The secret a launched cluster authenticates its control frames with.
+
+    Every process of the cluster is started by the launcher, so a fresh random
+    secret shared only with them is enough; a deployment names its own secret
+    file in ``$KVXFER_SECRET_FILE``.
+    """
+    if os.environ.get(SECRET_FILE_ENV):
+        return load_secret().decode()
+    return secrets.token_hex(32)
 
 
 @dataclass(frozen=True)
@@ -31,7 +46,8 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 3.0
     request_timeout_s: float = 120.0
     transfer_timeout_s: float = 30.0
-    secret: Optional[str] = None
+    #: HMAC secret for every control frame: $KVXFER_SECRET_FILE's, else a fresh one per cluster
+    secret: Optional[str] = field(default_factory=lambda: default_cluster_secret())
     device: Optional[str] = None  #: None: a GPU where present, else the CPU
 
 

@@ -137,6 +137,7 @@ class StatsRequest(Msg, frozen=True, tag="stats_request"):
 class Stats(Msg, frozen=True, tag="stats"):
     engines: dict[str, dict[str, Any]]
     requests_in_flight: int
+    dropped_frames: int = 0  #: control frames refused (unauthenticated or malformed)
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, Finished, Failed, Goodbye,
@@ -160,6 +161,7 @@ class Codec:
 
     def __init__(self, secret: Union[str, bytes, None] = None) -> None:
         self._auth = None
+        self.dropped = 0  #: frames refused: unauthenticated, undecodable or invalid
         if secret is not None:
             from kvxfer.auth import MessageAuthenticator
 
@@ -170,11 +172,19 @@ class Codec:
         return self._auth.seal(payload) if self._auth is not None else payload
 
     def decode(self, frame: bytes) -> Msg:
-        """The message in ``frame``; raises ``WireError`` (or ``AuthenticationError``) otherwise."""
-        payload = self._auth.open(frame) if self._auth is not None else frame
+        """The message in ``frame``; raises ``WireError`` (or ``AuthenticationError``) otherwise.
+
+        An unauthenticated frame is refused before its payload is parsed at all.
+        """
         try:
+            payload = self._auth.open(frame) if self._auth is not None else frame
             return _DECODER.decode(payload)
         except msgspec.ValidationError as exc:
+            self.dropped += 1
             raise WireError(f"invalid control message: {exc}") from None
         except msgspec.DecodeError as exc:
+            self.dropped += 1
             raise WireError(f"undecodable control message: {exc}") from None
+        except Exception:
+            self.dropped += 1
+            raise

@@ -25,11 +25,14 @@ DESCRIPTOR = {"request_id": 0, "source": "p0", "meta_index": 0, "block_ids": [3,
               "prompt": [1, 2, 3, 4, 5], "resume_tokens": [9]}
 
 
+SECRET = "coordinator-test-secret-0123456789"
+
+
 class ScriptedEngine:
     """A registered engine whose every message the test sends by hand."""
 
     def __init__(self, address: str, role: str, identity: str, pid: int, meta: dict = META) -> None:
-        self.codec = wire.Codec()
+        self.codec = wire.Codec(SECRET)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"{identity}/1".encode())
@@ -77,7 +80,8 @@ class ScriptedEngine:
 
 @pytest.fixture()
 def coordinator():
-    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=1.0, request_timeout_s=30))
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=1.0, request_timeout_s=30,
+                                                                secret=SECRET))
     yield address
     stop_coordinator_process(proc, timeout_s=5)
 
@@ -105,7 +109,7 @@ def _collect(client, cid, keepalive, timeout_s=5.0):
 def _handoff_to_decode(address, decode_pid):
     prefill = ScriptedEngine(address, "prefill", "p0", os.getpid())
     decode = ScriptedEngine(address, "decode", "d0", decode_pid)
-    client = CoordinatorClient(address)
+    client = CoordinatorClient(address, secret=SECRET)
     cid = client.submit([1, 2, 3, 4, 5], 4)
     add = prefill.recv(5.0, keepalive=[decode])
     assert isinstance(add, wire.AddRequest)
@@ -160,7 +164,7 @@ def test_registration_refused_with_reason_and_read_done_forwarded(coordinator):
     assert isinstance(bad.registered, wire.Registered) and not bad.registered.ok
     assert "'dtype' is 'bfloat16' here but 'float32'" in bad.registered.reason
     decode = ScriptedEngine(coordinator, "decode", "d0", os.getpid())
-    client = CoordinatorClient(coordinator)
+    client = CoordinatorClient(coordinator, secret=SECRET)
     cid = client.submit([1, 2, 3, 4, 5], 2)
     add = prefill.recv(5.0, keepalive=[decode])
     prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id}, 0.01))
@@ -180,10 +184,10 @@ def test_engine_can_spawn_its_own_coordinator():
 
     engine = build_reference_engine(ModelConfig(), 32, engine_cls=DisaggDynamicInferenceEngine)
     engine.set_disaggregation_config(role="prefill", identity="p-spawn", spawn_coordinator=True,
-                                     coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0))
+                                     coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0, secret=SECRET))
     try:
         engine.connect(backend="local", register_timeout_s=20)
-        client = CoordinatorClient(engine._coordinator_address)
+        client = CoordinatorClient(engine._coordinator_address, secret=SECRET)
         stats = client.stats()
         assert stats.engines["p-spawn"]["role"] == "prefill" and stats.engines["p-spawn"]["alive"]
         client.close()
@@ -199,7 +203,7 @@ def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
     big = ScriptedEngine(coordinator, "decode", "d-big", os.getpid())
     small.free, big.free = 10, 60
     everyone = [prefill, small, big]
-    client = CoordinatorClient(coordinator)
+    client = CoordinatorClient(coordinator, secret=SECRET)
 
     def route(hashes):
         client.submit([1, 2, 3, 4, 5], 2)
@@ -215,3 +219,21 @@ def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
     prefill.expect(wire.Shutdown, 0.3, keepalive=everyone)
     assert route([11, 12]) == ["big"]            # ...but the big one holds the prefix
     assert route([99]) == ["small"]              # no prefix anywhere: most free blocks
+
+
+def test_unauthenticated_frames_are_dropped_and_counted(coordinator):
+    """No secret, or the wrong one: the coordinator never parses the frame, never registers the engine."""
+    for secret in (None, "another-secret-of-enough-bytes"):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator)
+        frame = wire.Codec(secret).encode(wire.Register(
+            role="decode", identity="intruder", incarnation="1", pid=os.getpid(), host="x",
+            model_fingerprint="m", transfer_meta=[META], capacity_blocks=8))
+        sock.send(frame)
+        assert sock.poll(1000) == 0  # no answer at all
+        sock.close()
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    stats = client.stats()
+    assert "intruder" not in stats.engines and stats.dropped_frames >= 2
+    client.close()
