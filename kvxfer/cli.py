@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak`` and ``bench`` (see ``kvxfer --help``)."""
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate`` and ``bench`` (see ``kvxfer --help``)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,13 @@ def _soak(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from engine_integration.launch import run_generate_command
+
+    return run_generate_command(args.prompts, args.max_new_tokens, disagg=args.disagg,
+                                backend=args.backend or default_backend_name(), timings=args.timings)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvxfer.bench.command import run_command
 
@@ -165,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", help="also write the report to this JSON file")
     soak.set_defaults(func=_soak)
+
+    gen = sub.add_parser("generate", help="greedy generation on the reference engine, co-located or disaggregated")
+    gen.add_argument("--prompts", required=True, help="JSON lines file, each line a list of token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--disagg", action="store_true", help="coordinator + prefill + decode processes on loopback")
+    gen.add_argument("--backend", help="transport for --disagg (default: the best available here)")
+    gen.add_argument("--timings", action="store_true", help="print timings with the tokens")
+    gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="sweep backends and baselines (two processes, every transfer verified)")
     add_bench_arguments(bench)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvxfer.backends.local import _LIVE, LocalBackend
 from kvxfer.errors import KVXferError
 from kvxfer.geometry import parse_geometry_meta
+from kvxfer.meta_seal import seal_meta
 
 SHAPE = (2, 2, 8, 2, 1, 4)
 _SRC = LocalBackend("fuzz-src", torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE), 8)
@@ -41,6 +42,11 @@ def mutated_meta(draw):
             meta[key] = meta[key] + draw(st.integers(-3, 3)) * draw(st.sampled_from([1, 64, 2**40]))
         else:
             meta[key] = draw(junk)
+    if draw(st.booleans()):
+        try:  # half the time: a peer that seals what it sends, so the field checks are what is tested
+            seal_meta(meta)
+        except KVXferError:
+            pass  # not JSON-serialisable: the seal check refuses it either way
     return meta
 
 

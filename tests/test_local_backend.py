@@ -9,6 +9,7 @@ import torch
 from kvxfer.backends.base import TransferState
 from kvxfer.backends.local import LocalBackend
 from kvxfer.errors import BackendClosedError, BlockIdError, PeerMetadataError
+from kvxfer.meta_seal import seal_meta
 from tests.conftest import DTYPES, random_pool
 
 SHAPE = (2, 4, 16, 4, 2, 8)
@@ -55,6 +56,7 @@ def test_bad_peer_meta_moves_nothing(mutate, error, message):
     src, dst, _, dst_pool = _pair()
     meta = src.export_meta()
     mutate(meta)
+    seal_meta(meta)  # a peer whose meta is well-formed but wrong: the field checks must catch it
     with pytest.raises(error, match=message):
         dst.begin_pull_blocks(meta, [1, 2], [3, 4], request_id=1)
     assert not dst_pool.any() and src.drain_read_done() == []
@@ -112,3 +114,18 @@ def test_stats_count_transfers_bytes_and_notifications():
     pending.wait(5)
     assert dst.stats()["in_flight"] == 0 and dst.stats()["bytes_completed"] == 4 * 8 * bps
     assert sorted(src.drain_read_done()) == [1, 2] and src.stats()["read_done_received"] == 2
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.update(buf_ptr=m["buf_ptr"] + 64),       # a stale or corrupted address
+    lambda m: m.update(agent_name=m["agent_name"][:-1]),  # truncated
+    lambda m: m.pop("meta_seal"),
+    lambda m: m.update(meta_seal="0" * 64),
+])
+def test_altered_meta_fails_the_seal_before_any_field_is_used(change):
+    src, dst, _, dst_pool = _pair()
+    meta = src.export_meta()
+    change(meta)
+    with pytest.raises(PeerMetadataError, match="meta_seal|integrity check"):
+        dst.begin_pull_blocks(meta, [1], [2])
+    assert not dst_pool.any()

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 import pytest
+
+from kvxfer.meta_seal import seal_meta
 import torch
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl==1.5.1)")
@@ -209,8 +211,8 @@ def _corrupt(meta, case):
     elif case == "wrong_backend":
         meta["backend"] = "ucx"
     elif case == "not_a_dict":
-        meta = ["nope"]
-    return meta
+        return ["nope"]
+    return seal_meta(meta)  # well-sealed but wrong: the field checks must catch it
 
 
 @pytest.mark.parametrize("case", ["bad_base64", "garbage_metadata", "missing_agent_metadata", "missing_num_blocks",

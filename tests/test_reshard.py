@@ -19,6 +19,8 @@ import random
 
 import numpy as np
 import pytest
+
+from kvxfer.meta_seal import seal_meta
 import torch
 
 from kvxfer.backends.base import CompletedHandle
@@ -241,6 +243,7 @@ def test_inconsistent_peer_meta_refused():
     try:
         meta = src.export_meta()
         meta["layout"] = dict(meta["layout"], tp_size=2)  # layout says 2 heads, the pool holds 4
+        seal_meta(meta)
         with pytest.raises(PeerMetadataError, match="does not match its layout"):
             dst.begin_pull_blocks(meta, [0], [0])
         assert not dst.memory_buffer.any()

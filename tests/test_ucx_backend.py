@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+
+from kvxfer.meta_seal import seal_meta
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -261,11 +263,11 @@ def test_bad_input_rejected_before_posting(mode: Mode, source: Source) -> None:
             dst.begin_pull_blocks(source.meta, [1, 1], [2, 3])
         for field, value in [("ucx_rkey", "@@not base64@@"), ("ucx_worker_address", ""), ("backend", "nixl")]:
             with pytest.raises(PeerMetadataError, match=field if field != "backend" else "backend"):
-                dst.begin_pull_blocks({**source.meta, field: value}, [1], [1])
+                dst.begin_pull_blocks(seal_meta({**source.meta, field: value}), [1], [1])
         with pytest.raises(PeerMetadataError):
-            dst.begin_pull_blocks({k: v for k, v in source.meta.items() if k != "ucx_rkey"}, [1], [1])
+            dst.begin_pull_blocks(seal_meta({k: v for k, v in source.meta.items() if k != "ucx_rkey"}), [1], [1])
         with pytest.raises(PeerMetadataError, match="dtype"):
-            dst.begin_pull_blocks({**source.meta, "dtype": "bfloat16", "element_size": 4}, [1], [1])
+            dst.begin_pull_blocks(seal_meta({**source.meta, "dtype": "bfloat16", "element_size": 4}), [1], [1])
         assert _ucp.live_objects() == before  # no endpoint, rkey or request was created
         assert torch.equal(dst.memory_buffer, torch.full(SHAPE, SENTINEL))
     assert source.drain() == ([], [])

@@ -41,6 +41,7 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.meta_seal import check_meta_seal, seal_meta
 from kvxfer.reshard_descriptors import plan_reshard_pull
 from kvxfer.stats import TransferStats
 
@@ -300,7 +301,7 @@ class KVTransportBackend(ABC):
         meta["backend"] = self.name
         meta["agent_name"] = self.agent_name
         meta.update(self._transport_meta())
-        return meta
+        return seal_meta(meta)
 
     def begin_pull_blocks(
         self,
@@ -383,6 +384,7 @@ class KVTransportBackend(ABC):
 
     # --- shared machinery -----------------------------------------------------------------
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
+        check_meta_seal(peer_meta)
         peer = parse_geometry_meta(peer_meta)
         if peer_meta.get("backend") != self.name:
             raise PeerMetadataError(

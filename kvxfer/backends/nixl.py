@@ -333,7 +333,10 @@ class _AgentShare:
                 ) from None
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != peer.name:
-                self._remove_agent(loaded_name)
+                if loaded_name in self._remote_md:
+                    self._forget(loaded_name)  # the load replaced a peer we use: set it up afresh next time
+                else:
+                    self._remove_agent(loaded_name)
                 raise PeerMetadataError(
                     f"peer meta says agent {peer.name!r} but its NIXL metadata is agent {loaded_name!r}"
                 )

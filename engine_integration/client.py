@@ -1,0 +1,87 @@
+"""A client of the coordinator: submit prompts, collect results in input order."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import zmq
+
+from engine_integration import wire
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One prompt's outcome: ``tokens`` or an ``error`` saying why not."""
+
+    tokens: Optional[tuple[int, ...]]
+    error: Optional[str] = None
+    timings: dict[str, float] = field(default_factory=dict)
+    cached_prefix_blocks: int = 0
+    pulled_blocks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class CoordinatorClient:
+    """Results are matched by id, so ``stats()`` may be called while requests are in flight."""
+
+    def __init__(self, address: str, *, secret: Optional[str] = None) -> None:
+        self.codec = wire.Codec(secret)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self._results: dict[int, GenerationResult] = {}  # arrived, not yet collected
+
+    def _receive(self, timeout_ms: int) -> Optional[wire.Msg]:
+        """One message (a ``Result`` is filed under its id and returned too), or None."""
+        if not self.sock.poll(timeout_ms):
+            return None
+        msg = self.codec.decode(self.sock.recv())
+        if isinstance(msg, wire.Result):
+            self._results[msg.client_request_id] = GenerationResult(
+                tuple(msg.tokens) if msg.tokens is not None else None, msg.error, dict(msg.timings),
+                msg.cached_prefix_blocks, msg.pulled_blocks)
+        return msg
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        cid = next(self._ids)
+        self.sock.send(self.codec.encode(wire.Submit(cid, list(prompt), max_new_tokens)))
+        return cid
+
+    def collect(self, ids: Sequence[int], timeout_s: float) -> list[GenerationResult]:
+        """Results for ``ids`` in that order; one not back within ``timeout_s`` is an error."""
+        deadline = time.monotonic() + timeout_s
+        while not all(i in self._results for i in ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._receive(int(min(left, 1.0) * 1000) + 1)
+        missing = GenerationResult(None, f"no result from the coordinator within {timeout_s}s")
+        return [self._results.pop(i, missing) for i in ids]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 timeout_s: float = 120.0) -> list[GenerationResult]:
+        ids = [self.submit(p, max_new_tokens) for p in prompts]
+        return self.collect(ids, timeout_s)
+
+    def stats(self, timeout_s: float = 10.0) -> wire.Stats:
+        self.sock.send(self.codec.encode(wire.StatsRequest()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self._receive(100)
+            if isinstance(msg, wire.Stats):
+                return msg
+        raise TimeoutError(f"no stats from the coordinator within {timeout_s}s")
+
+    def shutdown(self, reason: str = "client asked") -> None:
+        self.sock.send(self.codec.encode(wire.Shutdown(reason)))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,131 @@
+"""The paged KV pool's bookkeeping: a block allocator with prefix hashing and pins.
+
+Three counts decide whether a block may be reused:
+- ``refs``: requests (or reservations) using the block;
+- ``pins``: handoffs whose reader may still read the block (prefill side);
+- a block with neither is free. A free block that holds a *full* prompt block keeps
+  its hash and stays findable by prefix lookups until it is evicted (LRU), which is
+  what lets a later request with the same prefix skip recomputing or re-pulling it.
+
+Hashes chain over blocks (each one covers its parent's hash and its own tokens) and are
+computed with BLAKE2b, not Python's ``hash``, so every process agrees on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+def block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
+    """One chained hash per *full* block of ``tokens`` (a partial last block has none)."""
+    out: list[int] = []
+    parent = b""
+    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        chunk = np.asarray(tokens[start:start + tokens_per_block], dtype=np.int64).tobytes()
+        digest = hashlib.blake2b(parent + chunk, digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") >> 1)  # 63 bits: fits an int64 anywhere
+        parent = digest
+    return out
+
+
+class BlockAllocator:
+    """Free list, refcounts, pins and the hash -> block index of one pool."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._refs = [0] * num_blocks
+        self._pins = [0] * num_blocks
+        self._clean: deque[int] = deque(range(num_blocks))  # free, no cached content
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free, hashed, LRU order
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+
+    # --- queries --------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._clean) + len(self._cached)
+
+    @property
+    def num_pinned(self) -> int:
+        """Blocks held by at least one handoff pin."""
+        return sum(1 for p in self._pins if p)
+
+    @property
+    def num_pins(self) -> int:
+        """Outstanding pins (a block pinned by two handoffs counts twice)."""
+        return sum(self._pins)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    # --- allocation -----------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks with one ref each, or ``None`` (nothing taken) when too few are free."""
+        if n > self.num_free:
+            return None
+        out = []
+        for _ in range(n):
+            if self._clean:
+                block = self._clean.popleft()
+            else:
+                block, _ = self._cached.popitem(last=False)  # evict the least recently used
+                del self._block_of[self._hash_of.pop(block)]
+            self._refs[block] = 1
+            out.append(block)
+        return out
+
+    def acquire_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``hashes``, each with one more ref."""
+        out = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            self._cached.pop(block, None)
+            self._refs[block] += 1
+            out.append(block)
+        return out
+
+    def register(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """Make full blocks findable by hash (a hash already cached elsewhere keeps its block)."""
+        for block, h in zip(blocks, hashes):
+            if h in self._block_of or block in self._hash_of:
+                continue
+            self._hash_of[block] = h
+            self._block_of[h] = block
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one ref from each block."""
+        for block in blocks:
+            if self._refs[block] <= 0:
+                raise RuntimeError(f"block {block} released more often than it was taken")
+            self._refs[block] -= 1
+            self._maybe_free(block)
+
+    def pin(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if self._refs[block] <= 0 and self._pins[block] <= 0:
+                raise RuntimeError(f"block {block} is free; only a block in use can be pinned")
+            self._pins[block] += 1
+
+    def unpin(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if self._pins[block] <= 0:
+                raise RuntimeError(f"block {block} unpinned more often than it was pinned")
+            self._pins[block] -= 1
+            self._maybe_free(block)
+
+    def _maybe_free(self, block: int) -> None:
+        if self._refs[block] or self._pins[block]:
+            return
+        if block in self._hash_of:
+            self._cached[block] = None
+        else:
+            self._clean.append(block)

@@ -1,0 +1,229 @@
+"""Decode side of a handoff: reserve, reuse the cached prefix, pull the rest, admit.
+
+Requests wait in one FIFO queue and are admitted one at a time, so a big request at
+the head is never starved by small ones behind it. Admission reserves every block
+the request will ever use (its prompt plus its outputs; the reference engine does no
+preemption), reuses the longest cached prefix found by block hash
+(``cached_prefix_blocks``) and pulls only the remaining prompt blocks.
+
+A pull that fails keeps its destination blocks out of reuse (quarantine) until its
+handle is ``storage_safe``: a late byte landing in a block that now belongs to another
+request would corrupt that request silently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from engine_integration.adapter import HandoffEngineAdapter, ImportedRequest
+from engine_integration.descriptor import HandoffDescriptor, RequestId
+from engine_integration.poll import KVPoll
+from kvxfer.errors import KVXferError
+
+#: (source identity, meta index) -> that source's registered transfer meta, or None if not known yet.
+PeerMetaLookup = Callable[[str, int], Optional[Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class SinkEvent:
+    """Something the engine must act on: an admitted request, a failure, a cleared quarantine.
+
+    ``source_safe`` says no read of this request can still be in flight, so the source
+    may release its pins.
+    """
+
+    request_id: RequestId
+    state: KVPoll
+    source_safe: bool
+    cached_prefix_blocks: int = 0
+    pulled_blocks: int = 0
+    reason: str = ""
+    quarantine_cleared: bool = False
+
+
+@dataclass(frozen=True)
+class PullStats:
+    """How one admitted request got here (for metrics and tests)."""
+
+    pulled_blocks: int
+    queue_s: float       #: waiting in the FIFO for blocks (and the source's meta)
+    pull_s: float        #: from posting the read to seeing it complete in the engine loop
+    admit_seq: int       #: order in which blocks were reserved on this instance (FIFO check)
+
+
+@dataclass
+class _Import:
+    descriptor: HandoffDescriptor
+    max_new_tokens: int
+    enqueued_at: float
+    state: KVPoll = KVPoll.Bootstrapping
+    cached: list[int] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)
+    handle: Any = None
+    started_at: float = 0.0
+    admit_seq: int = 0
+    abort_reason: str = ""
+
+
+class HandoffSink:
+    """Admits handed-off requests into one decode instance."""
+
+    def __init__(self, adapter: HandoffEngineAdapter, backend: Any, peer_meta: PeerMetaLookup, *,
+                 queue_timeout_s: float = 120.0) -> None:
+        self.adapter = adapter
+        self.backend = backend
+        self.peer_meta = peer_meta
+        self.queue_timeout_s = queue_timeout_s
+        self._queue: deque[_Import] = deque()
+        self._transferring: dict[RequestId, _Import] = {}
+        self._quarantine: list[_Import] = []
+        self.pull_stats: dict[RequestId, PullStats] = {}  #: per admitted request; the engine pops it
+        self._admitted = 0
+
+    # --- inputs -----------------------------------------------------------------------
+    def submit(self, descriptor: HandoffDescriptor, max_new_tokens: int) -> None:
+        if max_new_tokens < len(descriptor.resume_tokens):
+            raise ValueError(f"request {descriptor.request_id!r}: max_new_tokens {max_new_tokens} < "
+                             f"{len(descriptor.resume_tokens)} resume tokens")
+        self._queue.append(_Import(descriptor, max_new_tokens, time.monotonic()))
+
+    def abort(self, request_id: RequestId, reason: str) -> Optional[SinkEvent]:
+        """Drop a request: at once if still queued; after its pull settles if transferring."""
+        for entry in self._queue:
+            if entry.descriptor.request_id == request_id:
+                self._queue.remove(entry)
+                return SinkEvent(request_id, KVPoll.Failed, True, reason=reason)
+        entry = self._transferring.get(request_id)
+        if entry is not None:
+            entry.abort_reason = reason
+        return None
+
+    # --- the engine-loop hook -------------------------------------------------------------
+    def step(self) -> list[SinkEvent]:
+        """Admit from the queue head, poll pulls (new ones too), clear quarantine; never blocks."""
+        events = self._admit_from_queue()
+        events += self._poll_transfers()
+        events += self._clear_quarantine()
+        return events
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(e.fresh) for e in self._quarantine)
+
+    # --- internals ----------------------------------------------------------------------
+    def _admit_from_queue(self) -> list[SinkEvent]:
+        events = []
+        now = time.monotonic()
+        while self._queue:
+            entry = self._queue[0]
+            d = entry.descriptor
+            if now - entry.enqueued_at > self.queue_timeout_s:
+                self._queue.popleft()
+                events.append(SinkEvent(d.request_id, KVPoll.Failed, True, reason=(
+                    f"request {d.request_id!r} waited {now - entry.enqueued_at:.1f}s for decode blocks or for "
+                    f"the transfer meta of {d.source!r} (queue timeout {self.queue_timeout_s}s)")))
+                continue
+            meta = self.peer_meta(d.source, d.meta_index)
+            if meta is None:
+                break
+            if not self._reserve(entry):
+                break
+            self._queue.popleft()
+            self._admitted += 1
+            entry.admit_seq = self._admitted
+            events += self._start_pull(entry, meta)
+        return events
+
+    def _reserve(self, entry: _Import) -> bool:
+        d = entry.descriptor
+        T = self.adapter.tokens_per_block
+        cached = self.adapter.acquire_cached_prefix(d.block_hashes)
+        total = -(-(d.num_prompt_tokens + entry.max_new_tokens - 1) // T)
+        fresh = self.adapter.allocate_blocks(total - len(cached))
+        if fresh is None:
+            self.adapter.free_blocks(cached)
+            return False
+        entry.cached, entry.fresh = cached, fresh
+        return True
+
+    def _start_pull(self, entry: _Import, meta: Mapping[str, Any]) -> list[SinkEvent]:
+        d = entry.descriptor
+        src = list(d.block_ids[len(entry.cached):])
+        dst = entry.fresh[: len(src)]
+        entry.state = KVPoll.Transferring
+        entry.started_at = time.monotonic()
+        if not src:  # the whole prompt was cached here: nothing to read
+            return [self._complete(entry)]
+        try:
+            entry.handle = self.backend.begin_pull_blocks(meta, src, dst, request_id=d.request_id)
+        except KVXferError as exc:  # validated before anything was posted: nothing in flight
+            self.adapter.free_blocks(entry.cached + entry.fresh)
+            entry.state = KVPoll.Failed
+            return [SinkEvent(d.request_id, KVPoll.Failed, True, reason=f"pull refused: {exc}")]
+        self._transferring[d.request_id] = entry
+        return []
+
+    def _poll_transfers(self) -> list[SinkEvent]:
+        events = []
+        for request_id, entry in list(self._transferring.items()):
+            try:
+                done = entry.handle.poll()
+            except KVXferError as exc:
+                del self._transferring[request_id]
+                events.append(self._fail(entry, f"pull failed: {exc}"))
+                continue
+            if done:
+                del self._transferring[request_id]
+                events.append(self._complete(entry))
+        return events
+
+    def _complete(self, entry: _Import) -> SinkEvent:
+        d = entry.descriptor
+        n_cached = len(entry.cached)
+        pulled = len(d.block_ids) - n_cached
+        self.pull_stats[d.request_id] = PullStats(pulled, entry.started_at - entry.enqueued_at,
+                                                  time.monotonic() - entry.started_at, entry.admit_seq)
+        table = entry.cached + entry.fresh
+        n_full = len(d.block_hashes)
+        self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])
+        if entry.abort_reason:
+            self.adapter.free_blocks(table)
+            entry.state = KVPoll.Failed
+            return SinkEvent(d.request_id, KVPoll.Failed, True, n_cached, pulled, reason=entry.abort_reason)
+        self.adapter.admit_decode_request(ImportedRequest(
+            d.request_id, d.prompt, d.resume_tokens, tuple(table), entry.max_new_tokens, n_cached, pulled))
+        entry.state = KVPoll.Success
+        return SinkEvent(d.request_id, KVPoll.Success, True, n_cached, pulled)
+
+    def _fail(self, entry: _Import, reason: str) -> SinkEvent:
+        d = entry.descriptor
+        entry.state = KVPoll.Failed
+        self.adapter.free_blocks(entry.cached)  # the prefix was never a destination
+        entry.cached = []
+        safe = entry.handle is None or entry.handle.storage_safe
+        if safe:
+            self.adapter.free_blocks(entry.fresh)
+        else:
+            self._quarantine.append(entry)
+        return SinkEvent(d.request_id, KVPoll.Failed, safe, reason=entry.abort_reason or reason)
+
+    def _clear_quarantine(self) -> list[SinkEvent]:
+        events = []
+        for entry in list(self._quarantine):
+            if entry.handle.storage_safe:
+                self._quarantine.remove(entry)
+                self.adapter.free_blocks(entry.fresh)
+                events.append(SinkEvent(entry.descriptor.request_id, KVPoll.Failed, True,
+                                        reason="quarantine cleared", quarantine_cleared=True))
+        return events

@@ -1,0 +1,169 @@
+"""An engine host process: builds engines, registers them, and runs their loop.
+
+One host usually runs one engine. With the in-process ``local`` transport the prefill
+and decode engines must share a process, so a host can run several, stepped in turn
+by one loop (no threads: the engines never race on the pools or the sockets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from engine_integration.reference.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build and connect one engine."""
+
+    role: str
+    identity: str
+    num_blocks: int
+    backend: str = "local"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = "cpu"
+    transfer_timeout_s: float = 30.0
+    queue_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 0.2
+    coordinator_timeout_s: float = 10.0
+    secret: Optional[str] = None
+
+
+def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
+    """A registered ``DisaggDynamicInferenceEngine`` (raises ``RegistrationRefused``)."""
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import build_reference_engine
+
+    engine = build_reference_engine(spec.model, spec.num_blocks, spec.device, DisaggDynamicInferenceEngine)
+    engine.set_disaggregation_config(role=spec.role, identity=spec.identity, spawn_coordinator=False,
+                                     coordinator_group=coordinator_address)
+    try:
+        engine.connect(backend=spec.backend, transfer_timeout_s=spec.transfer_timeout_s,
+                       queue_timeout_s=spec.queue_timeout_s, heartbeat_interval_s=spec.heartbeat_interval_s,
+                       coordinator_timeout_s=spec.coordinator_timeout_s, secret=spec.secret)
+    except BaseException:
+        engine.disconnect("registration failed")
+        raise
+    return engine
+
+
+def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05, transfer_wait_s: float = 0.001) -> None:
+    """Step every engine until each one is told to stop (or loses its coordinator).
+
+    The loop never spins idle: with compute to do it steps at once; with only pulls in
+    flight it naps ``transfer_wait_s`` (the transport progresses on its own, and a
+    spinning loop would steal the CPU it needs); otherwise it sleeps until a message
+    arrives or ``idle_wait_s`` passes (heartbeats, read-done drains).
+    """
+    import zmq
+
+    poller = zmq.Poller()
+    for engine in engines:
+        poller.register(engine.socket, zmq.POLLIN)
+    while any(e.shutdown_reason is None for e in engines):
+        wait = idle_wait_s
+        for engine in engines:
+            if engine.shutdown_reason is None:
+                wait = min(wait, engine.serve_step())
+        if wait > 0:
+            poller.poll(int(wait * 1000) or 1)
+
+
+def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: int) -> int:
+    """Process body: build and register, report ready (or the refusal) on ``ready_fd``, serve."""
+    import torch
+
+    from engine_integration import procs
+
+    torch.set_num_threads(1)  # tiny model; and the same math in every process
+    engines: list[Any] = []
+    try:
+        for spec in specs:
+            engines.append(build_engine(spec, coordinator_address))
+    except Exception as exc:  # reported to the launcher, which raises it with this reason
+        procs.report({"refused": f"{type(exc).__name__}: {exc}"}, ready_fd)
+        for engine in engines:
+            engine.disconnect("startup failed")
+        return 3
+    procs.report({"ready": [e.identity for e in engines], "pid": os.getpid()}, ready_fd)
+    try:
+        serve(engines)
+    finally:
+        for engine in engines:
+            engine.disconnect(engine.shutdown_reason or "stopping")
+    return 0
+
+
+def spec_from_dict(d: dict[str, Any]) -> EngineSpec:
+    return EngineSpec(**{**d, "model": ModelConfig(**d["model"])})
+
+
+class EngineStartError(RuntimeError):
+    """An engine host did not come up; the message carries its reason (e.g. the refusal)."""
+
+
+@dataclass
+class EngineHost:
+    """A started engine host process (see ``start_engine_host``)."""
+
+    process: subprocess.Popen
+    identities: list[str]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash the coordinator must survive."""
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        from engine_integration import procs
+
+        procs.stop(self.process, timeout_s)
+
+
+def start_engine_host(specs: Sequence[EngineSpec], coordinator_address: str, *,
+                      start_timeout_s: float = 120.0) -> EngineHost:
+    """Start a host process and wait until its engines are registered (or refused)."""
+    return start_engine_hosts([specs], coordinator_address, start_timeout_s=start_timeout_s)[0]
+
+
+def start_engine_hosts(groups: Sequence[Sequence[EngineSpec]], coordinator_address: str, *,
+                       start_timeout_s: float = 120.0) -> list[EngineHost]:
+    """One host process per group of specs, started together (their imports overlap)."""
+    from engine_integration import procs
+
+    procs_ = [procs.launch("engine_integration.worker",
+                           {"address": coordinator_address, "specs": [asdict(s) for s in specs]})
+              for specs in groups]
+    hosts, error = [], None
+    for proc, specs in zip(procs_, groups):
+        try:
+            ready = procs.wait_ready(proc, "engine_integration.worker", start_timeout_s)
+        except procs.ProcessStartError as exc:
+            ready = {"refused": str(exc)}
+        if "ready" in ready:
+            hosts.append(EngineHost(proc, list(ready["ready"])))
+        else:
+            procs.stop(proc)
+            error = error or EngineStartError(f"engine host {[s.identity for s in specs]}: {ready.get('refused')}")
+    if error is not None:
+        for host in hosts:
+            host.stop()
+        raise error
+    return hosts
+
+
+if __name__ == "__main__":
+    _payload = json.loads(sys.argv[1])
+    sys.exit(host_main([spec_from_dict(d) for d in _payload["specs"]], _payload["address"], int(sys.argv[2])))

@@ -1,0 +1,60 @@
+"""Shared helpers for the engine tests: prompts and an in-process prefill/decode pair."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from engine_integration.engine import StateHandoffDynamicInferenceEngine
+from engine_integration.poll import KVPoll
+from engine_integration.reference import ModelConfig, build_reference_engine
+
+MODEL = ModelConfig()
+
+
+def varied_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of lengths 1..21: full and partial last blocks (T=4), a few sharing prefixes."""
+    out = []
+    for i in range(n):
+        length = 1 + (i * 5 + seed) % 21
+        out.append([(i * 31 + j * 17 + seed) % 256 for j in range(length)])
+    if n >= 4:
+        out[3] = out[2][:8] + [7, 7, 7, 7, 7]  # shares two full blocks with prompt 2
+    return out
+
+
+def make_pair(decode_blocks: int = 256, prefill_blocks: int = 512, backend: str = "local"):
+    """A prefill and a decode engine in this process, driven by ``drive_pair`` (no coordinator)."""
+    prefill = build_reference_engine(MODEL, prefill_blocks, engine_cls=StateHandoffDynamicInferenceEngine)
+    decode = build_reference_engine(MODEL, decode_blocks, engine_cls=StateHandoffDynamicInferenceEngine)
+    prefill.setup_kv_transfer("prefill", backend, identity="p0")
+    decode.setup_kv_transfer("decode", backend, identity="d0")
+    decode.add_peer_transfer_meta("p0", prefill.transfer_meta)
+    return prefill, decode
+
+
+def drive_pair(prefill: Any, decode: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               max_steps: int = 10_000, first_id: int = 0) -> tuple[dict, list]:
+    """The control plane in miniature: descriptors to decode, read-done back to prefill."""
+    for i, p in enumerate(prompts):
+        prefill.add_request(first_id + i, p, max_new_tokens)
+    results: dict = {}
+    events: list = []
+    for _ in range(max_steps):
+        prefill.step()
+        for descriptor in prefill.handoff_outbox:
+            decode.add_handoff(descriptor, max_new_tokens)
+        prefill.handoff_outbox.clear()
+        for record in decode.step():
+            results[record["request_id"]] = record
+        for event in decode.handoff_events:
+            events.append(event)
+            if event.source_safe:
+                prefill.release_handoff(event.request_id)
+        decode.handoff_events.clear()
+        if len(results) == len(prompts) and not prefill.has_unfinished_requests():
+            return results, events
+    raise AssertionError(f"not finished after {max_steps} steps: {len(results)}/{len(prompts)}")
+
+
+def successes(events: list) -> list:
+    return [e for e in events if e.state is KVPoll.Success]

@@ -1,0 +1,239 @@
+"""The coordinator's failure handling, against scripted engines over real sockets.
+
+The engines here are plain ZeroMQ sockets speaking the wire protocol, so each test can
+decide exactly when an engine stops talking or its process dies. The "decode process"
+is a real child process that the test kills.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from engine_integration import wire
+from engine_integration.client import CoordinatorClient
+from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
+
+META = {"schema_version": 1, "backend": "local", "dtype": "float32", "element_size": 4, "tokens_per_block": 4,
+        "heads_per_partition": 2, "head_dim": 16, "num_outer": 4, "bytes_per_slice": 512}
+DESCRIPTOR = {"request_id": 0, "source": "p0", "meta_index": 0, "block_ids": [3, 4], "block_hashes": [11],
+              "prompt": [1, 2, 3, 4, 5], "resume_tokens": [9]}
+
+
+SECRET = "coordinator-test-secret-0123456789"
+
+
+class ScriptedEngine:
+    """A registered engine whose every message the test sends by hand."""
+
+    def __init__(self, address: str, role: str, identity: str, pid: int, meta: dict = META) -> None:
+        self.codec = wire.Codec(SECRET)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, f"{identity}/1".encode())
+        self.sock.connect(address)
+        self.identity = identity.removeprefix("d-")
+        self.free = 60  # free blocks reported in heartbeats
+        self.last_heartbeat = 0.0
+        self.registered: "wire.Msg | None" = None
+        self.send(wire.Register(role, identity, "1", pid, os.uname().nodename, "fp", [meta], 64))
+        self.registered = self.recv(5.0)
+
+    def send(self, msg: wire.Msg) -> None:
+        self.sock.send(self.codec.encode(msg))
+
+    def heartbeat(self) -> None:
+        """At most every 0.1 s, like a real engine (each one is answered with a keepalive)."""
+        if time.monotonic() - self.last_heartbeat >= 0.1:
+            self.last_heartbeat = time.monotonic()
+            self.send(wire.Heartbeat(self.free, 0, 0, 0, 0))
+
+    def recv(self, timeout_s: float, *, keepalive: "list[ScriptedEngine]" = ()) -> "wire.Msg | None":
+        """Next message other than a keepalive; heartbeats for ``keepalive`` engines meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for eng in keepalive:
+                eng.heartbeat()
+            if self.sock.poll(50):
+                msg = self.codec.decode(self.sock.recv())
+                if not (isinstance(msg, wire.Registered) and msg.ok and self.registered is not None):
+                    return msg
+        return None
+
+    def expect(self, kind: type, timeout_s: float, *, keepalive: "list[ScriptedEngine]" = ()) -> "wire.Msg | None":
+        """The first message of type ``kind`` within ``timeout_s`` (others are skipped), else None."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.recv(left, keepalive=keepalive)
+            if isinstance(msg, kind):
+                return msg
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture()
+def coordinator():
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=1.0, request_timeout_s=30,
+                                                                secret=SECRET))
+    yield address
+    stop_coordinator_process(proc, timeout_s=5)
+
+
+@pytest.fixture()
+def decode_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait(10)
+
+
+def _collect(client, cid, keepalive, timeout_s=5.0):
+    """The client's result, while ``keepalive`` engines keep heartbeating (they must not look dead)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for eng in keepalive:
+            eng.heartbeat()
+        [result] = client.collect([cid], timeout_s=0.1)
+        if result.error is None or "no result" not in result.error:
+            return result
+    raise AssertionError("no result")
+
+
+def _handoff_to_decode(address, decode_pid):
+    prefill = ScriptedEngine(address, "prefill", "p0", os.getpid())
+    decode = ScriptedEngine(address, "decode", "d0", decode_pid)
+    client = CoordinatorClient(address, secret=SECRET)
+    cid = client.submit([1, 2, 3, 4, 5], 4)
+    add = prefill.recv(5.0, keepalive=[decode])
+    assert isinstance(add, wire.AddRequest)
+    prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id}, 0.01))
+    assert isinstance(decode.recv(5.0, keepalive=[prefill]), wire.PeerMeta)
+    assert isinstance(decode.recv(5.0, keepalive=[prefill]), wire.StartDecode)
+    return prefill, decode, client, cid, add.request_id
+
+
+def test_dead_decode_process_fails_request_and_releases_source_pins(coordinator, decode_process):
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    decode_process.kill()
+    decode_process.wait(10)
+    release = prefill.expect(wire.Release, 5.0, keepalive=[prefill])
+    assert release is not None and release.request_ids == [rid]
+    result = _collect(client, cid, [prefill])
+    assert "decode 'd0'" in result.error and "exited" in result.error
+    decode.send(wire.Heartbeat(60, 0, 0, 0, 0))  # a removed engine is told to go away
+    assert decode.expect(wire.Shutdown, 3.0) is not None
+
+
+def test_silent_but_alive_decode_keeps_pins_until_its_process_is_gone(coordinator, decode_process):
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    # d0 stops heartbeating, but its process lives on: its reads might still be in flight
+    result = _collect(client, cid, [prefill])
+    assert "no heartbeat" in result.error
+    assert prefill.expect(wire.Release, 1.5, keepalive=[prefill]) is None  # the reader may still be reading
+    stats = client.stats()
+    assert stats.engines["d0"]["alive"] is False
+    decode_process.kill()
+    decode_process.wait(10)
+    release = prefill.expect(wire.Release, 5.0, keepalive=[prefill])
+    assert release is not None and release.request_ids == [rid]
+
+
+def test_closed_connection_removes_engine_at_once_but_keeps_pins_while_its_process_lives(coordinator,
+                                                                                      decode_process):
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    decode.close()  # the socket is gone; the process (which may hold posted reads) is not
+    t0 = time.monotonic()
+    result = _collect(client, cid, [prefill])
+    assert "closed its connection" in result.error and time.monotonic() - t0 < 0.9  # before the heartbeat limit
+    assert prefill.expect(wire.Release, 1.0, keepalive=[prefill]) is None
+    decode_process.kill()
+    decode_process.wait(10)
+    assert prefill.expect(wire.Release, 5.0, keepalive=[prefill]).request_ids == [rid]
+
+
+def test_registration_refused_with_reason_and_read_done_forwarded(coordinator):
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid())
+    bad = ScriptedEngine(coordinator, "decode", "d1", os.getpid(), meta={**META, "dtype": "bfloat16"})
+    assert isinstance(bad.registered, wire.Registered) and not bad.registered.ok
+    assert "'dtype' is 'bfloat16' here but 'float32'" in bad.registered.reason
+    decode = ScriptedEngine(coordinator, "decode", "d0", os.getpid())
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    cid = client.submit([1, 2, 3, 4, 5], 2)
+    add = prefill.recv(5.0, keepalive=[decode])
+    prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id}, 0.01))
+    decode.recv(5.0, keepalive=[prefill])
+    start = decode.recv(5.0, keepalive=[prefill])
+    decode.send(wire.TransferReady(start.request_id, 0, 2, 0.001))
+    decode.send(wire.ReadDone(start.request_id))
+    assert prefill.expect(wire.Release, 5.0, keepalive=[decode]) is not None
+    decode.send(wire.Finished(start.request_id, [9, 8]))
+    [result] = client.collect([cid], timeout_s=5)
+    assert result.tokens == (9, 8) and result.pulled_blocks == 2
+
+
+def test_engine_can_spawn_its_own_coordinator():
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import ModelConfig, build_reference_engine
+
+    engine = build_reference_engine(ModelConfig(), 32, engine_cls=DisaggDynamicInferenceEngine)
+    engine.set_disaggregation_config(role="prefill", identity="p-spawn", spawn_coordinator=True,
+                                     coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0, secret=SECRET))
+    try:
+        engine.connect(backend="local", register_timeout_s=20)
+        client = CoordinatorClient(engine._coordinator_address, secret=SECRET)
+        stats = client.stats()
+        assert stats.engines["p-spawn"]["role"] == "prefill" and stats.engines["p-spawn"]["alive"]
+        client.close()
+        proc = engine._coordinator_process
+    finally:
+        engine.disconnect("test over")
+    assert proc.poll() is not None  # the spawned coordinator is stopped with its engine
+
+
+def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid())
+    small = ScriptedEngine(coordinator, "decode", "d-small", os.getpid())
+    big = ScriptedEngine(coordinator, "decode", "d-big", os.getpid())
+    small.free, big.free = 10, 60
+    everyone = [prefill, small, big]
+    client = CoordinatorClient(coordinator, secret=SECRET)
+
+    def route(hashes):
+        client.submit([1, 2, 3, 4, 5], 2)
+        add = prefill.expect(wire.AddRequest, 5.0, keepalive=everyone)
+        prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+                                                        "block_hashes": hashes}, 0.01))
+        got = {e.identity: e.expect(wire.StartDecode, 0.5, keepalive=everyone) for e in (small, big)}
+        return [name for name, msg in got.items() if msg is not None]
+
+    prefill.expect(wire.Shutdown, 0.3, keepalive=everyone)  # (nothing comes) heartbeats carry the free counts
+    assert route([11]) == ["big"]                # most free blocks
+    small.free = 100                             # now the small one has more room...
+    prefill.expect(wire.Shutdown, 0.3, keepalive=everyone)
+    assert route([11, 12]) == ["big"]            # ...but the big one holds the prefix
+    assert route([99]) == ["small"]              # no prefix anywhere: most free blocks
+
+
+def test_unauthenticated_frames_are_dropped_and_counted(coordinator):
+    """No secret, or the wrong one: the coordinator never parses the frame, never registers the engine."""
+    for secret in (None, "another-secret-of-enough-bytes"):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator)
+        frame = wire.Codec(secret).encode(wire.Register(
+            role="decode", identity="intruder", incarnation="1", pid=os.getpid(), host="x",
+            model_fingerprint="m", transfer_meta=[META], capacity_blocks=8))
+        sock.send(frame)
+        assert sock.poll(1000) == 0  # no answer at all
+        sock.close()
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    stats = client.stats()
+    assert "intruder" not in stats.engines and stats.dropped_frames >= 2
+    client.close()
