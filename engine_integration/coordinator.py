@@ -107,7 +107,12 @@ def _process_gone(pid: int) -> bool:
 
 
 def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[str]:
-    """Why ``new`` cannot exchange KV with ``ref`` (``None`` if it can)."""
+    """Why ``new`` cannot exchange KV with ``ref`` (``None`` if it can).
+
+    Only the KV geometry fields at the top of each rank's meta are compared; a
+    prefill's generation-counter meta nested under ``generations`` is not KV and is
+    deliberately left out (decode instances have none).
+    """
     where = f"{ref.role} {ref.identity!r}"
     if len(new.transfer_meta) != len(ref.transfer_meta):
         return f"{len(new.transfer_meta)} transfer metas (ranks) here, {len(ref.transfer_meta)} on {where}"

@@ -27,13 +27,14 @@ import zmq
 
 from engine_integration import wire
 from engine_integration.adapter import ImportedRequest
-from engine_integration.descriptor import HandoffDescriptor, RequestId
+from engine_integration.descriptor import HandoffDescriptor, RequestId, rank_transfer_meta
 from engine_integration.poll import KVPoll
 from engine_integration.reference.engine import InferenceRequest, ReferenceDynamicEngine
 from engine_integration.sink import HandoffSink, SinkEvent
 from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.errors import KVXferError
+from kvxfer.generations import BlockGenerations, GenerationChecker
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -82,14 +83,21 @@ class InferenceStateHandoffMixin:
     role: Optional[str] = None
     identity: str = ""
     _kv_backend: Any = None
+    _generations: Optional[BlockGenerations] = None
+    _generation_checker: Optional[GenerationChecker] = None
     _handoff_source: Optional[HandoffSource] = None
     _handoff_sink: Optional[HandoffSink] = None
 
     def setup_kv_transfer(self, role: str, backend: str = "local", *, identity: Optional[str] = None,
-                          timeout_s: float = 30.0, queue_timeout_s: float = 120.0) -> None:
+                          timeout_s: float = 30.0, queue_timeout_s: float = 120.0, verify_reads: bool = True) -> None:
         """Register the KV pool with the transport named ``backend`` and take ``role``.
 
-        The transfer meta is exported here, once; descriptors only reference it.
+        The transfer meta is exported here, once; descriptors only reference it. With
+        ``verify_reads`` (torn-read detection, ``kvxfer.generations``) a prefill also
+        registers one generation counter per block beside the pool, exported in the same
+        static meta, and its allocator bumps a block's counter whenever the block is freed
+        or reallocated; a decode registers a small scratch vector and checks those counters
+        after each pull. It costs one extra small read per request.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -99,17 +107,24 @@ class InferenceStateHandoffMixin:
         cls = construct_kv_transfer_backend_class(backend)
         self._kv_backend = cls(identity, **self.context.backend_kwargs(), timeout_s=timeout_s)  # type: ignore[attr-defined]
         self.role, self.identity, self.backend_name = role, identity, cls.name
-        self._transfer_meta = [self._kv_backend.export_meta()]
+        generations_meta = None
+        if verify_reads and role == PREFILL:
+            self._generations = BlockGenerations(self._kv_backend)
+            self.context.allocator.on_recycle = self._generations.bump  # type: ignore[attr-defined]
+            generations_meta = self._generations.export_meta()
+        elif verify_reads:
+            self._generation_checker = GenerationChecker(self._kv_backend)
+        self._transfer_meta = [rank_transfer_meta(self._kv_backend.export_meta(), generations_meta)]
         self._peer_metas: dict[str, list[dict[str, Any]]] = {}
         self._exported: dict[RequestId, HandoffDescriptor] = {}
         self.handoff_outbox: list[HandoffDescriptor] = []
         self.handoff_events: list[SinkEvent] = []
         adapter = _EngineAdapter(self)  # type: ignore[arg-type]
         if role == PREFILL:
-            self._handoff_source = HandoffSource(adapter, self._kv_backend, identity)
+            self._handoff_source = HandoffSource(adapter, self._kv_backend, identity, generations=self._generations)
         else:
             self._handoff_sink = HandoffSink(adapter, self._kv_backend, self._lookup_peer_meta,
-                                             queue_timeout_s=queue_timeout_s)
+                                             queue_timeout_s=queue_timeout_s, checker=self._generation_checker)
 
     @property
     def transfer_meta(self) -> list[dict[str, Any]]:
@@ -134,6 +149,12 @@ class InferenceStateHandoffMixin:
         return self._handoff_source.release(request_id)  # type: ignore[union-attr]
 
     def close_kv_transfer(self) -> None:
+        """Close the counters' registrations first: they are siblings on the pool's agent."""
+        if self._generations is not None:
+            self.context.allocator.on_recycle = None  # type: ignore[attr-defined]
+            self._generations.close()
+        if self._generation_checker is not None:
+            self._generation_checker.close()
         if self._kv_backend is not None:
             self._kv_backend.close()
 
@@ -332,6 +353,8 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         """Flatten this instance's PP/TP transport descriptors for registration.
 
         One entry per (pp_rank, tp_rank), in rank order; the reference engine has one.
+        Each is that rank's KV meta, with a prefill's generation-counter meta beside it
+        (``descriptor.rank_transfer_meta``): exported once here, never per request.
         """
         return self.transfer_meta
 

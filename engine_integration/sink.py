@@ -9,6 +9,15 @@ preemption), reuses the longest cached prefix found by block hash
 A pull that fails keeps its destination blocks out of reuse (quarantine) until its
 handle is ``storage_safe``: a late byte landing in a block that now belongs to another
 request would corrupt that request silently.
+
+With a ``checker`` (``kvxfer.generations.GenerationChecker``) the pull is verified:
+when the source's meta carries its generation counters and the descriptor their values
+at pin time, the blocks are read, then the counters, and a moved counter fails the
+import with ``TornReadError``: the source freed or reused a block the descriptor names,
+so the bytes may be another request's. That failure takes the ordinary failure path
+(request failed with the reason, destination blocks quarantined until ``storage_safe``);
+it is never admitted. A source without counters is pulled unverified
+(``PullStats.verified`` says which happened).
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from engine_integration.adapter import HandoffEngineAdapter, ImportedRequest
-from engine_integration.descriptor import HandoffDescriptor, RequestId
+from engine_integration.descriptor import HandoffDescriptor, RequestId, split_transfer_meta
 from engine_integration.poll import KVPoll
-from kvxfer.errors import KVXferError
+from kvxfer.errors import KVXferError, TornReadError
 
 #: (source identity, meta index) -> that source's registered transfer meta, or None if not known yet.
 PeerMetaLookup = Callable[[str, int], Optional[Mapping[str, Any]]]
@@ -42,6 +51,7 @@ class SinkEvent:
     pulled_blocks: int = 0
     reason: str = ""
     quarantine_cleared: bool = False
+    error: Optional[BaseException] = None  #: the transport error of a failed pull (e.g. ``TornReadError``)
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class PullStats:
     queue_s: float       #: waiting in the FIFO for blocks (and the source's meta)
     pull_s: float        #: from posting the read to seeing it complete in the engine loop
     admit_seq: int       #: order in which blocks were reserved on this instance (FIFO check)
+    verified: bool = False  #: the source's generation counters were re-read after the data
 
 
 @dataclass
@@ -66,15 +77,17 @@ class _Import:
     started_at: float = 0.0
     admit_seq: int = 0
     abort_reason: str = ""
+    verified: bool = False
 
 
 class HandoffSink:
     """Admits handed-off requests into one decode instance."""
 
     def __init__(self, adapter: HandoffEngineAdapter, backend: Any, peer_meta: PeerMetaLookup, *,
-                 queue_timeout_s: float = 120.0) -> None:
+                 queue_timeout_s: float = 120.0, checker: Any = None) -> None:
         self.adapter = adapter
         self.backend = backend
+        self.checker = checker
         self.peer_meta = peer_meta
         self.queue_timeout_s = queue_timeout_s
         self._queue: deque[_Import] = deque()
@@ -165,8 +178,15 @@ class HandoffSink:
         entry.started_at = time.monotonic()
         if not src:  # the whole prompt was cached here: nothing to read
             return [self._complete(entry)]
+        kv_meta, generations_meta = split_transfer_meta(meta)
+        expected = d.generations[len(entry.cached):]  # the cached prefix is not read, so not checked
+        entry.verified = self.checker is not None and generations_meta is not None and bool(expected)
         try:
-            entry.handle = self.backend.begin_pull_blocks(meta, src, dst, request_id=d.request_id)
+            if entry.verified:
+                entry.handle = self.checker.begin_pull_verified(kv_meta, generations_meta, src, dst, expected,
+                                                                request_id=d.request_id)
+            else:
+                entry.handle = self.backend.begin_pull_blocks(kv_meta, src, dst, request_id=d.request_id)
         except KVXferError as exc:  # validated before anything was posted: nothing in flight
             self.adapter.free_blocks(entry.cached + entry.fresh)
             entry.state = KVPoll.Failed
@@ -179,9 +199,13 @@ class HandoffSink:
         for request_id, entry in list(self._transferring.items()):
             try:
                 done = entry.handle.poll()
+            except TornReadError as exc:
+                del self._transferring[request_id]
+                events.append(self._fail(entry, f"torn read detected, KV discarded: {exc}", exc))
+                continue
             except KVXferError as exc:
                 del self._transferring[request_id]
-                events.append(self._fail(entry, f"pull failed: {exc}"))
+                events.append(self._fail(entry, f"pull failed: {exc}", exc))
                 continue
             if done:
                 del self._transferring[request_id]
@@ -193,7 +217,8 @@ class HandoffSink:
         n_cached = len(entry.cached)
         pulled = len(d.block_ids) - n_cached
         self.pull_stats[d.request_id] = PullStats(pulled, entry.started_at - entry.enqueued_at,
-                                                  time.monotonic() - entry.started_at, entry.admit_seq)
+                                                  time.monotonic() - entry.started_at, entry.admit_seq,
+                                                  entry.verified)
         table = entry.cached + entry.fresh
         n_full = len(d.block_hashes)
         self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])
@@ -206,7 +231,7 @@ class HandoffSink:
         entry.state = KVPoll.Success
         return SinkEvent(d.request_id, KVPoll.Success, True, n_cached, pulled)
 
-    def _fail(self, entry: _Import, reason: str) -> SinkEvent:
+    def _fail(self, entry: _Import, reason: str, error: Optional[BaseException] = None) -> SinkEvent:
         d = entry.descriptor
         entry.state = KVPoll.Failed
         self.adapter.free_blocks(entry.cached)  # the prefix was never a destination
@@ -216,7 +241,7 @@ class HandoffSink:
             self.adapter.free_blocks(entry.fresh)
         else:
             self._quarantine.append(entry)
-        return SinkEvent(d.request_id, KVPoll.Failed, safe, reason=entry.abort_reason or reason)
+        return SinkEvent(d.request_id, KVPoll.Failed, safe, reason=entry.abort_reason or reason, error=error)
 
     def _clear_quarantine(self) -> list[SinkEvent]:
         events = []

@@ -8,12 +8,19 @@ calls ``release`` with the same guarantee (decode's engine-level read-done, or a
 reader whose process is confirmed dead). There is deliberately no timer: a lease that
 expires under a slow reader is how peer systems served garbage. Releasing twice is a
 no-op, because (a) and (c) both arrive for every successful request.
+
+With ``generations`` (a ``kvxfer.generations.BlockGenerations`` whose counters the
+allocator bumps on every free and reallocation), each descriptor also carries the
+counters of its blocks at pin time, so a reader can prove it read this request's bytes
+even if a bug elsewhere freed a pinned block early. Verified reads deliver their
+read-done on the counters' registration, so the reports are then drained through
+``generations``, which merges both registrations.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from engine_integration.adapter import HandoffEngineAdapter
@@ -32,9 +39,12 @@ class _Export:
 class HandoffSource:
     """Pins and releases one prefill instance's exported requests."""
 
-    def __init__(self, adapter: HandoffEngineAdapter, backend: Any, identity: str, meta_index: int = 0) -> None:
+    def __init__(self, adapter: HandoffEngineAdapter, backend: Any, identity: str, meta_index: int = 0, *,
+                 generations: Any = None) -> None:
         self.adapter = adapter
         self.backend = backend
+        self.generations = generations
+        self._reports = generations if generations is not None else backend  # read-done / read-failed source
         self.identity = identity
         self.meta_index = meta_index
         self._live: dict[RequestId, _Export] = {}
@@ -53,6 +63,8 @@ class HandoffSource:
         descriptor = HandoffDescriptor(request_id, self.identity, self.meta_index, blocks, hashes,
                                        tuple(int(t) for t in prompt), tuple(int(t) for t in resume_tokens))
         self.adapter.pin_blocks(blocks)
+        if self.generations is not None:  # pinned: the counters cannot move now unless something is wrong
+            descriptor = replace(descriptor, generations=tuple(self.generations.snapshot(blocks)))
         self._live[request_id] = _Export(descriptor)
         return descriptor
 
@@ -70,10 +82,10 @@ class HandoffSource:
     def poll_transport(self) -> list[tuple[RequestId, KVPoll]]:
         """Apply the transport's read-done and read-failed reports; returns what was released."""
         released = []
-        for request_id in self.backend.drain_read_done():
+        for request_id in self._reports.drain_read_done():
             if self.release(request_id, success=True):
                 released.append((request_id, KVPoll.Success))
-        for failure in self.backend.drain_read_failed():
+        for failure in self._reports.drain_read_failed():
             if self.release(failure.request_id, success=False):
                 released.append((failure.request_id, KVPoll.Failed))
         return released

@@ -140,25 +140,20 @@ def check_covers(dst: ShardLayout, sources: Sequence[ShardLayout]) -> None:
         )
 
 
-@dataclass(frozen=True)
-class KVReshardTransfer:
-    """One rectangle of layers x heads that a destination rank reads from a source rank.
+class LayerHeadSlices:
+    """Local layer and head slices of a transfer with global bounds and per-side offsets.
 
-    Global bounds (``layer_start..layer_end``, ``head_start..head_end``) plus where
-    that rectangle sits in each side's local pool: its pool is
-    ``[2, L_local, B, T, H_local, d]`` and the rectangle is
-    ``pool[:, src_layers, :, :, src_heads]`` (resp. ``dst_*``).
+    Shared by the KV and SSM transfers; the dataclass using it supplies
+    ``layer_start/end``, ``head_start/end`` and the ``src_/dst_`` offsets.
     """
 
-    src_rank: int
-    dst_rank: int
     layer_start: int
     layer_end: int
     head_start: int
     head_end: int
-    src_layer_offset: int  # local index of layer_start in the source pool
+    src_layer_offset: int
     dst_layer_offset: int
-    src_head_offset: int  # local index of head_start in the source pool
+    src_head_offset: int
     dst_head_offset: int
 
     @property
@@ -184,6 +179,29 @@ class KVReshardTransfer:
     @property
     def dst_heads(self) -> slice:
         return slice(self.dst_head_offset, self.dst_head_offset + self.num_heads)
+
+
+@dataclass(frozen=True)
+class KVReshardTransfer(LayerHeadSlices):
+    """One rectangle of layers x heads that a destination rank reads from a source rank.
+
+    Global bounds (``layer_start..layer_end``, ``head_start..head_end``) plus where
+    that rectangle sits in each side's local pool: its pool is
+    ``[2, L_local, B, T, H_local, d]`` and the rectangle is
+    ``pool[:, src_layers, :, :, src_heads]`` (resp. ``dst_*``).
+    """
+
+    src_rank: int
+    dst_rank: int
+    layer_start: int
+    layer_end: int
+    head_start: int
+    head_end: int
+    src_layer_offset: int  # local index of layer_start in the source pool
+    dst_layer_offset: int
+    src_head_offset: int  # local index of head_start in the source pool
+    dst_head_offset: int
+
 
 
 def overlap(src: ShardLayout, dst: ShardLayout) -> tuple[Range, Range] | None:

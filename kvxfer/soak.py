@@ -62,8 +62,6 @@ class SoakReport:
     prefill_pinned_at_end: int = -1
     decode_open_handles_at_end: int = -1
     decode_reserved_at_end: int = -1
-    registrations_start: int = 0
-    registrations_end: int = 0
     rss_growth_mib: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
 

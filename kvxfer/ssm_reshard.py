@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvxfer.errors import LayoutError
-from kvxfer.reshard import check_same_model, check_tiling, dedupe_sources, intersect, overlap
+from kvxfer.reshard import LayerHeadSlices, check_same_model, check_tiling, dedupe_sources, intersect, overlap
 from kvxfer.ssm_layout import CONV_BANDS, SSMShardLayout
 
 
@@ -29,7 +29,7 @@ class ChannelRange:
 
 
 @dataclass(frozen=True)
-class SSMReshardTransfer:
+class SSMReshardTransfer(LayerHeadSlices):
     """Layers x heads (and the matching groups) a destination rank reads from a source rank."""
 
     src_rank: int
@@ -48,32 +48,8 @@ class SSMReshardTransfer:
     dst_group_offset: int
 
     @property
-    def num_layers(self) -> int:
-        return self.layer_end - self.layer_start
-
-    @property
-    def num_heads(self) -> int:
-        return self.head_end - self.head_start
-
-    @property
     def num_groups(self) -> int:
         return self.group_end - self.group_start
-
-    @property
-    def src_layers(self) -> slice:
-        return slice(self.src_layer_offset, self.src_layer_offset + self.num_layers)
-
-    @property
-    def dst_layers(self) -> slice:
-        return slice(self.dst_layer_offset, self.dst_layer_offset + self.num_layers)
-
-    @property
-    def src_heads(self) -> slice:
-        return slice(self.src_head_offset, self.src_head_offset + self.num_heads)
-
-    @property
-    def dst_heads(self) -> slice:
-        return slice(self.dst_head_offset, self.dst_head_offset + self.num_heads)
 
     def conv_channel_ranges(self, src: SSMShardLayout, dst: SSMShardLayout) -> list[ChannelRange]:
         """The x, B and C channel runs of this transfer inside each side's conv slot."""

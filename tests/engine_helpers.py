@@ -22,12 +22,12 @@ def varied_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def make_pair(decode_blocks: int = 256, prefill_blocks: int = 512, backend: str = "local"):
+def make_pair(decode_blocks: int = 256, prefill_blocks: int = 512, backend: str = "local", verify_reads: bool = True):
     """A prefill and a decode engine in this process, driven by ``drive_pair`` (no coordinator)."""
     prefill = build_reference_engine(MODEL, prefill_blocks, engine_cls=StateHandoffDynamicInferenceEngine)
     decode = build_reference_engine(MODEL, decode_blocks, engine_cls=StateHandoffDynamicInferenceEngine)
-    prefill.setup_kv_transfer("prefill", backend, identity="p0")
-    decode.setup_kv_transfer("decode", backend, identity="d0")
+    prefill.setup_kv_transfer("prefill", backend, identity="p0", verify_reads=verify_reads)
+    decode.setup_kv_transfer("decode", backend, identity="d0", verify_reads=verify_reads)
     decode.add_peer_transfer_meta("p0", prefill.transfer_meta)
     return prefill, decode
 

@@ -83,7 +83,7 @@ def test_decode_with_mismatched_geometry_is_refused_with_reason(cluster):
                                      coordinator_group=cluster.address)
     try:
         with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
-            engine.connect(backend=cluster.backend, register_timeout_s=20)
+            engine.connect(backend=cluster.backend, register_timeout_s=20, secret=cluster.config.secret)
     finally:
         engine.disconnect("refused")
     assert "decode-bad" not in cluster.client.stats().engines

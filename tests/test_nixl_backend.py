@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import inspect
 import os
 import signal
 import subprocess
@@ -142,10 +141,6 @@ def test_contiguous_runs_coalesce(peer, decode):
     assert drain_until(peer, 0, 1)[0] == [5]
 
 
-_HAS_NOTIFY = "notify" in inspect.signature(NixlBackend.begin_pull_blocks).parameters
-
-
-@pytest.mark.skipif(not _HAS_NOTIFY, reason="this kvxfer's begin_pull_blocks has no notify argument")
 def test_notify_false_sends_no_read_done(peer, decode):
     backends, pools = decode
     handle = backends[0].begin_pull_blocks(peer.metas[0], [20, 21], [30, 31], request_id="quiet", notify=False)

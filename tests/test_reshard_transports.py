@@ -23,8 +23,7 @@ _AVAILABLE = {info.name: info for info in available_backends()}
 @pytest.mark.parametrize("name", ["nixl", "ucx"])
 def test_transport_reshard_tp2_to_1_pp1_to_2(name):
     info = _AVAILABLE.get(name)
-    if info is None or not info.available:
-        pytest.skip(f"backend {name!r} not here: {info.reason if info else 'not registered'}")
+    assert info is not None and info.available, f"backend {name!r} cannot run: {info.reason if info else 'not registered'}"
     backend_cls = construct_kv_transfer_backend_class(name)
     num_layers, num_heads = 4, 4
     g = random_tensor((2, num_layers, POOL_BLOCKS, 3, num_heads, 5), torch.bfloat16, 11)

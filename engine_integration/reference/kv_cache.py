@@ -9,13 +9,18 @@ Three counts decide whether a block may be reused:
 
 Hashes chain over blocks (each one covers its parent's hash and its own tokens) and are
 computed with BLAKE2b, not Python's ``hash``, so every process agrees on them.
+
+``on_recycle`` (optional) is called with the blocks that were just freed and with the
+blocks ``allocate`` just handed to a new owner, before anyone can rewrite them. A
+prefill instance bumps its per-block generation counters there
+(``kvxfer.generations``), so a reader holding a stale descriptor notices the reuse.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -35,10 +40,11 @@ def block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
 class BlockAllocator:
     """Free list, refcounts, pins and the hash -> block index of one pool."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_recycle: Optional[Callable[[list[int]], None]] = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_recycle = on_recycle  #: called with freed / reallocated blocks (see the module docstring)
         self._refs = [0] * num_blocks
         self._pins = [0] * num_blocks
         self._clean: deque[int] = deque(range(num_blocks))  # free, no cached content
@@ -79,6 +85,7 @@ class BlockAllocator:
                 del self._block_of[self._hash_of.pop(block)]
             self._refs[block] = 1
             out.append(block)
+        self._recycled(out)
         return out
 
     def acquire_prefix(self, hashes: Sequence[int]) -> list[int]:
@@ -103,11 +110,16 @@ class BlockAllocator:
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one ref from each block."""
-        for block in blocks:
-            if self._refs[block] <= 0:
-                raise RuntimeError(f"block {block} released more often than it was taken")
-            self._refs[block] -= 1
-            self._maybe_free(block)
+        freed = []
+        try:
+            for block in blocks:
+                if self._refs[block] <= 0:
+                    raise RuntimeError(f"block {block} released more often than it was taken")
+                self._refs[block] -= 1
+                if self._maybe_free(block):
+                    freed.append(block)
+        finally:
+            self._recycled(freed)
 
     def pin(self, blocks: Iterable[int]) -> None:
         for block in blocks:
@@ -116,16 +128,27 @@ class BlockAllocator:
             self._pins[block] += 1
 
     def unpin(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            if self._pins[block] <= 0:
-                raise RuntimeError(f"block {block} unpinned more often than it was pinned")
-            self._pins[block] -= 1
-            self._maybe_free(block)
+        freed = []
+        try:
+            for block in blocks:
+                if self._pins[block] <= 0:
+                    raise RuntimeError(f"block {block} unpinned more often than it was pinned")
+                self._pins[block] -= 1
+                if self._maybe_free(block):
+                    freed.append(block)
+        finally:
+            self._recycled(freed)
 
-    def _maybe_free(self, block: int) -> None:
+    def _maybe_free(self, block: int) -> bool:
+        """Put the block on a free list if nothing holds it; True if it was freed."""
         if self._refs[block] or self._pins[block]:
-            return
+            return False
         if block in self._hash_of:
             self._cached[block] = None
         else:
             self._clean.append(block)
+        return True
+
+    def _recycled(self, blocks: list[int]) -> None:
+        if blocks and self.on_recycle is not None:
+            self.on_recycle(blocks)
