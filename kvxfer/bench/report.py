@@ -155,7 +155,7 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FormatStrFormatter
+        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
     except ImportError:
         return "matplotlib is not installed (pip install 'kvxfer[bench]'); no plot written"
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
@@ -170,8 +170,9 @@ def write_plot(report: BenchReport, path: Path) -> Optional[str]:
         ax.set_xticks(sorted({r.slice_bytes for r in report.results}))
         ax.set_xticklabels([size_label(s) for s in sorted({r.slice_bytes for r in report.results})], rotation=30)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{pattern} block ids")
         ax.set_xlabel("slice size (one block x one layer plane)")
         ax.grid(True, which="both", alpha=0.3)
