@@ -93,12 +93,29 @@ def _prepare_process() -> None:
 
 def run_bench(cfg: BenchConfig, command: str = "", progress: Optional[Progress] = None) -> BenchReport:
     """Run every backend and baseline in ``cfg``; failures are recorded on points, never raised."""
+    saved_env, saved_threads = dict(os.environ), _torch_threads()
+    try:
+        _prepare_process()
+        return _run(cfg, command, progress or _no_progress)
+    finally:  # a caller running the bench in-process (a test runner) gets its environment back
+        os.environ.clear()
+        os.environ.update(saved_env)
+        _torch_threads(saved_threads)
+
+
+def _torch_threads(n: Optional[int] = None) -> int:
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
     from kvxfer.backends import available_backends, normalize_name
     from kvxfer.bench.baselines import memcpy, mooncake_te, naive_nixl, ucx_perftest
     from kvxfer.bench.worker import run_in_worker, silence_limit
 
-    _prepare_process()
-    progress = progress or _no_progress
     started = time.monotonic()
     report = BenchReport(cfg, command, machine.describe(), datetime.now(timezone.utc).isoformat(timespec="seconds"))
     reshard_on, why = reshard_build.status()
