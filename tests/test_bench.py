@@ -72,7 +72,6 @@ def test_a_wrong_transfer_is_a_failure_not_a_result():
     assert all(not r.ok and not r.verified and "verification failed" in r.error for r in results)
 
 
-@pytest.mark.skipif(naive_nixl.availability() is not None, reason="nixl is not importable here")
 def test_naive_nixl_baseline_reads_the_right_bytes_across_processes():
     cfg = tiny_config(patterns=("scattered",))
     points = list(cfg.points())

@@ -8,7 +8,7 @@ import pytest
 from kvxfer.backends import construct_kv_transfer_backend_class
 from tests.conftest import random_pool
 
-prometheus_client = pytest.importorskip("prometheus_client")
+import prometheus_client  # noqa: E402  (a test dependency: missing it is a failure, not a skip)
 
 from kvxfer.metrics import KVXferCollector, register  # noqa: E402
 
