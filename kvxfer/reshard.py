@@ -26,7 +26,7 @@ planner shares them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from kvxfer.errors import LayoutError
 from kvxfer.layout import KVShardLayout
@@ -239,11 +239,15 @@ def plan_kv_reshard(srcs: Sequence[KVShardLayout], dsts: Sequence[KVShardLayout]
     if not srcs or not dsts:
         raise LayoutError("plan_kv_reshard needs at least one source and one destination layout")
     check_tiling(srcs, dsts, srcs[0].num_heads)
-    sources = dedupe_sources(srcs)
+    return pair_transfers(dedupe_sources(srcs), dsts, kv_transfer_between)
+
+
+def pair_transfers(sources: Sequence[Any], dsts: Sequence[Any], between: Callable[[Any, Any], Any]) -> list:
+    """Every non-empty ``between(src, dst)``, destinations in global-rank order (both sides agree)."""
     plan = []
     for dst in sorted(dsts, key=lambda x: x.global_rank):
         for src in sources:
-            transfer = kv_transfer_between(src, dst)
+            transfer = between(src, dst)
             if transfer is not None:
                 plan.append(transfer)
     return plan

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvxfer.errors import LayoutError
-from kvxfer.reshard import LayerHeadSlices, check_same_model, check_tiling, dedupe_sources, intersect, overlap
+from kvxfer.reshard import (
+    LayerHeadSlices, check_same_model, check_tiling, dedupe_sources, intersect, overlap, pair_transfers,
+)
 from kvxfer.ssm_layout import CONV_BANDS, SSMShardLayout
 
 
@@ -95,11 +97,4 @@ def plan_ssm_reshard(srcs: Sequence[SSMShardLayout], dsts: Sequence[SSMShardLayo
         raise LayoutError("plan_ssm_reshard needs at least one source and one destination layout")
     check_same_model(srcs, dsts)
     check_tiling(srcs, dsts, srcs[0].dims.nheads)
-    sources = dedupe_sources(srcs)
-    plan = []
-    for dst in sorted(dsts, key=lambda x: x.global_rank):
-        for src in sources:
-            transfer = ssm_transfer_between(src, dst)
-            if transfer is not None:
-                plan.append(transfer)
-    return plan
+    return pair_transfers(dedupe_sources(srcs), dsts, ssm_transfer_between)
