@@ -13,6 +13,26 @@ from typing import Any, Mapping, Optional
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
 
 
+def check_positive(what: str, obj: Any, names: tuple[str, ...]) -> None:
+    """Each named field of ``obj`` is a positive int (bool excluded)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise GeometryError(f"{what}.{name} must be a positive int, got {value!r}")
+
+
+def check_ranks(what: str, obj: Any) -> None:
+    """The parallel sizes are positive, each rank lies in its size, and ``global_rank`` >= 0."""
+    check_positive(what, obj, ("tp_size", "pp_size", "ep_size"))
+    for name, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("ep_rank", "ep_size")):
+        value, limit = getattr(obj, name), getattr(obj, size)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+            raise GeometryError(f"{what}.{name}={value!r} must be in [0, {size}={limit})")
+    rank = obj.global_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise GeometryError(f"{what}.global_rank must be >= 0, got {rank!r}")
+
+
 @dataclass(frozen=True)
 class KVShardLayout:
     """The global slice of ``[2, L, B, T, H, d]`` that one rank's pool holds.
@@ -37,18 +57,8 @@ class KVShardLayout:
     ep_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "tp_size", "pp_size", "ep_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise GeometryError(f"KVShardLayout.{name} must be a positive int, got {value!r}")
-        for name, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("ep_rank", "ep_size")):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < getattr(self, size):
-                raise GeometryError(
-                    f"KVShardLayout.{name}={value!r} must be in [0, {size}={getattr(self, size)})"
-                )
-        if not isinstance(self.global_rank, int) or self.global_rank < 0:
-            raise GeometryError(f"KVShardLayout.global_rank must be >= 0, got {self.global_rank!r}")
+        check_positive("KVShardLayout", self, ("num_layers", "num_heads"))
+        check_ranks("KVShardLayout", self)
         check_layer_window("KVShardLayout", self.num_layers, self.pp_size, self.layer_start, self.num_local_layers)
         check_head_split("KVShardLayout", "KV heads", self.num_heads, self.tp_size, allow_replication=True)
 

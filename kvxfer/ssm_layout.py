@@ -24,17 +24,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import GeometryError, PeerMetadataError
-from kvxfer.layout import check_head_split, check_layer_window, layer_window
+from kvxfer.layout import check_head_split, check_layer_window, check_positive, check_ranks, layer_window
 
 #: Names of the conv bands in their order inside one slot.
 CONV_BANDS = ("x", "B", "C")
-
-
-def _check_positive(what: str, obj: Any, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise GeometryError(f"{what}.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -48,7 +41,7 @@ class SSMStateDims:
     d_conv: int
 
     def __post_init__(self) -> None:
-        _check_positive("SSMStateDims", self, ("nheads", "headdim", "d_state", "ngroups", "d_conv"))
+        check_positive("SSMStateDims", self, ("nheads", "headdim", "d_state", "ngroups", "d_conv"))
         if self.nheads % self.ngroups:
             raise GeometryError(f"SSMStateDims: nheads={self.nheads} is not a multiple of ngroups={self.ngroups}")
 
@@ -82,13 +75,8 @@ class SSMShardLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.dims, SSMStateDims):
             raise GeometryError(f"SSMShardLayout.dims must be an SSMStateDims, got {type(self.dims).__name__}")
-        _check_positive("SSMShardLayout", self, ("num_layers", "tp_size", "pp_size", "ep_size"))
-        for name, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("ep_rank", "ep_size")):
-            value, limit = getattr(self, name), getattr(self, size)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
-                raise GeometryError(f"SSMShardLayout.{name}={value!r} must be in [0, {size}={limit})")
-        if not isinstance(self.global_rank, int) or isinstance(self.global_rank, bool) or self.global_rank < 0:
-            raise GeometryError(f"SSMShardLayout.global_rank must be >= 0, got {self.global_rank!r}")
+        check_positive("SSMShardLayout", self, ("num_layers",))
+        check_ranks("SSMShardLayout", self)
         check_layer_window("SSMShardLayout", self.num_layers, self.pp_size, self.layer_start, self.num_local_layers)
         check_head_split("SSMShardLayout", "SSM heads", self.dims.nheads, self.tp_size, allow_replication=False)
         check_head_split("SSMShardLayout", "SSM groups", self.dims.ngroups, self.tp_size, allow_replication=False)
