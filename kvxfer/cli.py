@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # NIXL logs every agent it creates at INFO; the command's own table says what happened.
+    # Child processes inherit this; a user's own NIXL_LOG_LEVEL wins.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         return args.func(args)
     except kvxfer.KVXferError as exc:
