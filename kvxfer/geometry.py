@@ -381,3 +381,20 @@ def check_peer_compatible(local: BufferGeometry, local_dtype: torch.dtype, peer:
         mine, theirs = getattr(local, name), getattr(remote, name)
         if mine is not None and theirs is not None and mine != theirs:
             raise PeerMetadataError(f"peer {name} is {theirs}, ours is {mine}; the pools are not compatible")
+
+
+def kv_layout_geometry(layout: KVShardLayout, *, num_blocks: int, tokens_per_block: int, head_dim: int,
+                       element_size: int, buf_ptr: int = 0) -> BufferGeometry:
+    """The geometry a canonical ``[2, L_local, B, T, H_local, d]`` pool of ``layout`` would have.
+
+    Planning needs only numbers; this lets benchmarks and tools plan reshards for
+    pools they never allocate.
+    """
+    first, last = layout.local_layer_range()
+    slice_bytes = tokens_per_block * layout.heads_per_partition * head_dim * element_size
+    return BufferGeometry(
+        buf_ptr=buf_ptr, element_size=element_size, device_id=0, blocks_axis=KV_BLOCKS_AXIS, num_blocks=num_blocks,
+        num_outer=2 * (last - first), bytes_per_slice=slice_bytes, outer_stride_bytes=num_blocks * slice_bytes,
+        heads_per_partition=layout.heads_per_partition, head_dim=head_dim, tokens_per_block=tokens_per_block,
+        layout=layout,
+    )

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvxfer.geometry import BufferGeometry
+from kvxfer.geometry import BufferGeometry, kv_layout_geometry
 from kvxfer.layout import KVShardLayout
 from kvxfer.reshard import for_dst, plan_kv_reshard
 from kvxfer.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
@@ -30,12 +30,8 @@ POOL_BLOCKS, HEADS, HEAD_DIM, ELEM = 1024, 8, 128, 2
 
 def geometry(layout: KVShardLayout, tokens: int) -> BufferGeometry:
     """A geometry without a buffer: planning needs numbers only."""
-    first, last = layout.local_layer_range()
-    slice_bytes = tokens * layout.heads_per_partition * HEAD_DIM * ELEM
-    return BufferGeometry(buf_ptr=0, element_size=ELEM, device_id=0, blocks_axis=2, num_blocks=POOL_BLOCKS,
-                          num_outer=2 * (last - first), bytes_per_slice=slice_bytes,
-                          outer_stride_bytes=POOL_BLOCKS * slice_bytes, heads_per_partition=layout.heads_per_partition,
-                          head_dim=HEAD_DIM, tokens_per_block=tokens, layout=layout)
+    return kv_layout_geometry(layout, num_blocks=POOL_BLOCKS, tokens_per_block=tokens, head_dim=HEAD_DIM,
+                              element_size=ELEM)
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:

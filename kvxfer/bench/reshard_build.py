@@ -30,14 +30,10 @@ def status() -> tuple[bool, str]:
 
 
 def _geometry(layout: Any, pool_blocks: int) -> Any:
-    from kvxfer.geometry import BufferGeometry
+    from kvxfer.geometry import kv_layout_geometry
 
-    first, last = layout.local_layer_range()
-    slice_bytes = TOKENS * layout.heads_per_partition * HEAD_DIM * ELEM
-    return BufferGeometry(buf_ptr=0, element_size=ELEM, device_id=0, blocks_axis=2, num_blocks=pool_blocks,
-                          num_outer=2 * (last - first), bytes_per_slice=slice_bytes,
-                          outer_stride_bytes=pool_blocks * slice_bytes, heads_per_partition=layout.heads_per_partition,
-                          head_dim=HEAD_DIM, tokens_per_block=TOKENS, layout=layout)
+    return kv_layout_geometry(layout, num_blocks=pool_blocks, tokens_per_block=TOKENS, head_dim=HEAD_DIM,
+                              element_size=ELEM)
 
 
 def measure_build(repeats: int = 20, seed: int = 0) -> dict[str, Any]:
