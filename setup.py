@@ -1,6 +1,6 @@
 """Build hook for the optional compiled part of kvxfer: the cffi binding to UCX's UCP.
 
-Everything else lives in pyproject.toml. The binding (``kvxfer/backends/_ucp_cffi``)
+Everything else lives in pyproject.toml. The binding (``kvxfer/backends/ucx/_ucp_cffi``)
 is built with setuptools' cffi integration (``cffi_modules``) against the headers
 of the ``libucx-cu12`` wheel, which pyproject's ``[build-system] requires`` puts in
 the build environment. If it cannot be built (no compiler, no headers), kvxfer
@@ -48,7 +48,7 @@ def _ucx_headers_present() -> bool:
 
 extra = {}
 if _ucx_headers_present():
-    extra["cffi_modules"] = ["kvxfer/backends/_ucp_build.py:ffibuilder"]
+    extra["cffi_modules"] = ["kvxfer/backends/ucx/binding_build.py:ffibuilder"]
 else:
     print("WARNING: libucx-cu12 or cffi missing at build time; building kvxfer without the UCX binding", file=sys.stderr)
 

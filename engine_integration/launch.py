@@ -19,7 +19,7 @@ from engine_integration.client import CoordinatorClient, GenerationResult
 from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
-from kvxfer.auth import SECRET_FILE_ENV, load_secret
+from kvxfer.security.auth import SECRET_FILE_ENV, load_secret
 
 #: Transports that only reach registrations in their own process.
 IN_PROCESS_BACKENDS = frozenset({"local"})

@@ -153,7 +153,7 @@ class WireError(ValueError):
 
 
 class Codec:
-    """Encodes and decodes frames; with a shared secret, every frame is HMAC-sealed (``kvxfer.auth``).
+    """Encodes and decodes frames; with a shared secret, every frame is HMAC-sealed (``kvxfer.security.auth``).
 
     The transfer metadata in ``Register``/``PeerMeta`` is the key to an instance's
     registered memory, so production deployments should set a secret.
@@ -163,7 +163,7 @@ class Codec:
         self._auth = None
         self.dropped = 0  #: frames refused: unauthenticated, undecodable or invalid
         if secret is not None:
-            from kvxfer.auth import MessageAuthenticator
+            from kvxfer.security.auth import MessageAuthenticator
 
             self._auth = MessageAuthenticator(secret)
 

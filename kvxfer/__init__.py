@@ -27,7 +27,7 @@ from kvxfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvxfer.geometry import BufferGeometry, compute_buffer_geometry, export_geometry_meta, parse_geometry_meta
+from kvxfer.plan.geometry import BufferGeometry, compute_buffer_geometry, export_geometry_meta, parse_geometry_meta
 
 __version__ = "0.1.0"
 

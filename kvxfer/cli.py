@@ -13,27 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 import kvxfer
-from kvxfer.backends import available_backends, default_backend_name
+from kvxfer.backends import available_backends, default_backend_name, transport_probes
 from kvxfer.bench.command import add_arguments as add_bench_arguments
-from kvxfer.loopback import LoopbackConfig, LoopbackResult, run_loopback
+from kvxfer.harness.loopback import LoopbackConfig, LoopbackResult, run_loopback
 
 console = Console()
-
-def _nixl_probe() -> dict[str, Any]:
-    from kvxfer.backends.nixl import nixl_transport_probe
-
-    return nixl_transport_probe()
-
-
-def _ucx_probe() -> dict[str, Any]:
-    from kvxfer.backends.ucx import ucx_transport_info
-
-    return ucx_transport_info()
-
-
-# What each backend's transport will use here (UCX transports, devices), for `kvxfer info`.
-TRANSPORT_PROBES: dict[str, Callable[[], dict[str, Any]]] = {"nixl": _nixl_probe, "ucx": _ucx_probe}
-
 
 def _info(_: argparse.Namespace) -> int:
     import torch
@@ -49,11 +33,7 @@ def _info(_: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  "
                   f"cuda {'available: ' + str(torch.cuda.device_count()) + ' device(s)' if torch.cuda.is_available() else 'not available'}")
-    for name, probe in TRANSPORT_PROBES.items():
-        try:
-            details = probe()
-        except Exception as exc:  # a probe failing is information, not a crash
-            details = {"error": f"{type(exc).__name__}: {exc}"}
+    for name, details in transport_probes().items():
         console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={v}" for k, v in details.items()))
     return 0
 
@@ -102,7 +82,7 @@ def _loopback(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from kvxfer.soak import SoakConfig, run_soak
+    from kvxfer.harness.soak import SoakConfig, run_soak
 
     cfg = SoakConfig(backend=args.backend or default_backend_name(), handoffs=args.handoffs,
                      in_flight=args.in_flight, seed=args.seed)

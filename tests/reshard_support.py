@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.backends.local import LocalBackend
-from kvxfer.descriptors import CopyPlan
-from kvxfer.layout import KVShardLayout
-from kvxfer.ssm_layout import SSMShardLayout, SSMStateDims
+from kvxfer.backends.local.backend import LocalBackend
+from kvxfer.plan.descriptors import CopyPlan
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.ssm_layout import SSMShardLayout, SSMStateDims
 
 POOL_BLOCKS = 37  # distinct from every other pool dim, so the blocks axis is unambiguous
 

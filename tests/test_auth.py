@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.auth import MessageAuthenticator, load_secret
+from kvxfer.security.auth import MessageAuthenticator, load_secret
 from kvxfer.errors import AuthenticationError, KVXferError
 
 SECRET = b"0123456789abcdef-test-secret"

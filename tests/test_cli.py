@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kvxfer.loopback import LoopbackConfig, run_loopback
+from kvxfer.harness.loopback import LoopbackConfig, run_loopback
 
 SMALL = ["--layers", "4", "--heads", "2", "--head-dim", "32", "--pool-blocks", "64", "--blocks", "24"]
 
@@ -36,7 +36,7 @@ def test_loopback_local_verifies_and_prints_the_table(tmp_path, pattern):
 
 def test_loopback_reports_corruption(monkeypatch):
     """Flip a source byte after its digest is taken: verification must fail, loudly."""
-    import kvxfer.loopback as lb
+    import kvxfer.harness.loopback as lb
 
     original = lb._Prefill.offer
 

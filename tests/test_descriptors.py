@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.descriptors import CopyPlan, block_runs, check_plan_bounds, coalesce, plan_block_copies, validate_block_ids
+from kvxfer.plan.descriptors import CopyPlan, block_runs, check_plan_bounds, coalesce, plan_block_copies, validate_block_ids
 from kvxfer.errors import BlockIdError, PeerMetadataError
-from kvxfer.geometry import compute_buffer_geometry
+from kvxfer.plan.geometry import compute_buffer_geometry
 from tests.conftest import DTYPES, random_pool
 
 

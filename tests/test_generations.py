@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.backends.local import LocalBackend
+from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import BlockIdError, TornReadError
-from kvxfer.generations import BlockGenerations, GenerationChecker
+from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 from tests.conftest import random_pool
 
 SHAPE = (2, 2, 32, 4, 2, 8)

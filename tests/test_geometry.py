@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvxfer.errors import GeometryError, PeerMetadataError
-from kvxfer.geometry import (
+from kvxfer.plan.geometry import (
     SCHEMA_VERSION,
     BufferGeometry,
     check_peer_compatible,

@@ -1,4 +1,4 @@
-"""kvxfer.metrics: the backends' counters, as a Prometheus scrape shows them."""
+"""kvxfer.runtime.metrics: the backends' counters, as a Prometheus scrape shows them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.conftest import random_pool
 
 import prometheus_client  # noqa: E402  (a test dependency: missing it is a failure, not a skip)
 
-from kvxfer.metrics import KVXferCollector, register  # noqa: E402
+from kvxfer.runtime.metrics import KVXferCollector, register  # noqa: E402
 
 SHAPE = (2, 2, 10, 4, 1, 16)  # [2, L, B, T, H, d]
 

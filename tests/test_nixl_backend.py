@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.meta_seal import seal_meta
+from kvxfer.security.meta_seal import seal_meta
 import torch
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl==1.5.1)")
@@ -27,9 +27,9 @@ pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl
 from _nixl_peer import Peer, PoolSpec, make_pool  # noqa: E402
 
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
-from kvxfer.backends import _nixl_notify as notify  # noqa: E402
-from kvxfer.backends.nixl import NixlBackend, nixl_transport_info, slice_indices  # noqa: E402
-from kvxfer.descriptors import plan_block_copies  # noqa: E402
+from kvxfer.backends import notice as notify  # noqa: E402
+from kvxfer.backends.nixl.backend import NixlBackend, nixl_transport_info, slice_indices  # noqa: E402
+from kvxfer.plan.descriptors import plan_block_copies  # noqa: E402
 from kvxfer.errors import (  # noqa: E402
     BackendClosedError,
     BackendUnavailableError,
@@ -38,7 +38,7 @@ from kvxfer.errors import (  # noqa: E402
     TransferError,
     TransferTimeoutError,
 )
-from kvxfer.geometry import compute_buffer_geometry  # noqa: E402
+from kvxfer.plan.geometry import compute_buffer_geometry  # noqa: E402
 
 SHAPE = (2, 4, 256, 4, 2, 16)  # [2, L, B, T, H, d]
 SPECS = [PoolSpec(SHAPE, "bfloat16", 1), PoolSpec(SHAPE, "float16", 2), PoolSpec((2, 3, 64, 8, 1, 8), "float32", 3)]
@@ -395,7 +395,7 @@ def test_unavailable_without_nixl(peers):
 
 
 def test_transport_probe_for_kvxfer_info():
-    from kvxfer.backends.nixl import nixl_transport_probe
+    from kvxfer.backends.nixl.backend import nixl_transport_probe
 
     probe = nixl_transport_probe()
     assert probe["DRAM"] == "ok" and "tcp" in probe["transports"] and probe["package"].startswith("nixl_")

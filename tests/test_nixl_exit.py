@@ -14,7 +14,7 @@ import textwrap
 def test_process_using_nixl_exits_with_status_zero():
     script = textwrap.dedent("""
         import torch
-        from kvxfer.backends.nixl import NixlBackend
+        from kvxfer.backends.nixl.backend import NixlBackend
         src = NixlBackend("exit-src", torch.arange(64.0).view(2, 2, 8, 2), 8)
         dst = NixlBackend("exit-dst", torch.zeros(2, 2, 8, 2), 8)
         dst.begin_pull_blocks(src.export_meta(), [1, 2], [3, 4], request_id=1).wait(10)

@@ -11,7 +11,7 @@ from kvxfer.backends import (
     default_backend_name,
     register_backend,
 )
-from kvxfer.backends.local import LocalBackend
+from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import BackendUnavailableError
 
 
@@ -72,7 +72,7 @@ def _install_plugin(tmp_path, module_source, entry):
 
 def test_third_party_backend_registers_through_the_entry_point(clean_registry, tmp_path, monkeypatch):
     _install_plugin(tmp_path, """
-        from kvxfer.backends.local import LocalBackend
+        from kvxfer.backends.local.backend import LocalBackend
         class DemoBackend(LocalBackend):
             name = "demo"
     """, "demo = kvx_demo_plugin:DemoBackend")

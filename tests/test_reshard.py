@@ -20,16 +20,16 @@ import random
 import numpy as np
 import pytest
 
-from kvxfer.meta_seal import seal_meta
+from kvxfer.security.meta_seal import seal_meta
 import torch
 
 from kvxfer.backends.base import CompletedHandle
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.geometry import parse_geometry_meta
-from kvxfer.layout import KVShardLayout
-from kvxfer.multi_pull import begin_pull_from_peers
-from kvxfer.reshard import for_dst, for_src, plan_kv_reshard
-from kvxfer.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
+from kvxfer.plan.geometry import parse_geometry_meta
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.runtime.multi_pull import begin_pull_from_peers
+from kvxfer.plan.reshard import for_dst, for_src, plan_kv_reshard
+from kvxfer.plan.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
 from reshard_support import (
     POOL_BLOCKS, apply_copy_plan, apply_strided_rows, kv_backend, kv_layouts, kv_shard, random_tensor, same_bytes,
 )
@@ -253,7 +253,7 @@ def test_inconsistent_peer_meta_refused():
 
 
 def test_strided_hook_matches_flat_hook():
-    from kvxfer.reshard_descriptors import plan_reshard_pull, plan_reshard_pull_strided
+    from kvxfer.plan.reshard_descriptors import plan_reshard_pull, plan_reshard_pull_strided
 
     g = random_tensor((2, 4, POOL_BLOCKS, TOKENS, 4, HEAD_DIM), torch.float32, 8)
     src_layout, dst_layout = KVShardLayout(4, 4, tp_size=4, tp_rank=1, global_rank=1), KVShardLayout(4, 4, tp_size=2, global_rank=7)

@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.reshard import for_dst, plan_kv_reshard
-from kvxfer.ssm_layout import SSMStateDims
-from kvxfer.ssm_reshard import plan_ssm_reshard
+from kvxfer.plan.reshard import for_dst, plan_kv_reshard
+from kvxfer.plan.ssm_layout import SSMStateDims
+from kvxfer.plan.ssm_reshard import plan_ssm_reshard
 from reshard_support import kv_layouts, ssm_layouts
 
 
@@ -82,8 +82,8 @@ def test_kv_byte_plans_reproduce_the_destination_shards(data, num_layers, num_he
     """The flat CopyPlan, applied by a byte copier, equals each destination's direct shard."""
     import torch
 
-    from kvxfer.geometry import compute_buffer_geometry
-    from kvxfer.reshard_descriptors import plan_kv_reshard_copies
+    from kvxfer.plan.geometry import compute_buffer_geometry
+    from kvxfer.plan.reshard_descriptors import plan_kv_reshard_copies
     from reshard_support import POOL_BLOCKS, apply_copy_plan, kv_shard, random_tensor, same_bytes
 
     s_tp, s_pp, s_win, _ = data.draw(side(num_layers, [1, 2, 4, 8], 0))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvxfer.backends import available_backends, construct_kv_transfer_backend_class
-from kvxfer.multi_pull import begin_pull_from_peers
+from kvxfer.runtime.multi_pull import begin_pull_from_peers
 from reshard_support import POOL_BLOCKS, kv_layouts, kv_shard, random_tensor, same_bytes
 
 _AVAILABLE = {info.name: info for info in available_backends()}

@@ -3,7 +3,7 @@
 import pytest
 
 from kvxfer.backends import available_backends
-from kvxfer.soak import SoakConfig, run_soak
+from kvxfer.harness.soak import SoakConfig, run_soak
 
 CROSS_PROCESS = [i.name for i in available_backends() if i.available and i.name != "local"]
 

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.backends.local import LocalBackend
+from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
-from kvxfer.geometry import parse_geometry_meta
-from kvxfer.multi_pull import begin_pull_from_peers
-from kvxfer.reshard import for_dst
-from kvxfer.reshard_descriptors import plan_ssm_reshard_copies, plan_ssm_reshard_strided
-from kvxfer.ssm_layout import SSMShardLayout, SSMStateDims
-from kvxfer.ssm_reshard import plan_ssm_reshard
+from kvxfer.plan.geometry import parse_geometry_meta
+from kvxfer.runtime.multi_pull import begin_pull_from_peers
+from kvxfer.plan.reshard import for_dst
+from kvxfer.plan.reshard_descriptors import plan_ssm_reshard_copies, plan_ssm_reshard_strided
+from kvxfer.plan.ssm_layout import SSMShardLayout, SSMStateDims
+from kvxfer.plan.ssm_reshard import plan_ssm_reshard
 from reshard_support import (
     POOL_BLOCKS, apply_copy_plan, apply_strided_rows, conv_shard, random_tensor, recurrent_shard, same_bytes,
     ssm_layouts,

@@ -18,15 +18,16 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from kvxfer.meta_seal import seal_meta
+from kvxfer.security.meta_seal import seal_meta
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ucx_peer import make_pool, source_main  # noqa: E402
 
-from kvxfer.backends import _ucp, available_backends, construct_kv_transfer_backend_class  # noqa: E402
-from kvxfer.backends.ucx import UcxBackend, ucx_transport_info  # noqa: E402
+from kvxfer.backends import available_backends, construct_kv_transfer_backend_class  # noqa: E402
+from kvxfer.backends.ucx import binding as _ucp  # noqa: E402
+from kvxfer.backends.ucx.backend import UcxBackend, ucx_transport_info  # noqa: E402
 from kvxfer.errors import BackendClosedError, BlockIdError, PeerMetadataError, TransferError  # noqa: E402
 
 # No skip when the binding is missing: `make test` builds it, so its absence is a failure to see.
@@ -331,9 +332,9 @@ def test_registry_lists_ucx() -> None:
 def test_unavailable_when_binding_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ucp, "_lib", None)
     monkeypatch.setattr(_ucp, "_load_error", None)
-    monkeypatch.setitem(sys.modules, "kvxfer.backends._ucp_cffi", None)  # import of it now fails
+    monkeypatch.setitem(sys.modules, "kvxfer.backends.ucx._ucp_cffi", None)  # import of it now fails
     ok_, reason = UcxBackend.availability()
-    assert not ok_ and "_ucp_build" in reason and "pip install" in reason
+    assert not ok_ and "binding_build" in reason and "pip install" in reason
     local = construct_kv_transfer_backend_class("local")
     pool = torch.zeros(2, 1, 4, 2, 1, 2)
     with local("a", pool, 4) as a, local("b", torch.ones_like(pool), 4) as b:

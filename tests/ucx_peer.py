@@ -24,8 +24,8 @@ def source_main(conn: Any, shape: tuple[int, ...], dtype_names: list[str], num_b
                 env: dict[str, str]) -> None:
     """Register one pool per dtype (pool i uses seed + i), report metas, then serve commands."""
     os.environ.update(env)
-    from kvxfer.backends import _ucp
-    from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.backends.ucx import binding as _ucp
+    from kvxfer.backends.ucx.backend import UcxBackend
 
     backends = [UcxBackend(f"prefill-{os.getpid()}-{name}", make_pool(shape, getattr(torch, name), seed + i), num_blocks)
                 for i, name in enumerate(dtype_names)]

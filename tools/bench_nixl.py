@@ -29,7 +29,7 @@ def _fill(pool: torch.Tensor) -> None:
 
 
 def _serve(conn: Any, shape: tuple[int, ...], dtype: str) -> None:
-    from kvxfer.backends.nixl import NixlBackend
+    from kvxfer.backends.nixl.backend import NixlBackend
 
     pool = torch.empty(shape, dtype=getattr(torch, dtype))
     _fill(pool)
@@ -51,7 +51,7 @@ def main() -> None:
     shape = tuple(int(x) for x in args.shape.split(","))
 
     from kvxfer.backends import nixl as nixl_mod
-    from kvxfer.backends.nixl import NixlBackend, nixl_transport_info
+    from kvxfer.backends.nixl.backend import NixlBackend, nixl_transport_info
 
     print(nixl_transport_info().summary())
     ctx = mp.get_context("spawn")

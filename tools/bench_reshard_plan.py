@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from kvxfer.geometry import BufferGeometry, kv_layout_geometry
-from kvxfer.layout import KVShardLayout
-from kvxfer.reshard import for_dst, plan_kv_reshard
-from kvxfer.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
+from kvxfer.plan.geometry import BufferGeometry, kv_layout_geometry
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.reshard import for_dst, plan_kv_reshard
+from kvxfer.plan.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
 
 POOL_BLOCKS, HEADS, HEAD_DIM, ELEM = 1024, 8, 128, 2
 

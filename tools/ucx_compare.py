@@ -70,7 +70,7 @@ def _source(conn: Any, size: int, tls: Optional[str]) -> None:
         os.environ["UCX_TLS"] = tls
     import torch
 
-    from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.backends.ucx.backend import UcxBackend
 
     pool = torch.randn(POOL_BLOCKS, size // 4)
     with UcxBackend("bench-src", pool, POOL_BLOCKS) as backend:
@@ -83,7 +83,7 @@ def kvxfer_pull(size: int, iters: int, tls: Optional[str], error_handling: bool,
     """``iters`` reads of ``size`` bytes, ``batch`` non-adjacent blocks per request (no coalescing)."""
     import torch
 
-    from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.backends.ucx.backend import UcxBackend
 
     os.environ.pop("UCX_TLS", None)
     if tls:

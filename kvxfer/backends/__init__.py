@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState
 from kvxfer.errors import BackendUnavailableError
@@ -88,6 +88,20 @@ def available_backends() -> list[BackendInfo]:
     return infos
 
 
+def transport_probes() -> dict[str, dict[str, Any]]:
+    """Each backend's ``transport_probe()`` (errors turned into text), for ``kvxfer info`` and the bench."""
+    _load_plugins()
+    out: dict[str, dict[str, Any]] = {}
+    for key, cls in sorted(_REGISTRY.items()):
+        try:
+            details = cls.transport_probe()
+        except Exception as exc:  # a probe failing is information, not a crash
+            details = {"error": f"{type(exc).__name__}: {exc}"}
+        if details:
+            out[key] = details
+    return out
+
+
 def default_backend_name() -> str:
     """The most capable backend that can run on this machine."""
     runnable = {info.name for info in available_backends() if info.available}
@@ -102,4 +116,5 @@ from kvxfer.backends import ucx  # noqa: E402,F401
 __all__ = [
     "BackendInfo", "KVTransportBackend", "TransferHandle", "TransferState", "available_backends",
     "construct_kv_transfer_backend_class", "default_backend_name", "normalize_name", "register_backend",
+    "transport_probes",
 ]

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Hashable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from kvxfer.descriptors import CopyPlan, IdList, plan_block_copies, validate_block_ids
+from kvxfer.plan.descriptors import CopyPlan, IdList, plan_block_copies, validate_block_ids
 from kvxfer.errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -33,7 +33,7 @@ from kvxfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvxfer.geometry import (
+from kvxfer.plan.geometry import (
     PeerGeometry,
     check_peer_compatible,
     compute_buffer_geometry,
@@ -41,9 +41,9 @@ from kvxfer.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
-from kvxfer.meta_seal import check_meta_seal, seal_meta
-from kvxfer.reshard_descriptors import plan_reshard_pull
-from kvxfer.stats import TransferStats
+from kvxfer.security.meta_seal import check_meta_seal, seal_meta
+from kvxfer.plan.reshard_descriptors import plan_reshard_pull
+from kvxfer.runtime.stats import TransferStats
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
@@ -244,6 +244,14 @@ class KVTransportBackend(ABC):
         """``(True, "")`` if this backend can run here, else ``(False, how to fix it)``."""
         return True, ""
 
+    @classmethod
+    def transport_probe(cls) -> dict[str, Any]:
+        """What this backend's transport would use here (libraries, UCX transports), for ``kvxfer info``.
+
+        Empty for backends with nothing to report; never raises for a missing dependency.
+        """
+        return {}
+
     def __init__(
         self,
         agent_name: str,
@@ -318,7 +326,7 @@ class KVTransportBackend(ABC):
         raise (``PeerMetadataError`` / ``BlockIdError``) with both sides untouched.
         ``notify=False`` suppresses the read-done notification (not the failure
         report) to the source, for a caller whose later read carries it (see
-        ``kvxfer.generations``).
+        ``kvxfer.runtime.generations``).
         """
         self._check_open()
         peer = self.parse_peer_meta(peer_meta)
@@ -399,7 +407,7 @@ class KVTransportBackend(ABC):
         """Validate compatibility and ids, and plan the byte ranges (bounds-checked).
 
         When both sides carry a shard layout (KV ``layout``, or SSM ``ssm_layout``)
-        the plan reads only the layer x head slices this rank owns (``kvxfer.reshard``).
+        the plan reads only the layer x head slices this rank owns (``kvxfer.plan.reshard``).
         """
         reshard = plan_reshard_pull(self, peer, src_block_ids, dst_block_ids)
         if reshard is not None:

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up pulls per point")
     p.add_argument("--max-request-mib", type=int, default=16, help="cap on one request's bytes (block counts are lowered)")
     p.add_argument("--reshard", choices=["auto", "off"], default="auto",
-                   help="TP-reshard axis: auto = on when kvxfer.reshard is importable")
+                   help="TP-reshard axis: auto = on when kvxfer.plan.reshard is importable")
     p.add_argument("--reshard-sizes", type=_list(bytes), default=DEFAULT_RESHARD_SIZES,
                    help="slice sizes that also get TP 2 -> 1 points (default: 32K,1M)")
     p.add_argument("--mooncake-python", help="interpreter that has mooncake installed (default: this one)")

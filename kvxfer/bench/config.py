@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from kvxfer.loopback import LoopbackConfig
+from kvxfer.harness.loopback import LoopbackConfig
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -58,7 +58,7 @@ class BenchConfig:
     slice_sizes: tuple[int, ...] = DEFAULT_SLICE_SIZES
     block_counts: tuple[int, ...] = DEFAULT_BLOCK_COUNTS
     patterns: tuple[str, ...] = PATTERNS
-    reshard: str = "auto"  # "auto": on when kvxfer.reshard imports; "off"
+    reshard: str = "auto"  # "auto": on when kvxfer.plan.reshard imports; "off"
     reshard_sizes: tuple[int, ...] = DEFAULT_RESHARD_SIZES  # slice sizes that get reshard points too
     num_layers: int = 4  # planes per block = 2 * num_layers (K and V)
     repeats: int = 10

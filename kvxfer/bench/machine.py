@@ -99,15 +99,9 @@ def describe() -> dict[str, Any]:
 
 def transport_probes() -> dict[str, Any]:
     """What ``kvxfer info`` shows per backend (e.g. NIXL's package and UCX transports); errors as text."""
-    from kvxfer.cli import TRANSPORT_PROBES
+    from kvxfer.backends import transport_probes as probes
 
-    out: dict[str, Any] = {}
-    for name, probe in TRANSPORT_PROBES.items():
-        try:
-            out[name] = probe()
-        except Exception as exc:  # a probe failing is information, not a crash
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
+    return probes()
 
 
 def _kvxfer_version() -> str:

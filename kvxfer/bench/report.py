@@ -227,7 +227,7 @@ def markdown(report: BenchReport, plot_name: Optional[str], command: str, json_n
             "no other destination block changed. A point that fails verification is reported as an error, not a figure.",
             "- Scattered ids are a fresh random draw per repeat (from a pool twice the request); contiguous ids are one run.",
             "- TP reshard points: two prefill ranks (4 heads each) -> one decode rank (8 heads) through "
-            "`kvxfer.multi_pull.begin_pull_from_peers`, verified against the joined heads.",
+            "`kvxfer.runtime.multi_pull.begin_pull_from_peers`, verified against the joined heads.",
             "- Baselines: *naive-nixl* is the reference's way (one descriptor per (block, plane) built in Python per request, "
             "`initialize_xfer`, raw `nixl_agent`, two processes, same ids, same verification); *ucx-perftest* is "
             "`ucx_perftest -t ucp_get` (server + client on 127.0.0.1, window 1) at every power of two in the slice range; "

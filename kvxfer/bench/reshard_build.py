@@ -1,4 +1,4 @@
-"""The TP-reshard axis, optional: on only when ``kvxfer.reshard`` imports.
+"""The TP-reshard axis, optional: on only when ``kvxfer.plan.reshard`` imports.
 
 The reshard planner lands from another branch; until then this module says so and
 the bench goes on without it. When it is there, it measures the issue's third
@@ -22,15 +22,15 @@ BLOCKS, LAYERS, TOKENS, HEADS, HEAD_DIM, ELEM, POOL_BLOCKS = 128, 32, 16, 8, 128
 def status() -> tuple[bool, str]:
     """``(True, "")`` when the reshard planner is importable, else ``(False, why)``."""
     try:
-        importlib.import_module("kvxfer.reshard")
-        importlib.import_module("kvxfer.reshard_descriptors")
+        importlib.import_module("kvxfer.plan.reshard")
+        importlib.import_module("kvxfer.plan.reshard_descriptors")
     except ImportError as exc:
-        return False, f"kvxfer.reshard is not importable ({exc}); the reshard planner has not landed on this branch"
+        return False, f"kvxfer.plan.reshard is not importable ({exc}); the reshard planner has not landed on this branch"
     return True, ""
 
 
 def _geometry(layout: Any, pool_blocks: int) -> Any:
-    from kvxfer.geometry import kv_layout_geometry
+    from kvxfer.plan.geometry import kv_layout_geometry
 
     return kv_layout_geometry(layout, num_blocks=pool_blocks, tokens_per_block=TOKENS, head_dim=HEAD_DIM,
                               element_size=ELEM)
@@ -47,9 +47,9 @@ def measure_build(repeats: int = 20, seed: int = 0) -> dict[str, Any]:
     try:
         import numpy as np
 
-        from kvxfer.layout import KVShardLayout
-        from kvxfer.reshard import for_dst, plan_kv_reshard
-        from kvxfer.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
+        from kvxfer.plan.layout import KVShardLayout
+        from kvxfer.plan.reshard import for_dst, plan_kv_reshard
+        from kvxfer.plan.reshard_descriptors import plan_kv_reshard_copies, plan_kv_reshard_strided
 
         rng = np.random.default_rng(seed)
         src_ids = rng.choice(POOL_BLOCKS, BLOCKS, replace=False)

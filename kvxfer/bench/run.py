@@ -81,7 +81,7 @@ def _prepare_process() -> None:
     children -- runs with the same UCX settings."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
-        from kvxfer.backends._nixl_ucx_env import keep_idle_ib_module_out
+        from kvxfer.backends.nixl.ucx_env import keep_idle_ib_module_out
     except ImportError:  # no nixl backend in this checkout: nothing to align with
         pass
     else:

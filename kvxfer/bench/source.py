@@ -5,7 +5,7 @@ The decode side (the bench process) drives it through a small command set:
 SHA-256 of some blocks, to verify what the reader got), ``await`` (watch
 ``drain_read_done`` until a request id shows up and report *when*, on the shared
 monotonic clock), ``close``. Network backends get a real second OS process (a spawn
-child and a Pipe, as ``kvxfer.loopback`` does); the in-process ``local`` backend
+child and a Pipe, as ``kvxfer.harness.loopback`` does); the in-process ``local`` backend
 gets the same interface without the process.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
-from kvxfer.loopback import LoopbackConfig, make_backend, make_pool
+from kvxfer.harness.loopback import LoopbackConfig, make_backend, make_pool
 
 #: Backends that can only reach registrations in their own process.
 IN_PROCESS_ONLY = frozenset({"local"})
@@ -46,7 +46,7 @@ def shard_backend(cfg: LoopbackConfig, pool: torch.Tensor, agent_name: str, *, t
 def request_digest(pools: list[torch.Tensor], ids: np.ndarray) -> str:
     """SHA-256 of the blocks ``ids`` of the whole KV (TP ranks' head slices joined), in pool byte order.
 
-    For one pool this equals ``kvxfer.loopback.blocks_digest``; for TP ranks it is the
+    For one pool this equals ``kvxfer.harness.loopback.blocks_digest``; for TP ranks it is the
     digest the decode rank holding every head must reproduce.
     """
     index = torch.from_numpy(np.asarray(ids, dtype=np.int64))

@@ -20,7 +20,7 @@ from kvxfer.backends.base import KVTransportBackend, TransferHandle
 from kvxfer.bench.config import RESHARD_SRC_TP, BenchConfig, Point
 from kvxfer.bench.results import PointResult
 from kvxfer.bench.source import SourceClient, agent_name, open_source, shard_backend
-from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_backend, make_pool, untouched
+from kvxfer.harness.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_backend, make_pool, untouched
 
 OnPoint = Callable[[PointResult], None]
 
@@ -91,7 +91,7 @@ def _post(decode: KVTransportBackend, metas: list[dict], src_ids: object, dst_id
     """One source: ``begin_pull_blocks``. Several (TP ranks): ``begin_pull_from_peers``, one group handle."""
     if len(metas) == 1:
         return decode.begin_pull_blocks(metas[0], src_ids, dst_ids, request_id=request_id)
-    from kvxfer.multi_pull import begin_pull_from_peers
+    from kvxfer.runtime.multi_pull import begin_pull_from_peers
 
     return begin_pull_from_peers(decode, [(meta, src_ids) for meta in metas], dst_ids, request_id=request_id)
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 from kvxfer.bench.config import BenchConfig, Point
 from kvxfer.bench.results import PointResult, Unavailable
 from kvxfer.bench.sweep import OnPoint
-from kvxfer.descriptors import plan_block_copies
+from kvxfer.plan.descriptors import plan_block_copies
 
 NAME = "mooncake"
 WORKER = Path(__file__).with_name("mooncake_te_worker.py")
@@ -123,7 +123,7 @@ def run(cfg: BenchConfig, points: Iterable[Point], on_point: Optional[OnPoint] =
 
 
 def _geometry(cfg: BenchConfig, pool_blocks: int, slice_bytes: int) -> Any:
-    from kvxfer.geometry import BufferGeometry
+    from kvxfer.plan.geometry import BufferGeometry
 
     return BufferGeometry(buf_ptr=0, element_size=2, device_id=0, blocks_axis=2, num_blocks=pool_blocks,
                           num_outer=cfg.planes, bytes_per_slice=slice_bytes, outer_stride_bytes=pool_blocks * slice_bytes)

@@ -37,7 +37,7 @@ class Pool:
             raise RuntimeError("mooncake register_memory failed")
 
     def digest(self, ids: list[int], num_outer: int, num_blocks: int, slice_bytes: int) -> str:
-        """SHA-256 of the blocks' slices, outer-major then id order (as kvxfer.loopback.blocks_digest)."""
+        """SHA-256 of the blocks' slices, outer-major then id order (as kvxfer.harness.loopback.blocks_digest)."""
         view = memoryview(self.buf).cast("B")
         h = hashlib.sha256()
         for outer in range(num_outer):

@@ -22,7 +22,7 @@ from kvxfer.bench.config import BenchConfig, Point
 from kvxfer.bench.results import PointResult, Unavailable
 from kvxfer.bench.source import READ_DONE_POLL_S, ChildSource, agent_name
 from kvxfer.bench.sweep import POLL_S, OnPoint
-from kvxfer.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_pool, untouched
+from kvxfer.harness.loopback import SENTINEL, LoopbackConfig, blocks_digest, make_pool, untouched
 
 NAME = "naive-nixl"
 

@@ -10,7 +10,7 @@ field reaches a transport: a truncated, corrupted or edited meta is a clear
 
 This guards against accidents, not adversaries: anyone can compute the seal. That
 only authenticated peers can hand us a meta at all is the control channel's job
-(``kvxfer.auth``).
+(``kvxfer.security.auth``).
 """
 
 from __future__ import annotations

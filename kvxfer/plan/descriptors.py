@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from kvxfer.errors import BlockIdError, PeerMetadataError
-from kvxfer.geometry import BufferGeometry
+from kvxfer.plan.geometry import BufferGeometry
 
 IdList = Sequence[int] | np.ndarray
 

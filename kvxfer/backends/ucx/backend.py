@@ -30,10 +30,11 @@ import time
 from collections import deque
 from typing import Any, Mapping, Optional
 
-from kvxfer.backends import _ucp, register_backend
+from kvxfer.backends import register_backend
+from kvxfer.backends.ucx import binding as _ucp
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
-from kvxfer.geometry import PeerGeometry
+from kvxfer.plan.geometry import PeerGeometry
 
 AM_ID = 0x4B56  # "KV": the active-message id of read-done / read-failed notices
 _CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force-closing the endpoint
@@ -110,7 +111,7 @@ class UcxHandle(TransferHandle):
             self._backend._worker.progress()
         if not batch.done:
             return False
-        if batch.status != _ucp._lib.UCS_OK:
+        if not _ucp.is_ok(batch.status):
             raise TransferError(
                 f"request {self.request_id!r}: UCX get failed: {_ucp.status_string(batch.status)}"
                 + ("; the source endpoint reported an error (the source process may have died)" if self._peer.failed else "")
@@ -184,6 +185,10 @@ class UcxBackend(KVTransportBackend):
     def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
         kwargs.setdefault("peer_error_handling", self.peer_error_handling)
         return super().new_registered_buffer(**kwargs)
+
+    @classmethod
+    def transport_probe(cls) -> dict[str, Any]:
+        return ucx_transport_info()
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -331,7 +336,7 @@ class UcxBackend(KVTransportBackend):
         """Progress-thread work (worker lock held): finish AM sends, deferred failures, dead endpoints."""
         still = []
         for endpoint, request in self._sends:
-            if _ucp.request_status(self._worker, request) == _ucp._lib.UCS_INPROGRESS:
+            if _ucp.in_progress(_ucp.request_status(self._worker, request)):
                 still.append((endpoint, request))
             else:
                 self._worker.inflight -= 1

@@ -15,10 +15,10 @@ from typing import Any, Mapping, Optional, Sequence
 from kvxfer.backends.base import (
     CompletedHandle, GroupHandle, KVTransportBackend, RequestId, TransferHandle, TransferState,
 )
-from kvxfer.descriptors import IdList, validate_block_ids
+from kvxfer.plan.descriptors import IdList, validate_block_ids
 from kvxfer.errors import KVXferError, LayoutError, PeerMetadataError, TransferError
-from kvxfer.reshard import check_covers, check_same_model, intersect
-from kvxfer.ssm_layout import SSMShardLayout
+from kvxfer.plan.reshard import check_covers, check_same_model, intersect
+from kvxfer.plan.ssm_layout import SSMShardLayout
 
 PeerPart = tuple[Mapping[str, Any], IdList]
 

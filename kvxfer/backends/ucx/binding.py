@@ -22,6 +22,7 @@ and the UCX backend reports itself unavailable with the reason.
 
 from __future__ import annotations
 
+import logging
 import importlib
 import itertools
 import os
@@ -32,6 +33,8 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+logger = logging.getLogger("kvxfer.backends.ucx")
 
 LIVE: Counter[str] = Counter()  # kind -> live objects of that kind in this process
 _LIVE_LOCK = threading.Lock()
@@ -79,12 +82,12 @@ def load() -> tuple[Any, Any]:
             libucx.load_library()
         except ImportError:
             pass  # a system UCX may still satisfy the extension's rpath / ld.so.conf
-        _ucp_cffi = importlib.import_module("kvxfer.backends._ucp_cffi")
+        _ucp_cffi = importlib.import_module("kvxfer.backends.ucx._ucp_cffi")
     except (ImportError, OSError) as exc:
         _load_error = (
             f"the UCX binding could not be loaded ({exc}); install kvxfer with its build dependencies "
-            "(`pip install -e .` builds kvxfer/backends/_ucp_cffi with cffi against libucx-cu12==1.22.0), "
-            "or build it in place with `python -m kvxfer.backends._ucp_build`"
+            "(`pip install -e .` builds kvxfer/backends/ucx/_ucp_cffi with cffi against libucx-cu12==1.22.0), "
+            "or build it in place with `python -m kvxfer.backends.ucx.binding_build`"
         )
         raise ImportError(_load_error) from None
     _ffi, _lib = _ucp_cffi.ffi, _ucp_cffi.lib
@@ -96,6 +99,16 @@ def status_string(status: int) -> str:
     if _lib is None:
         return f"status {status}"
     return _ffi.string(_lib.ucs_status_string(status)).decode()
+
+
+def is_ok(status: int) -> bool:
+    """True for UCS_OK."""
+    return status == _lib.UCS_OK
+
+
+def in_progress(status: int) -> bool:
+    """True for UCS_INPROGRESS (a request still running)."""
+    return status == _lib.UCS_INPROGRESS
 
 
 def _check(status: int, what: str) -> None:
@@ -112,9 +125,7 @@ def _install_callbacks(ffi: Any) -> None:
     """Define the ``extern "Python"`` callbacks once per process."""
 
     def _on_callback_error(exc_type: Any, exc: Any, tb: Any) -> None:
-        import traceback
-
-        traceback.print_exception(exc_type, exc, tb)
+        logger.error("exception in a UCX callback", exc_info=(exc_type, exc, tb))
 
     @ffi.def_extern(onerror=_on_callback_error)
     def kvx_am_recv_py(arg, header, header_length, data, length, param):  # type: ignore[no-untyped-def]

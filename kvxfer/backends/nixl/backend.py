@@ -10,7 +10,7 @@ How a pull works
     the source's ``drain_read_done()`` turns it into the request id. A read that
     fails or times out is released first (so nothing of it is in flight) and only
     then reported to the source with a failure notification
-    (``drain_read_failed()``). Formats: ``kvxfer.backends._nixl_notify``.
+    (``drain_read_failed()``). Formats: ``kvxfer.backends.notice``.
 
 Descriptors: prepared lists, indexed per request
     Every registration and every (peer, peer region) gets one *prepared*
@@ -59,8 +59,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from kvxfer.backends import register_backend
-from kvxfer.backends import _nixl_notify as notify
-from kvxfer.backends._nixl_ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
+from kvxfer.backends import notice as notify
+from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,
@@ -69,9 +69,9 @@ from kvxfer.backends.base import (
     TransferHandle,
     TransferState,
 )
-from kvxfer.descriptors import CopyPlan
+from kvxfer.plan.descriptors import CopyPlan
 from kvxfer.errors import BackendUnavailableError, GeometryError, PeerMetadataError, TransferError
-from kvxfer.geometry import BufferGeometry, PeerGeometry
+from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
 
 __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info",
            "nixl_transport_probe", "slice_indices"]
@@ -502,6 +502,10 @@ class NixlBackend(KVTransportBackend):
     is_push = False
 
     _availability: Optional[tuple[bool, str]] = None
+
+    @classmethod
+    def transport_probe(cls) -> dict[str, Any]:
+        return nixl_transport_probe()
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

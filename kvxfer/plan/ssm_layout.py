@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import GeometryError, PeerMetadataError
-from kvxfer.layout import check_head_split, check_layer_window, check_positive, check_ranks, layer_window
+from kvxfer.plan.layout import check_head_split, check_layer_window, check_positive, check_ranks, layer_window
 
 #: Names of the conv bands in their order inside one slot.
 CONV_BANDS = ("x", "B", "C")

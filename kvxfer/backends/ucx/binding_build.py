@@ -1,4 +1,4 @@
-"""cffi builder for ``kvxfer.backends._ucp_cffi``: a thin, API-mode binding to UCX's UCP.
+"""cffi builder for ``kvxfer.backends.ucx._ucp_cffi``: a thin, API-mode binding to UCX's UCP.
 
 Why API mode: the struct layouts (``ucp_params_t``, ``ucp_request_param_t``, ...)
 change between UCX releases. Declaring only the fields we touch, with ``...;``,
@@ -16,7 +16,7 @@ whole copy plan's gets in one C loop keeps Python work per request constant, and
 completion is counted by a C callback so no Python runs per completed get.
 
 Built by ``setup.py`` (``cffi_modules``) during ``pip install``, or in place with
-``python -m kvxfer.backends._ucp_build``.
+``python -m kvxfer.backends.ucx.binding_build``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-MODULE_NAME = "kvxfer.backends._ucp_cffi"
+MODULE_NAME = "kvxfer.backends.ucx._ucp_cffi"
 
 CDEF = r"""
 typedef int... ucs_status_t;
@@ -290,7 +290,7 @@ if __name__ == "__main__":
     # extension next to this file (as an editable install would).
     import shutil
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     built = Path(ffibuilder.compile(tmpdir=str(root / "build" / "cffi"), verbose=False))
     shutil.copy2(built, Path(__file__).resolve().parent / built.name)
     print(Path(__file__).resolve().parent / built.name)

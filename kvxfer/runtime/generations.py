@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, abort_parts
-from kvxfer.descriptors import IdList
+from kvxfer.plan.descriptors import IdList
 from kvxfer.errors import BlockIdError, TornReadError
 
 _UNREAD = -1

@@ -1,9 +1,9 @@
 """Plan who reads which SSM state slices when prefill and decode use different TP/PP.
 
-The SSM counterpart of ``kvxfer.reshard`` (same validation, same replica rule,
+The SSM counterpart of ``kvxfer.plan.reshard`` (same validation, same replica rule,
 same "every rank computes the whole plan and keeps its own part"). The one new
 thing is the conv state: its channels are three bands (x, B, C) each split by TP
-on its own (see ``kvxfer.ssm_layout``), so one (src, dst) pair moves up to three
+on its own (see ``kvxfer.plan.ssm_layout``), so one (src, dst) pair moves up to three
 separate channel ranges per slot. Because heads and groups split by the same
 TP fraction, a pair that shares heads always shares groups too, and vice versa.
 """
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvxfer.errors import LayoutError
-from kvxfer.reshard import (
+from kvxfer.plan.reshard import (
     LayerHeadSlices, check_same_model, check_tiling, dedupe_sources, intersect, overlap, pair_transfers,
 )
-from kvxfer.ssm_layout import CONV_BANDS, SSMShardLayout
+from kvxfer.plan.ssm_layout import CONV_BANDS, SSMShardLayout
 
 
 @dataclass(frozen=True)

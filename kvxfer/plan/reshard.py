@@ -4,7 +4,7 @@ Pure functions over ``KVShardLayout``s: no buffers, no I/O. Every rank on both
 sides can call ``plan_kv_reshard(srcs, dsts)`` with the same arguments, get the
 same list of transfers, and keep the ones naming its own global rank
 (``for_dst``/``for_src``). Byte addresses come later, from
-``kvxfer.reshard_descriptors``.
+``kvxfer.plan.reshard_descriptors``.
 
 The rules, in order:
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout import KVShardLayout
+from kvxfer.plan.layout import KVShardLayout
 
 
 class ShardLayout(Protocol):

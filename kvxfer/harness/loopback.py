@@ -22,9 +22,9 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
-from kvxfer.descriptors import plan_block_copies
+from kvxfer.plan.descriptors import plan_block_copies
 from kvxfer.errors import KVXferError, TransferError
-from kvxfer.geometry import dtype_from_name, parse_geometry_meta
+from kvxfer.plan.geometry import dtype_from_name, parse_geometry_meta
 
 SENTINEL = 0xA5  # what the decode pool holds before the pull
 CONTROL_TIMEOUT_S = 120.0

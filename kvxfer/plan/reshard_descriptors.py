@@ -23,13 +23,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from kvxfer.descriptors import CopyPlan, IdList, block_runs, check_plan_bounds, coalesce, validate_block_ids
+from kvxfer.plan.descriptors import CopyPlan, IdList, block_runs, check_plan_bounds, coalesce, validate_block_ids
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.geometry import BufferGeometry, PeerGeometry, dtype_name
-from kvxfer.layout import KVShardLayout
-from kvxfer.reshard import KVReshardTransfer, kv_transfer_between
-from kvxfer.ssm_layout import SSMShardLayout
-from kvxfer.ssm_reshard import SSMReshardTransfer, ssm_transfer_between
+from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, dtype_name
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.reshard import KVReshardTransfer, kv_transfer_between
+from kvxfer.plan.ssm_layout import SSMShardLayout
+from kvxfer.plan.ssm_reshard import SSMReshardTransfer, ssm_transfer_between
 
 _I64 = np.int64
 

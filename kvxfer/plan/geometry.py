@@ -17,13 +17,13 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kvxfer.errors import GeometryError, PeerMetadataError
-from kvxfer.layout import KVShardLayout
-from kvxfer.ssm_layout import SSMShardLayout
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.ssm_layout import SSMShardLayout
 
 #: Bumped whenever a field changes meaning; peers with another version are refused.
 SCHEMA_VERSION = 1
 
-#: The two kinds of per-layer SSM state a hybrid model keeps (see ``kvxfer.reshard``).
+#: The two kinds of per-layer SSM state a hybrid model keeps (see ``kvxfer.plan.reshard``).
 SSM_STATE_KINDS = ("conv", "recurrent")
 
 # Fixed position of the blocks axis in the canonical layouts.

@@ -17,9 +17,9 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle
-from kvxfer.backends.local_reshard import copy_resharded
+from kvxfer.backends.local.reshard import copy_resharded
 from kvxfer.errors import PeerMetadataError
-from kvxfer.reshard_descriptors import reshard_transfers_for_pull
+from kvxfer.plan.reshard_descriptors import reshard_transfers_for_pull
 
 _LIVE: dict[int, "LocalBackend"] = {}  # buffer id -> live registration in this process
 _LIVE_LOCK = threading.Lock()

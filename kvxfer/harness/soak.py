@@ -27,7 +27,7 @@ import torch
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
 from kvxfer.errors import KVXferError
-from kvxfer.generations import BlockGenerations, GenerationChecker
+from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 CONTROL_TIMEOUT_S = 60.0
 

@@ -2,7 +2,7 @@
 
 Every backend keeps one ``TransferStats``; the handle state machine updates it, so
 transports need do nothing. ``snapshot()`` is what ``KVTransportBackend.stats()``
-returns; ``kvxfer.metrics`` exposes the same figures to Prometheus.
+returns; ``kvxfer.runtime.metrics`` exposes the same figures to Prometheus.
 """
 
 from __future__ import annotations

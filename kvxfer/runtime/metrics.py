@@ -10,7 +10,7 @@ constructing a collector raises ``ImportError`` saying so.
 
 Usage::
 
-    from kvxfer.metrics import serve
+    from kvxfer.runtime.metrics import serve
     collector = serve([backend], port=9400)   # then scrape http://host:9400/metrics
     collector.add(other_backend)              # backends created later
 """
@@ -42,7 +42,7 @@ def _prometheus() -> Any:
     try:
         import prometheus_client.core as core
     except ImportError as exc:
-        raise ImportError("kvxfer.metrics needs prometheus-client: pip install 'kvxfer[prometheus]' "
+        raise ImportError("kvxfer.runtime.metrics needs prometheus-client: pip install 'kvxfer[prometheus]' "
                           f"(or pip install prometheus-client); import failed: {exc}") from exc
     return core
 

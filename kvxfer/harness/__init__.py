@@ -1,0 +1,1 @@
+"""Standalone runs that check a machine: two-process loopback handoffs and soaks."""

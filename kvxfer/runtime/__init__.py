@@ -1,0 +1,1 @@
+"""What runs beside the transports: counters, Prometheus metrics, torn-read checks."""

@@ -1,0 +1,1 @@
+"""Trust between processes: authenticated control frames and sealed transfer metas."""
