@@ -25,13 +25,11 @@ def kv_layouts(tp: int, pp: int, num_layers: int, num_heads: int, *, windows=Non
 
 
 def ssm_layouts(tp: int, pp: int, num_layers: int, dims: SSMStateDims, *, windows=None, rank_base: int = 0) -> list[SSMShardLayout]:
-    out = []
-    for p in range(pp):
-        start, n = windows[p] if windows else (None, None)
-        for t in range(tp):
-            out.append(SSMShardLayout(num_layers, dims, tp_size=tp, tp_rank=t, pp_size=pp, pp_rank=p,
-                                      global_rank=rank_base + p * tp + t, layer_start=start, num_local_layers=n))
-    return out
+    """Every rank of one instance, in Megatron's shape (a stage is its window; even split by default)."""
+    windows = windows or [(p * (num_layers // pp), num_layers // pp) for p in range(pp)]
+    return [SSMShardLayout(global_rank=rank_base + p * tp + t, tp_size=tp, tp_rank=t, layer_start=start,
+                           num_layers=n, dims=dims)
+            for p, (start, n) in enumerate(windows) for t in range(tp)]
 
 
 def random_tensor(shape, dtype, seed: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ def mutation(draw, valid):
     meta = json.loads(json.dumps(valid))
     transport_keys = [k for k in meta if k.startswith(("nixl_", "ucx_"))]
     for _ in range(draw(st.integers(1, 3))):
-        key = draw(st.sampled_from(transport_keys + ["agent_name", "backend", "buf_ptr", "num_blocks", "extra"]))
+        key = draw(st.sampled_from(transport_keys + ["agent_name", "backend", "base_addr", "num_blocks", "extra"]))
         choice = draw(st.integers(0, 4))
         if choice == 0:
             meta.pop(key, None)

@@ -13,6 +13,7 @@ from kvxfer.plan.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
+from kvxfer.plan.ssm_layout import SSMShardLayout, SSMStateDims
 from tests.conftest import DTYPES
 
 SEED_FIELDS = [
@@ -103,7 +104,9 @@ def test_topology_on_a_non_canonical_buffer():
 
 
 def test_ssm_buffers_have_blocks_on_axis_1():
-    g = compute_buffer_geometry(torch.zeros(4, 9, 9, 3), 9, backend_name="t", ssm_layout=object(), ssm_state_kind="conv")
+    layout = SSMShardLayout(global_rank=0, tp_size=1, tp_rank=0, layer_start=0, num_layers=4,
+                            dims=SSMStateDims(nheads=1, headdim=1, d_state=4, ngroups=1, d_conv=3))  # 9 channels
+    g = compute_buffer_geometry(torch.zeros(4, 9, 9, 3), 9, backend_name="t", ssm_layout=layout, ssm_state_kind="conv")
     assert (g.blocks_axis, g.num_outer, g.bytes_per_slice) == (1, 4, 9 * 3 * 4)
     with pytest.raises(GeometryError, match="together"):
         compute_buffer_geometry(torch.zeros(4, 9, 3), 9, backend_name="t", ssm_state_kind="conv")
@@ -139,8 +142,8 @@ def _meta():
     ("bytes_per_slice", "128", "'bytes_per_slice'"),
     ("outer_stride_bytes", 7, "outer_stride_bytes"),
     ("num_outer", 2**70, "'num_outer'"),
-    ("layout", {"num_layers": 0, "num_heads": 1}, "'layout'"),
-    ("layout", {"bogus": 1}, "unknown keys"),
+    ("num_layers_global", 3, "missing"),
+    ("ssm_layout", {"bogus": 1}, "ssm_layout"),
     ("ssm_state_kind", "conv", "ssm_layout"),
 ])
 def test_bad_peer_meta_names_the_field(field, value, message):
@@ -150,7 +153,7 @@ def test_bad_peer_meta_names_the_field(field, value, message):
         parse_geometry_meta(meta)
 
 
-@pytest.mark.parametrize("field", ["schema_version", "dtype", "buf_ptr", "num_blocks", "layout"])
+@pytest.mark.parametrize("field", ["schema_version", "dtype", "base_addr", "num_blocks", "element_size"])
 def test_missing_field_is_named(field):
     meta = _meta()
     del meta[field]

@@ -202,7 +202,7 @@ def _corrupt(meta, case):
     elif case == "missing_num_blocks":
         del meta["num_blocks"]
     elif case == "unregistered_region":
-        meta["buf_ptr"] += 1 << 40
+        meta["base_addr"] += 1 << 40
     elif case == "wrong_backend":
         meta["backend"] = "ucx"
     elif case == "not_a_dict":

@@ -116,7 +116,7 @@ def test_conv_bands_are_split_not_cut_contiguously():
 
 
 def test_ssm_layout_round_trips_and_is_validated_on_parse():
-    layout = SSMShardLayout(LAYERS, DIMS, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1, global_rank=3)
+    layout = SSMShardLayout(global_rank=3, tp_size=2, tp_rank=1, layer_start=LAYERS // 2, num_layers=LAYERS // 2, dims=DIMS)
     assert SSMShardLayout.from_meta(json.loads(json.dumps(layout.to_meta()))) == layout
     pool = torch.zeros(layout.state_shape("conv", POOL_BLOCKS))
     b = _backend(layout, pool, "conv", "x")
@@ -126,7 +126,7 @@ def test_ssm_layout_round_trips_and_is_validated_on_parse():
         meta["ssm_layout"]["dims"]["ngroups"] = 3
         with pytest.raises(PeerMetadataError, match="ssm_layout"):
             parse_geometry_meta(meta)
-        meta["ssm_layout"] = {"num_layers": 4}
+        meta["ssm_layout"] = {"num_layers": 4}  # no dims
         with pytest.raises(PeerMetadataError, match="dims"):
             parse_geometry_meta(meta)
     finally:
@@ -135,9 +135,9 @@ def test_ssm_layout_round_trips_and_is_validated_on_parse():
 
 def test_ssm_invalid_combinations():
     with pytest.raises(LayoutError, match="SSM groups"):
-        SSMShardLayout(LAYERS, DIMS, tp_size=8)  # 4 groups over 8 ranks
+        SSMShardLayout(0, 8, 0, 0, LAYERS, DIMS)  # 4 groups over 8 ranks
     with pytest.raises(LayoutError, match="SSM heads"):
-        SSMShardLayout(LAYERS, SSMStateDims(6, 3, 5, 2, 4), tp_size=4)
+        SSMShardLayout(0, 4, 0, 0, LAYERS, SSMStateDims(6, 3, 5, 2, 4))
     other = SSMStateDims(nheads=8, headdim=3, d_state=7, ngroups=4, d_conv=4)
     with pytest.raises(LayoutError, match="different models"):
         plan_ssm_reshard(ssm_layouts(2, 1, LAYERS, DIMS), ssm_layouts(2, 1, LAYERS, other, rank_base=5))
@@ -146,13 +146,13 @@ def test_ssm_invalid_combinations():
 
 
 def test_ssm_pool_shape_must_match_layout():
-    layout = SSMShardLayout(LAYERS, DIMS, tp_size=2)
+    layout = SSMShardLayout(0, 2, 0, 0, LAYERS, DIMS)
     with pytest.raises(GeometryError, match="ssm_layout gives"):
         _backend(layout, torch.zeros(LAYERS, POOL_BLOCKS, DIMS.conv_channels, DIMS.d_conv), "conv", "x")
 
 
 def test_ssm_kind_mismatch_refused_before_moving():
-    layout = SSMShardLayout(LAYERS, DIMS)
+    layout = SSMShardLayout(0, 1, 0, 0, LAYERS, DIMS)
     conv = _backend(layout, torch.ones(layout.state_shape("conv", POOL_BLOCKS)), "conv", "c")
     rec = _backend(layout, torch.zeros(layout.state_shape("recurrent", POOL_BLOCKS)), "recurrent", "r")
     try:

@@ -6,6 +6,11 @@ one-sided reads of the requested blocks into our pool and, when they are done,
 tells the source, whose ``drain_read_done()`` then returns the request id so the
 prefill engine can free its blocks.
 
+``begin_pull_blocks`` takes the per-request meta exactly as Megatron's engine builds
+it (flat, ``tp_metas`` or ``pp_metas``, with added request fields; ``docs/megatron.md``):
+it finds every source record, plans the TP/PP/SSM reshard against each, checks
+they hold everything this rank needs, and only then posts, returning one handle.
+
 Everything that is the same for every transport (geometry, peer-meta parsing,
 block-id checks, planning, bounds, the handle's state machine and timeouts) lives
 here; a transport implements the few ``_``-prefixed hooks.
@@ -29,6 +34,8 @@ from kvxfer.plan.descriptors import CopyPlan, IdList, plan_block_copies, validat
 from kvxfer.errors import (
     BackendClosedError,
     BackendUnavailableError,
+    KVXferError,
+    LayoutError,
     PeerMetadataError,
     TransferError,
     TransferTimeoutError,
@@ -41,13 +48,39 @@ from kvxfer.plan.geometry import (
     export_geometry_meta,
     parse_geometry_meta,
 )
-from kvxfer.security.meta_seal import check_meta_seal, seal_meta
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.peer_records import is_whole_request, transfer_peer_records
+from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull
+from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.runtime.stats import TransferStats
+from kvxfer.security.meta_seal import check_meta_seal, seal_meta
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
 DEFAULT_TIMEOUT_S = 30.0
+
+#: Read-done / read-failed reports a source keeps undrained before it drops (and counts) new ones.
+MAX_PENDING_NOTICES = 65536
+
+
+class TransferStartError(TransferError):
+    """Starting a transfer failed after part of it may already have been posted.
+
+    The seed's ``transfer_backends.base.TransferStartError``: ``storage_safe`` says
+    whether any byte can still land in the destination blocks (False: quarantine
+    them), ``cleanup_handles`` are the parts that were posted (already aborted), and
+    ``transfer_destinations_safe`` is the attribute Megatron's engine reads. A failure
+    before anything was posted is an ordinary ``KVXferError`` and plainly safe.
+    """
+
+    def __init__(self, message: str, storage_safe: bool = False, resources: Any = None,
+                 cleanup_handles: Sequence["TransferHandle"] = ()) -> None:
+        super().__init__(message)
+        self.storage_safe = bool(storage_safe)
+        self.transfer_destinations_safe = self.storage_safe
+        self.resources = resources
+        self.cleanup_handles = list(cleanup_handles)
 
 
 class TransferState(str, enum.Enum):
@@ -273,6 +306,7 @@ class KVTransportBackend(ABC):
         ssm_state_kind: Optional[str] = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        _parent: Optional["KVTransportBackend"] = None,
     ) -> None:
         ok, why = self.availability()
         if not ok:
@@ -282,6 +316,7 @@ class KVTransportBackend(ABC):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.agent_name = agent_name
+        self._parent = _parent  # the registration whose transport agent a sibling shares
         self.memory_buffer = memory_buffer
         self.timeout_s = float(timeout_s)
         self.geometry = compute_buffer_geometry(
@@ -292,7 +327,7 @@ class KVTransportBackend(ABC):
             layer_start=layer_start, layer_end=layer_end, ssm_layout=ssm_layout, ssm_state_kind=ssm_state_kind,
         )
         self.dtype = memory_buffer.dtype
-        self.ssm_layout = ssm_layout
+        self.ssm_layout = None if ssm_layout is None else SSMShardLayout.coerce(ssm_layout)
         self.ssm_state_kind = ssm_state_kind
         self._closed = False
         self._stats = TransferStats()
@@ -320,31 +355,106 @@ class KVTransportBackend(ABC):
         request_id: Optional[RequestId] = None,
         notify: bool = True,
     ) -> TransferHandle:
-        """Start a one-sided read of the peer's ``src_block_ids`` into our ``dst_block_ids``.
+        """Read the blocks one request needs from every source the meta names into our ``dst_block_ids``.
 
-        Everything is validated before anything is posted: a bad meta or bad ids
-        raise (``PeerMetadataError`` / ``BlockIdError``) with both sides untouched.
-        ``notify=False`` suppresses the read-done notification (not the failure
-        report) to the source, for a caller whose later read carries it (see
-        ``kvxfer.runtime.generations``).
+        ``peer_meta`` is a peer's ``export_meta()``, extended or wrapped the way
+        Megatron's engine does (``kvxfer.plan.peer_records``); each source record reads
+        its own ``block_ids`` or else ``src_block_ids``. Everything is validated and
+        planned before anything is posted: a bad meta, bad ids, or sources that do not
+        hold all this rank needs raise (``PeerMetadataError`` / ``BlockIdError`` /
+        ``LayoutError``) with every pool untouched. A failure after a part was posted
+        raises ``TransferStartError`` (posted parts aborted, ``storage_safe`` set).
+
+        Sources are told "read done" under ``request_id``; without one (Megatron's
+        calls) no read-done is sent, so a source that never drains is not filled up.
+        ``notify=False`` also suppresses it, for a caller whose later read carries it
+        (``kvxfer.runtime.generations``). Several sources give one ``GroupHandle``.
         """
         self._check_open()
-        peer = self.parse_peer_meta(peer_meta)
-        src_ids, dst_ids = validate_block_ids(
-            src_block_ids, dst_block_ids, peer.geometry.num_blocks, self.geometry.num_blocks
-        )
-        plan = self.plan_pull(peer, src_ids, dst_ids)
         if request_id is None:
-            request_id = f"{self.agent_name}:{next(self._request_counter)}"
+            label: RequestId = f"{self.agent_name}:{next(self._request_counter)}"
+            notify = False
         elif not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
-        self._stats.started(plan.total_bytes, plan.num_descriptors)
-        if plan.num_descriptors == 0:  # reshard: the peer holds nothing this rank needs
-            handle: TransferHandle = CompletedHandle(request_id)
         else:
-            handle = self._post_read(PullRequest(peer_meta, peer, src_ids, dst_ids, plan, request_id, notify))
-        handle._count_in(self._stats, plan.total_bytes)
+            label = request_id
+        pulls = self.plan_request(peer_meta, src_block_ids, dst_block_ids, label, notify)
+        total = sum(p.plan.total_bytes for p in pulls if p is not None)
+        self._stats.started(total, sum(p.plan.num_descriptors for p in pulls if p is not None))
+        handle = self._post_pulls(pulls, label)
+        handle._count_in(self._stats, total)
         return handle
+
+    def plan_request(self, peer_meta: Mapping[str, Any], src_block_ids: IdList, dst_block_ids: IdList,
+                     request_id: RequestId, notify: bool) -> list[Optional["PullRequest"]]:
+        """One validated, planned ``PullRequest`` per source record (None: nothing to read there).
+
+        Pure with respect to the transport: nothing is posted here.
+        """
+        records = transfer_peer_records(peer_meta, src_block_ids)
+        if not records:
+            raise PeerMetadataError("peer meta names no source (empty tp_metas/pp_metas)")
+        peers = [self.parse_peer_meta(meta) for meta, _ in records]
+        ids = [validate_block_ids(src, dst_block_ids, peer.geometry.num_blocks, self.geometry.num_blocks)
+               for (_, src), peer in zip(records, peers)]
+        # A wrapped meta (or several records) is the whole request, as in Megatron; a bare
+        # meta is one peer, which reads what it holds of ours (nothing, possibly).
+        chosen = self._sources_to_read(peers, complete=is_whole_request(peer_meta) or len(records) > 1)
+        pulls: list[Optional[PullRequest]] = []
+        for i, ((meta, _), peer, (src_ids, dst_ids)) in enumerate(zip(records, peers, ids)):
+            plan = self.plan_pull(peer, src_ids, dst_ids) if i in chosen else None
+            empty = plan is None or plan.num_descriptors == 0
+            pulls.append(None if empty else PullRequest(meta, peer, src_ids, dst_ids, plan, request_id, notify))
+        return pulls
+
+    def _sources_to_read(self, peers: Sequence[PeerGeometry], complete: bool) -> set[int]:
+        """Indices of the records to read: with layouts, one per (layer window, head range),
+        the lowest global rank. ``complete``: the records claim to be every source of the
+        request, so they must hold all this rank needs."""
+        if self.ssm_state_kind is not None:
+            own: Any = self.ssm_layout
+            layouts: list[Any] = [p.ssm_layout for p in peers]
+        else:
+            own, layouts = self.geometry.layout, [p.geometry.layout for p in peers]
+        if own is None or any(x is None for x in layouts):
+            if len(peers) > 1:
+                raise LayoutError("pulling from several sources needs a shard layout on this pool and on every source")
+            return {0}
+        check_same_model([own], layouts)
+        best: dict[tuple, int] = {}
+        for i in sorted(range(len(layouts)), key=lambda i: layouts[i].global_rank):
+            best.setdefault((layouts[i].local_layer_range(), layouts[i].local_head_range()), i)
+        chosen = sorted(best.values())
+        for pos, a in enumerate(chosen):
+            for b in chosen[pos + 1:]:
+                la, lb = layouts[a], layouts[b]
+                if intersect(la.local_layer_range(), lb.local_layer_range()) and intersect(la.local_head_range(), lb.local_head_range()):
+                    raise LayoutError(
+                        f"sources of global rank {la.global_rank} and {lb.global_rank} hold overlapping but different "
+                        "slices; pass the ranks of one prefill instance"
+                    )
+        if complete:
+            check_covers(own, [layouts[i] for i in chosen])
+        return set(chosen)
+
+    def _post_pulls(self, pulls: Sequence[Optional["PullRequest"]], request_id: RequestId) -> TransferHandle:
+        """Post every planned part; one part's handle, or a ``GroupHandle`` over all records."""
+        handles: list[TransferHandle] = []
+        try:
+            for pull in pulls:
+                handles.append(CompletedHandle(request_id) if pull is None else self._post_read(pull))
+        except KVXferError as exc:
+            posted = [h for h in handles if not isinstance(h, CompletedHandle)]
+            if not posted and not isinstance(exc, TransferStartError):
+                raise  # nothing was posted: plainly safe
+            safe = abort_parts(posted, f"request {request_id!r}: aborted, another part failed to start: {exc}")
+            safe &= getattr(exc, "storage_safe", True)
+            raise TransferStartError(
+                f"request {request_id!r}: part {len(handles) + 1} of {len(pulls)} failed to start after "
+                f"{len(posted)} part(s) were posted ({exc}); storage_safe={safe}",
+                storage_safe=safe, cleanup_handles=posted,
+            ) from exc
+        return handles[0] if len(handles) == 1 else GroupHandle(request_id, handles, self.timeout_s)
 
     def drain_read_done(self) -> list[RequestId]:
         """Request ids whose reads of our blocks completed since the last call."""
@@ -367,11 +477,16 @@ class KVTransportBackend(ABC):
         return self._stats.snapshot()
 
     def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
-        """Register a sibling buffer (e.g. an SSM state pool) sharing this backend's agent."""
+        """Register a sibling buffer (e.g. an SSM state pool) on this backend's transport agent.
+
+        Megatron passes its own ``agent_name`` for each sibling; it names the
+        registration, while the transport agent (one per rank: one connection per
+        peer, one progress engine) stays this backend's.
+        """
         self._check_open()
         kwargs.setdefault("agent_name", self.agent_name)
         kwargs.setdefault("timeout_s", self.timeout_s)
-        return type(self)(**kwargs)
+        return type(self)(**kwargs, _parent=self)
 
     def close(self) -> None:
         """Deregister the buffer and release the transport. Idempotent."""
@@ -392,7 +507,8 @@ class KVTransportBackend(ABC):
 
     # --- shared machinery -----------------------------------------------------------------
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        check_meta_seal(peer_meta)
+        """Check one source record's seal and fields; only sealed fields are read."""
+        peer_meta = check_meta_seal(peer_meta)
         peer = parse_geometry_meta(peer_meta)
         if peer_meta.get("backend") != self.name:
             raise PeerMetadataError(
@@ -420,10 +536,16 @@ class KVTransportBackend(ABC):
             raise BackendClosedError(f"{self.name} backend {self.agent_name!r} is closed")
 
     def _deliver_read_done(self, request_id: RequestId) -> None:
-        self._read_done.append(request_id)
+        if len(self._read_done) >= MAX_PENDING_NOTICES:
+            self._stats.notice_dropped()
+        else:
+            self._read_done.append(request_id)
 
     def _deliver_read_failed(self, request_id: RequestId, reason: str) -> None:
-        self._read_failed.append(ReadFailure(request_id, reason))
+        if len(self._read_failed) >= MAX_PENDING_NOTICES:
+            self._stats.notice_dropped()
+        else:
+            self._read_failed.append(ReadFailure(request_id, reason))
 
     @property
     def dtype_name(self) -> str:

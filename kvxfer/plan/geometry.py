@@ -10,6 +10,7 @@ description, and ``export_geometry_meta`` is the single wire format for it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -21,7 +22,8 @@ from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.ssm_layout import SSMShardLayout
 
 #: Bumped whenever a field changes meaning; peers with another version are refused.
-SCHEMA_VERSION = 1
+#: 2: the seed's names (``base_addr``, flat KV topology fields), Megatron-shaped ``ssm_layout``.
+SCHEMA_VERSION = 2
 
 #: The two kinds of per-layer SSM state a hybrid model keeps (see ``kvxfer.plan.reshard``).
 SSM_STATE_KINDS = ("conv", "recurrent")
@@ -123,8 +125,8 @@ def compute_buffer_geometry(
                 f"does not have {expected_num_blocks} there"
             )
         blocks_axis = SSM_BLOCKS_AXIS
-        # A typed layout must match the pool; any other object is passed through unchecked (no reshard).
-        expected = ssm_layout.state_shape(ssm_state_kind, expected_num_blocks) if isinstance(ssm_layout, SSMShardLayout) else shape
+        # Megatron's SSMShardLayout (or its asdict) is accepted: same fields, same meaning.
+        expected = SSMShardLayout.coerce(ssm_layout).state_shape(ssm_state_kind, expected_num_blocks)
         if shape != expected:
             raise GeometryError(
                 f"{where} the SSM {ssm_state_kind} buffer has shape {shape} but its ssm_layout gives {expected} "
@@ -244,6 +246,8 @@ def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
             f"over tp_size={tp_size} gives {layout.heads_per_partition}"
         )
     first, last = layout.local_layer_range()
+    # The window is always explicit, as on the wire: a layout and its peer's parse compare equal.
+    layout = dataclasses.replace(layout, layer_start=first, num_local_layers=last - first)
     if shape[1] != last - first:
         raise GeometryError(
             f"{where} buffer holds {shape[1]} layers but the layout gives this rank layers [{first}, {last}) "
@@ -252,37 +256,54 @@ def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
     return layout
 
 
+#: The flat KV topology fields of the wire schema (Megatron's names), present when the pool has a layout.
+LAYOUT_FIELDS = ("global_rank", "tp_size", "tp_rank", "pp_size", "pp_rank",
+                 "num_layers_global", "num_kv_heads_global", "layer_start", "layer_end")
+
+
 def export_geometry_meta(
     geometry: BufferGeometry,
     ssm_layout: Any = None,
     *,
-    dtype: torch.dtype | str,
+    dtype: torch.dtype | str | None = None,
     ssm_state_kind: Optional[str] = None,
 ) -> dict[str, Any]:
     """The wire schema shared by every backend's ``export_meta``.
 
-    ``dtype`` travels beside ``element_size`` because bf16 and fp16 are both two
-    bytes: a peer of the other type must be refused, not read as garbage.
+    The seed's fields first (``base_addr``, strides, slice dims and, with a KV layout,
+    the flat topology fields ``LAYOUT_FIELDS``; ``ssm_layout`` as ``asdict``), then
+    kvxfer's beside them: ``schema_version``, ``dtype`` (bf16 and fp16 are both two
+    bytes: a peer of the other type must be refused, not read as garbage) and
+    ``ssm_state_kind``. Called as ``export_geometry_meta(geometry)`` it is the seed's
+    function; backends always pass ``dtype``, which peers require.
     """
-    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype_name(dtype_from_name(dtype))
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "dtype": name,
-        "buf_ptr": geometry.buf_ptr,
-        "element_size": geometry.element_size,
+    meta: dict[str, Any] = {
+        "base_addr": geometry.buf_ptr,
+        "outer_stride_bytes": geometry.outer_stride_bytes,
         "device_id": geometry.device_id,
-        "blocks_axis": geometry.blocks_axis,
-        "num_blocks": geometry.num_blocks,
         "num_outer": geometry.num_outer,
         "bytes_per_slice": geometry.bytes_per_slice,
-        "outer_stride_bytes": geometry.outer_stride_bytes,
+        "blocks_axis": geometry.blocks_axis,
+        "num_blocks": geometry.num_blocks,
         "heads_per_partition": geometry.heads_per_partition,
         "head_dim": geometry.head_dim,
         "tokens_per_block": geometry.tokens_per_block,
-        "layout": geometry.layout.to_meta() if geometry.layout is not None else None,
-        "ssm_layout": ssm_layout.to_meta() if ssm_layout is not None else None,
-        "ssm_state_kind": ssm_state_kind,
+        "element_size": geometry.element_size,
     }
+    layout = geometry.layout
+    if layout is not None:
+        first, last = layout.local_layer_range()
+        meta.update(global_rank=layout.global_rank, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
+                    pp_size=layout.pp_size, pp_rank=layout.pp_rank, num_layers_global=layout.num_layers,
+                    num_kv_heads_global=layout.num_heads, layer_start=first, layer_end=last)
+    if ssm_layout is not None:
+        meta["ssm_layout"] = SSMShardLayout.coerce(ssm_layout).to_meta()
+    meta["schema_version"] = SCHEMA_VERSION
+    if dtype is not None:
+        meta["dtype"] = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype_name(dtype_from_name(dtype))
+    if ssm_state_kind is not None:
+        meta["ssm_state_kind"] = ssm_state_kind
+    return meta
 
 
 @dataclass(frozen=True)
@@ -296,7 +317,7 @@ class PeerGeometry:
 
 
 _INT_FIELDS = {  # field -> smallest allowed value
-    "buf_ptr": 0, "element_size": 1, "device_id": 0, "blocks_axis": 0, "num_blocks": 1,
+    "base_addr": 0, "element_size": 1, "device_id": 0, "blocks_axis": 0, "num_blocks": 1,
     "num_outer": 1, "bytes_per_slice": 1, "outer_stride_bytes": 1,
 }
 _OPTIONAL_INT_FIELDS = ("heads_per_partition", "head_dim", "tokens_per_block")
@@ -317,6 +338,40 @@ def _int_field(meta: Mapping[str, Any], name: str, minimum: int, optional: bool 
             f"peer meta field {name!r} must be an int in [{minimum}, 2**62), got {value!r}"
         )
     return value
+
+
+def kv_layout_from_meta(meta: Mapping[str, Any]) -> Optional[KVShardLayout]:
+    """The KV layout named by a meta's flat topology fields, or None when it has none.
+
+    All of ``LAYOUT_FIELDS`` or none (a partial set is an error), like Megatron's
+    check; ``heads_per_partition`` and ``num_outer`` must agree with the layout.
+    """
+    present = [name for name in LAYOUT_FIELDS if meta.get(name) is not None]
+    if not present:
+        return None
+    missing = [name for name in LAYOUT_FIELDS if name not in present]
+    if missing:
+        raise PeerMetadataError(f"peer meta has KV layout fields {present} but is missing {missing}")
+    values = {name: meta[name] for name in LAYOUT_FIELDS}
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_BYTES:
+            raise PeerMetadataError(f"peer meta field {name!r} must be a non-negative int, got {value!r}")
+    try:
+        layout = KVShardLayout(
+            num_layers=values["num_layers_global"], num_heads=values["num_kv_heads_global"],
+            tp_size=values["tp_size"], tp_rank=values["tp_rank"], pp_size=values["pp_size"],
+            pp_rank=values["pp_rank"], global_rank=values["global_rank"], layer_start=values["layer_start"],
+            num_local_layers=values["layer_end"] - values["layer_start"],
+        )
+    except GeometryError as exc:
+        raise PeerMetadataError(f"peer meta KV layout fields are invalid: {exc}") from None
+    if meta.get("heads_per_partition") != layout.local_num_heads() or meta.get("num_outer") != 2 * layout.local_num_layers():
+        raise PeerMetadataError(
+            f"peer meta fields 'heads_per_partition'={meta.get('heads_per_partition')!r} and "
+            f"'num_outer'={meta.get('num_outer')!r} do not match its KV layout "
+            f"({layout.local_num_heads()} heads, {layout.local_num_layers()} layers x K/V)"
+        )
+    return layout
 
 
 def parse_geometry_meta(meta: Any) -> PeerGeometry:
@@ -347,10 +402,10 @@ def parse_geometry_meta(meta: Any) -> PeerGeometry:
         raise PeerMetadataError("peer meta field 'bytes_per_slice' is not a multiple of 'element_size'")
     if ints["outer_stride_bytes"] != ints["num_blocks"] * ints["bytes_per_slice"]:
         raise PeerMetadataError("peer meta field 'outer_stride_bytes' is not num_blocks * bytes_per_slice")
-    if ints["num_outer"] * ints["outer_stride_bytes"] + ints["buf_ptr"] >= _MAX_BYTES:
+    if ints["num_outer"] * ints["outer_stride_bytes"] + ints["base_addr"] >= _MAX_BYTES:
         raise PeerMetadataError("peer meta fields 'num_outer' x 'outer_stride_bytes' describe an impossible region")
-    layout_meta = _field(meta, "layout")
-    layout = None if layout_meta is None else KVShardLayout.from_meta(layout_meta)
+    layout = kv_layout_from_meta(meta)
+    ints["buf_ptr"] = ints.pop("base_addr")
     ssm_layout = meta.get("ssm_layout")
     ssm_state_kind = meta.get("ssm_state_kind")
     if ssm_layout is not None:

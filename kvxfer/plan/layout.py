@@ -40,8 +40,11 @@ class KVShardLayout:
     ``layer_start``/``num_local_layers`` give an explicit pipeline window (both or
     neither); without them the layers are split evenly across ``pp_size`` stages.
     When ``tp_size`` exceeds ``num_heads`` each head is replicated on
-    ``tp_size // num_heads`` consecutive ranks. ``ep_size``/``ep_rank`` only break
-    ties between replicas that hold identical KV.
+    ``tp_size // num_heads`` consecutive ranks. ``ep_size``/``ep_rank`` and
+    ``etp_size``/``etp_rank`` (expert parallelism) do not change which KV a rank
+    holds; they are kept so that a layout has Megatron's fields, in its order.
+    ``layer_range``, ``head_range``, ``local_num_layers``, ``local_num_heads`` and
+    ``kv_shard_key`` are Megatron's names (``docs/megatron.md``).
     """
 
     num_layers: int
@@ -51,13 +54,17 @@ class KVShardLayout:
     pp_size: int = 1
     pp_rank: int = 0
     global_rank: int = 0
-    layer_start: Optional[int] = None
-    num_local_layers: Optional[int] = None
     ep_size: int = 1
     ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    layer_start: Optional[int] = None
+    num_local_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
-        check_positive("KVShardLayout", self, ("num_layers", "num_heads"))
+        check_positive("KVShardLayout", self, ("num_layers", "num_heads", "etp_size"))
+        if not isinstance(self.etp_rank, int) or isinstance(self.etp_rank, bool) or not 0 <= self.etp_rank < self.etp_size:
+            raise GeometryError(f"KVShardLayout.etp_rank={self.etp_rank!r} must be in [0, etp_size={self.etp_size})")
         check_ranks("KVShardLayout", self)
         check_layer_window("KVShardLayout", self.num_layers, self.pp_size, self.layer_start, self.num_local_layers)
         check_head_split("KVShardLayout", "KV heads", self.num_heads, self.tp_size, allow_replication=True)
@@ -77,6 +84,24 @@ class KVShardLayout:
     def local_layer_range(self) -> tuple[int, int]:
         """Global ``[start, end)`` of the layers this rank holds."""
         return layer_window(self.num_layers, self.pp_size, self.pp_rank, self.layer_start, self.num_local_layers)
+
+    # --- Megatron's names ----------------------------------------------------------------
+    def layer_range(self) -> tuple[int, int]:
+        return self.local_layer_range()
+
+    def head_range(self) -> tuple[int, int]:
+        return self.local_head_range()
+
+    def local_num_layers(self) -> int:
+        first, last = self.local_layer_range()
+        return last - first
+
+    def local_num_heads(self) -> int:
+        return self.heads_per_partition
+
+    def kv_shard_key(self) -> tuple[int, int]:
+        """The shard a rank holds, as Megatron keys it: ``(tp_rank, pp_rank)``."""
+        return self.tp_rank, self.pp_rank
 
     @property
     def head_replicas(self) -> int:

@@ -33,13 +33,14 @@ from kvxfer.plan.layout import KVShardLayout
 
 
 class ShardLayout(Protocol):
-    """What the generic tiling / replica logic needs from a layout."""
+    """What the generic tiling / replica logic needs from a layout.
 
-    num_layers: int
+    A pipeline stage is named by its layer window, so SSM layouts (Megatron's shape,
+    no ``pp_rank``) and KV layouts are treated alike.
+    """
+
     tp_size: int
     tp_rank: int
-    pp_size: int
-    pp_rank: int
     global_rank: int
 
     def local_layer_range(self) -> tuple[int, int]: ...
@@ -78,48 +79,59 @@ def dedupe_sources(layouts: Iterable[L]) -> list[L]:
     return sorted(chosen.values(), key=lambda x: x.global_rank)
 
 
-def tiling_problems(side: str, layouts: Sequence[ShardLayout], num_heads: int) -> list[str]:
-    """Why ``layouts`` do not tile the model's layers x heads (empty list when they do)."""
+def tiling_problems(side: str, layouts: Sequence[ShardLayout], num_heads: int,
+                    num_layers: int | None = None) -> list[str]:
+    """Why ``layouts`` do not tile the model's layers x heads (empty list when they do).
+
+    Stages are the distinct layer windows; they must cover ``[0, num_layers)`` (or,
+    when the layouts do not know the model's layer count, ``[0, last window end)``)
+    with no gap or overlap, and each must hold every head once.
+    """
     if not layouts:
         return [f"{side}: no layouts given"]
     problems = []
-    sizes = {(x.tp_size, x.pp_size) for x in layouts}
+    sizes = {(x.tp_size, getattr(x, "pp_size", None)) for x in layouts}
     if len(sizes) > 1:
-        problems.append(f"{side}: ranks disagree on (tp_size, pp_size): {sorted(sizes)}")
+        problems.append(f"{side}: ranks disagree on (tp_size, pp_size): {sorted(sizes, key=str)}")
     ranks = [x.global_rank for x in layouts]
     if len(set(ranks)) != len(ranks):
         problems.append(f"{side}: global ranks repeat: {sorted(ranks)}")
-    windows: dict[int, set[Range]] = {}
-    heads: dict[int, set[Range]] = {}
+    heads: dict[Range, set[Range]] = {}
     for x in layouts:
-        windows.setdefault(x.pp_rank, set()).add(x.local_layer_range())
-        heads.setdefault(x.pp_rank, set()).add(x.local_head_range())
-    for pp, wins in sorted(windows.items()):
-        if len(wins) > 1:
-            problems.append(f"{side}: pipeline stage {pp} has ranks with different layer windows {sorted(wins)}")
-    stages = sorted((min(w), pp) for pp, w in windows.items())
+        heads.setdefault(x.local_layer_range(), set()).add(x.local_head_range())
     cursor = 0
-    for (start, end), pp in stages:
+    for start, end in sorted(heads):
         if start > cursor:
-            problems.append(f"{side}: layers [{cursor}, {start}) are held by no pipeline stage (gap before stage {pp})")
+            problems.append(f"{side}: layers [{cursor}, {start}) are held by no pipeline stage")
         elif start < cursor:
-            problems.append(f"{side}: stage {pp} window [{start}, {end}) overlaps layers below {cursor} held by another stage")
+            problems.append(f"{side}: the stage of layers [{start}, {end}) overlaps layers below {cursor} held by another stage")
         cursor = max(cursor, end)
-    num_layers = layouts[0].num_layers
-    if cursor < num_layers:
+    if num_layers is not None and cursor < num_layers:
         problems.append(f"{side}: layers [{cursor}, {num_layers}) are held by no pipeline stage")
-    for pp, ranges in sorted(heads.items()):
+    for window, ranges in sorted(heads.items()):
         covered = sorted(ranges)
         held = sum(b - a for a, b in covered)
         disjoint = all(covered[i][1] <= covered[i + 1][0] for i in range(len(covered) - 1))
         if not disjoint or held != num_heads:
-            problems.append(f"{side}: stage {pp} ranks hold heads {covered}, not each of the {num_heads} heads once")
+            problems.append(f"{side}: the stage of layers {window} holds heads {covered}, not each of the {num_heads} heads once")
     return problems
 
 
-def check_tiling(srcs: Sequence[ShardLayout], dsts: Sequence[ShardLayout], num_heads: int) -> None:
-    """Raise one ``LayoutError`` listing everything wrong with either side."""
-    problems = tiling_problems("prefill (source)", srcs, num_heads) + tiling_problems("decode (destination)", dsts, num_heads)
+def layers_held(layouts: Sequence[ShardLayout]) -> int:
+    """The end of the last layer window: the model's layer count when the layouts tile it."""
+    return max(x.local_layer_range()[1] for x in layouts)
+
+
+def check_tiling(srcs: Sequence[ShardLayout], dsts: Sequence[ShardLayout], num_heads: int,
+                 num_layers: int | None = None) -> None:
+    """Raise one ``LayoutError`` listing everything wrong with either side.
+
+    Without ``num_layers`` both sides must at least end at the same layer.
+    """
+    problems = (tiling_problems("prefill (source)", srcs, num_heads, num_layers)
+                + tiling_problems("decode (destination)", dsts, num_heads, num_layers))
+    if not problems and num_layers is None and layers_held(srcs) != layers_held(dsts):
+        problems.append(f"prefill holds {layers_held(srcs)} layers, decode {layers_held(dsts)}: not the same model")
     if problems:
         raise LayoutError("cannot reshard: " + "; ".join(problems))
 
@@ -238,7 +250,7 @@ def plan_kv_reshard(srcs: Sequence[KVShardLayout], dsts: Sequence[KVShardLayout]
     check_same_model(srcs, dsts)
     if not srcs or not dsts:
         raise LayoutError("plan_kv_reshard needs at least one source and one destination layout")
-    check_tiling(srcs, dsts, srcs[0].num_heads)
+    check_tiling(srcs, dsts, srcs[0].num_heads, srcs[0].num_layers)
     return pair_transfers(dedupe_sources(srcs), dsts, kv_transfer_between)
 
 

@@ -24,6 +24,7 @@ class TransferStats:
     descriptors_posted: int = 0
     read_done_received: int = 0
     read_failed_received: int = 0
+    notices_dropped: int = 0  # read-done/failed reports dropped because nobody drained them
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -50,6 +51,10 @@ class TransferStats:
         with self._lock:
             self.read_done_received += done
             self.read_failed_received += failed
+
+    def notice_dropped(self) -> None:
+        with self._lock:
+            self.notices_dropped += 1
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -66,6 +66,7 @@ from kvxfer.backends.base import (
     KVTransportBackend,
     PullRequest,
     RequestId,
+    TransferStartError,
     TransferHandle,
     TransferState,
 )
@@ -148,7 +149,10 @@ def parse_nixl_peer(meta: Mapping[str, Any]) -> NixlPeer:
     mem_type = meta.get("nixl_mem_type")
     if mem_type not in _MEM_TYPES:
         raise PeerMetadataError(f"peer meta field 'nixl_mem_type' must be one of {_MEM_TYPES}, got {mem_type!r}")
-    return NixlPeer(meta["agent_name"], instance, metadata, buffer_id, mem_type)
+    name = meta.get("nixl_agent_name")
+    if not isinstance(name, str) or not name:
+        raise PeerMetadataError("peer meta field 'nixl_agent_name' must be a non-empty string")
+    return NixlPeer(name, instance, metadata, buffer_id, mem_type)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +534,9 @@ class NixlBackend(KVTransportBackend):
         self._in_flight: set[NixlHandle] = set()
         self._unreleased: set[NixlHandle] = set()
         self._local_dlist: Any = None
-        self._share = _AgentShare.acquire(self.agent_name)
+        # A sibling (``new_registered_buffer``) shares its parent's agent whatever it is called.
+        parent = self._parent
+        self._share = _AgentShare.acquire(parent._share.name if isinstance(parent, NixlBackend) else self.agent_name)
         g = self.geometry
         try:
             self.buffer_id = self._share.add_registration(self)
@@ -573,6 +579,7 @@ class NixlBackend(KVTransportBackend):
             metadata = share.agent.get_agent_metadata()
         return {
             "nixl_meta_version": NIXL_META_VERSION,
+            "nixl_agent_name": share.name,
             "nixl_agent_instance": share.instance,
             "nixl_agent_metadata": base64.b64encode(metadata).decode("ascii"),
             "nixl_buffer_id": self.buffer_id,
@@ -620,15 +627,21 @@ class NixlBackend(KVTransportBackend):
             try:
                 posted = share.agent.transfer(xfer)
             except Exception as exc:
+                # NIXL may have posted part of the READ before failing: only a successful
+                # release proves that no byte can still land in our blocks.
                 try:
                     share.agent.release_xfer_handle(xfer)
+                    released = True
                 except Exception:
-                    pass
+                    released = False
                 if type(exc).__name__ == "nixlRemoteDisconnectError":
                     share.forget(peer.name)  # a dead peer is not kept: a restart is loaded afresh
-                raise TransferError(
-                    f"request {pull.request_id!r}: NIXL refused to post the READ from {peer.name!r} "
-                    f"({type(exc).__name__}: {exc}); nothing was posted"
+                raise TransferStartError(
+                    f"request {pull.request_id!r}: NIXL failed to start the READ from {peer.name!r} "
+                    f"({type(exc).__name__}: {exc}); part of it may have run; "
+                    + ("it was released, no byte can still land" if released else
+                       "releasing it failed too: quarantine the destination blocks"),
+                    storage_safe=released,
                 ) from exc
         handle = NixlHandle(
             pull.request_id, self.timeout_s, self, xfer, peer, posted, path=path,
