@@ -63,10 +63,10 @@ def _read_metas(proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
             return json.loads(line.removeprefix("METAS "))
 
 
-def _start_prefill(backend: str, cases: list[Case]) -> tuple[subprocess.Popen, dict[str, Any]]:
+def _start_prefill(backend: str, cases: list[Case], **env: str) -> tuple[subprocess.Popen, dict[str, Any]]:
     proc = subprocess.Popen([sys.executable, str(DRIVER), backend, json.dumps([c.to_json() for c in cases])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
+                            env={**os.environ, "NIXL_LOG_LEVEL": "WARN", **env})
     try:
         return proc, _read_metas(proc, 120)
     except BaseException:

@@ -70,7 +70,12 @@ class Peer:
 
     def __init__(self, role: str, ns: str, dev: str, backend: str, tmp: Path) -> None:
         self.socket = str(tmp / f"{role}.sock")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}
+        secret = tmp / "cluster.secret"  # two namespaces are two hosts: their metas must be signed
+        if not secret.exists():
+            secret.write_bytes(os.urandom(32).hex().encode())
+            secret.chmod(0o600)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
+               "KVXFER_SECRET_FILE": str(secret)}
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.netns_peer", role, self.socket, backend],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -54,7 +54,9 @@ from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.runtime.stats import TransferStats
-from kvxfer.security.meta_seal import check_meta_seal, seal_meta
+from kvxfer.security.meta_seal import (
+    HOST_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta, unauthenticated_metas_allowed_by_env,
+)
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
@@ -306,6 +308,8 @@ class KVTransportBackend(ABC):
         ssm_state_kind: Optional[str] = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        meta_key: Optional[bytes] = None,
+        allow_unauthenticated_metas: Optional[bool] = None,
         _parent: Optional["KVTransportBackend"] = None,
     ) -> None:
         ok, why = self.availability()
@@ -316,6 +320,11 @@ class KVTransportBackend(ABC):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.agent_name = agent_name
+        # Metas are signed and checked with the cluster key (kvxfer.security.meta_seal); Megatron
+        # passes no kvxfer arguments, so both default from the environment.
+        self._meta_key = meta_key if meta_key is not None else meta_key_from_env()
+        self._allow_unauthenticated = (unauthenticated_metas_allowed_by_env() if allow_unauthenticated_metas is None
+                                       else bool(allow_unauthenticated_metas))
         self._parent = _parent  # the registration whose transport agent a sibling shares
         self.memory_buffer = memory_buffer
         self.timeout_s = float(timeout_s)
@@ -343,8 +352,9 @@ class KVTransportBackend(ABC):
         meta = export_geometry_meta(self.geometry, self.ssm_layout, dtype=self.dtype, ssm_state_kind=self.ssm_state_kind)
         meta["backend"] = self.name
         meta["agent_name"] = self.agent_name
+        meta[HOST_FIELD] = host_identity()
         meta.update(self._transport_meta())
-        return seal_meta(meta)
+        return seal_meta(meta, self._meta_key)
 
     def begin_pull_blocks(
         self,
@@ -486,6 +496,8 @@ class KVTransportBackend(ABC):
         self._check_open()
         kwargs.setdefault("agent_name", self.agent_name)
         kwargs.setdefault("timeout_s", self.timeout_s)
+        kwargs.setdefault("meta_key", self._meta_key)
+        kwargs.setdefault("allow_unauthenticated_metas", self._allow_unauthenticated)
         return type(self)(**kwargs, _parent=self)
 
     def close(self) -> None:
@@ -508,7 +520,7 @@ class KVTransportBackend(ABC):
     # --- shared machinery -----------------------------------------------------------------
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         """Check one source record's seal and fields; only sealed fields are read."""
-        peer_meta = check_meta_seal(peer_meta)
+        peer_meta = check_meta_seal(peer_meta, self._meta_key, allow_unauthenticated=self._allow_unauthenticated)
         peer = parse_geometry_meta(peer_meta)
         if peer_meta.get("backend") != self.name:
             raise PeerMetadataError(
