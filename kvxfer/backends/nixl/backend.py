@@ -208,6 +208,46 @@ def _remote_key(peer: NixlPeer, g: BufferGeometry) -> tuple:
             g.bytes_per_slice, g.device_id)
 
 
+#: Pause of NIXL's progress thread between rounds, in microseconds. NIXL's Python wrapper
+#: hard-codes 0, a busy loop that burns a whole core in every idle process holding an agent;
+#: 1 ms costs ~3% of a core idle and bounds the extra latency of progress a peer's one-sided
+#: reads need from us (TCP; shared-memory and RDMA reads need none). 0 restores NIXL's default.
+PROGRESS_DELAY_ENV = "KVXFER_NIXL_PROGRESS_DELAY_US"
+DEFAULT_PROGRESS_DELAY_US = 1000
+_create_lock = threading.Lock()
+
+
+def progress_delay_us() -> int:
+    raw = os.environ.get(PROGRESS_DELAY_ENV, "")
+    try:
+        return max(0, int(raw)) if raw.strip() else DEFAULT_PROGRESS_DELAY_US
+    except ValueError:
+        raise BackendUnavailableError(f"{PROGRESS_DELAY_ENV}={raw!r} is not an integer number of microseconds") from None
+
+
+def _create_agent(api: Any, name: str, config: Any) -> Any:
+    """``nixl_agent(name, config)`` with the progress thread's pause set to ``progress_delay_us()``.
+
+    The wrapper builds its native config itself and sets ``pthrDelay = 0``; for the
+    duration of this call (under a lock) it builds ours, which raises that to our delay.
+    """
+    delay = progress_delay_us()
+    native = api.nixlBind.nixlAgentConfig
+
+    class DelayedProgressConfig(native):  # type: ignore[misc, valid-type]
+        def __setattr__(self, field: str, value: Any) -> None:
+            if field == "pthrDelay":
+                value = max(int(value), delay)
+            super().__setattr__(field, value)
+
+    with _create_lock:
+        api.nixlBind.nixlAgentConfig = DelayedProgressConfig
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = native
+
+
 # --------------------------------------------------------------------------------------------
 # the process-wide agent, shared by sibling registrations
 # --------------------------------------------------------------------------------------------
@@ -229,7 +269,7 @@ class _AgentShare:
         config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
         keep_idle_ib_module_out()
         try:
-            self.agent = api.nixl_agent(name, config)
+            self.agent = _create_agent(api, name, config)
         except Exception as exc:
             # Seen here: UCX_TLS=cma,self or sm,self makes NIXL's own UCX loopback setup fail
             # ("Destination is unreachable"); UCX needs tcp (or an RDMA transport) beside them.
