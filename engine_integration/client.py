@@ -7,9 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import zmq
-
 from engine_integration import wire
+from engine_integration.channel import ClientChannel, resolve_secret
 
 
 @dataclass(frozen=True)
@@ -28,14 +27,18 @@ class GenerationResult:
 
 
 class CoordinatorClient:
-    """Results are matched by id, so ``stats()`` may be called while requests are in flight."""
+    """Results are matched by id, so ``stats()`` may be called while requests are in flight.
 
-    def __init__(self, address: str, *, secret: Optional[str] = None) -> None:
-        self.codec = wire.Codec(secret)
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+    The connection is encrypted and replay-proof (``engine_integration.channel``); with no
+    ``secret``/``secret_file``/``$KVXFER_SECRET_FILE`` it refuses to start unless
+    ``insecure=True`` is asked for.
+    """
+
+    def __init__(self, address: str, *, secret: Optional[str] = None, secret_file: Optional[str] = None,
+                 insecure: bool = False, handshake_timeout_s: float = 10.0) -> None:
+        key = resolve_secret(secret, secret_file=secret_file, insecure=insecure, who="coordinator client")
+        self.channel = ClientChannel(address, key, handshake_timeout_s=handshake_timeout_s)
+        self.sock = self.channel.sock
         self._ids = itertools.count(1)
         self._results: dict[int, GenerationResult] = {}  # arrived, not yet collected
 
@@ -43,7 +46,7 @@ class CoordinatorClient:
         """One message (a ``Result`` is filed under its id and returned too), or None."""
         if not self.sock.poll(timeout_ms):
             return None
-        msg = self.codec.decode(self.sock.recv())
+        msg = self.channel.receive()
         if isinstance(msg, wire.Result):
             self._results[msg.client_request_id] = GenerationResult(
                 tuple(msg.tokens) if msg.tokens is not None else None, msg.error, dict(msg.timings),
@@ -52,7 +55,7 @@ class CoordinatorClient:
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         cid = next(self._ids)
-        self.sock.send(self.codec.encode(wire.Submit(cid, list(prompt), max_new_tokens)))
+        self.channel.send(wire.Submit(cid, list(prompt), max_new_tokens))
         return cid
 
     def collect(self, ids: Sequence[int], timeout_s: float) -> list[GenerationResult]:
@@ -72,7 +75,7 @@ class CoordinatorClient:
         return self.collect(ids, timeout_s)
 
     def stats(self, timeout_s: float = 10.0) -> wire.Stats:
-        self.sock.send(self.codec.encode(wire.StatsRequest()))
+        self.channel.send(wire.StatsRequest())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self._receive(100)
@@ -81,7 +84,7 @@ class CoordinatorClient:
         raise TimeoutError(f"no stats from the coordinator within {timeout_s}s")
 
     def shutdown(self, reason: str = "client asked") -> None:
-        self.sock.send(self.codec.encode(wire.Shutdown(reason)))
+        self.channel.send(wire.Shutdown(reason))
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.channel.close()

@@ -18,8 +18,20 @@ down, so no read of it can be in flight or be posted later. A decode that merely
 went *silent* may still be reading (a paused process resumes with its reads posted),
 so for it the prefill keeps the pins until its death is confirmed: its pid is gone
 (same host), it said ``Goodbye``, or (other hosts, where we cannot see the pid) the
-same identity registers again, meaning its operator restarted it. Until then the pins
-are kept, and reported in ``Stats``: a leak is visible and bounded, garbage is neither.
+same identity registers again, meaning its operator restarted it. Past that, a reader
+silent for ``pin_grace_s`` is *presumed* dead and its pins are freed, but only for
+requests whose descriptor carries the source's generation counters: a zombie reader
+that wakes up later re-reads those counters after the data and fails its torn-read
+check, so it can never commit the reused blocks (``kvxfer.runtime.generations``). A
+request without counters keeps its pins until death is confirmed: without the check, a
+timer must never free a pin.
+
+Trust: every frame arrives through ``engine_integration.channel`` (encrypted,
+authenticated, replay-proof) and is schema-validated by ``wire``; on top, a message
+must fit the sender's role and state (only the decode a request was routed to may say
+it was read, only its prefill may hand it off, naming itself as the source). Anything
+else is refused and counted in ``Stats.dropped``, never a crash. Admission refuses a
+request that no live decode pool could ever hold, at submit, with the reason.
 
 This module imports no torch, so the coordinator process starts fast.
 """
@@ -27,6 +39,7 @@ This module imports no torch, so the coordinator process starts fast.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -39,6 +52,10 @@ from typing import Any, Optional
 import zmq
 
 from engine_integration import wire
+from engine_integration.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES, ServerChannel,
+                                        resolve_secret)
+
+log = logging.getLogger("kvxfer.engine.coordinator")
 
 GEOMETRY_FIELDS = ("schema_version", "backend", "dtype", "element_size", "tokens_per_block", "heads_per_partition",
                    "head_dim", "num_outer", "bytes_per_slice")
@@ -51,7 +68,15 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 3.0    #: an engine silent this long is removed
     request_timeout_s: float = 120.0    #: a request not finished by then fails
     tick_s: float = 0.01
-    secret: Optional[str] = None        #: HMAC secret for every frame (see ``wire.Codec``)
+    secret: Optional[str] = None        #: cluster secret (prefer ``secret_file``: never in argv or config dumps)
+    secret_file: Optional[str] = None   #: a 0600 file holding it; else ``$KVXFER_SECRET_FILE``
+    insecure: bool = False              #: run with no secret at all: must be asked for by name (logged loudly)
+    max_frame_bytes: int = MAX_FRAME_BYTES  #: larger frames drop their connection before being buffered
+    max_connections: int = MAX_CONNECTIONS  #: authenticated connections beyond this are refused (logged)
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  #: a connection not through its handshake by then is closed
+    #: a decode silent this long past its removal is presumed dead: pins of requests whose reads are
+    #: torn-read checked (generation counters) are freed. None: only confirmed death frees pins.
+    pin_grace_s: Optional[float] = 10.0
 
 
 @dataclass
@@ -63,6 +88,7 @@ class _Engine:
     alive: bool = True
     death: str = ""
     death_confirmed: bool = False
+    removed_at: float = 0.0
     peers_sent: set = field(default_factory=set)       # decode: (prefill identity, incarnation) metas sent
     routed_hashes: set = field(default_factory=set)    # decode: block hashes we routed there (prefix score)
     blocks_sent_since_hb: int = 0
@@ -84,7 +110,7 @@ class _Request:
     stage: str = "pending"                # pending -> prefill -> handoff -> decode
     prefill: Optional[bytes] = None
     decode: Optional[bytes] = None
-    descriptor: Optional[dict] = None
+    descriptor: Optional[wire.Descriptor] = None
     source_pinned: bool = False            # the prefill may still hold pins for it
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
@@ -104,6 +130,25 @@ def _process_gone(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def _tokens_per_block(reg: wire.Register) -> Optional[int]:
+    """The engine's block size, from its first registered meta (``None`` if it does not say)."""
+    value = reg.transfer_meta[0].get("tokens_per_block")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _raise_fd_limit() -> None:
+    """Lift the soft open-file limit to the hard one: idle connections must not lock clients out at 1,024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536),
+                                                        hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[str]:
@@ -132,20 +177,18 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.codec = wire.Codec(config.secret)
+        secret = resolve_secret(config.secret, secret_file=config.secret_file, insecure=config.insecure,
+                                who="the coordinator")
+        _raise_fd_limit()
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if config.port:
-            self.sock.bind(f"tcp://{config.host}:{config.port}")
-            self.port = config.port
-        else:
-            self.port = self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.channel = ServerChannel(self.ctx, config.host, config.port, secret,
+                                     max_frame_bytes=config.max_frame_bytes, max_connections=config.max_connections,
+                                     handshake_timeout_s=config.handshake_timeout_s)
+        self.sock = self.channel.sock
+        self.port = self.channel.port
         self.address = f"tcp://{config.host}:{self.port}"
         # "Socket gone": the monitor reports a closed connection by its fd; each engine
         # message tells us which fd that engine's connection uses (ZMQ_SRCFD).
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_owner: dict[int, bytes] = {}
         self.host = socket.gethostname()
         self.engines: dict[bytes, _Engine] = {}
@@ -159,59 +202,55 @@ class Coordinator:
 
     # --- plumbing -----------------------------------------------------------------------
     def send(self, zmq_id: bytes, msg: wire.Msg) -> None:
-        try:
-            self.sock.send_multipart([zmq_id, self.codec.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # a peer that is gone; heartbeats and pid checks will remove it
+        self.channel.send(zmq_id, msg)
 
     def serve(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.stop("coordinator terminated"))
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        for sock in self.channel.sockets():
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop:
-                ready = dict(poller.poll(int(self.config.tick_s * 1000)))
-                if self.sock in ready:
-                    while self.sock.poll(0):
-                        self._receive()
-                if self.monitor in ready:
-                    self._connection_events()
+                poller.poll(int(self.config.tick_s * 1000))
+                self._connection_events()
+                n = 0
+                while self.sock.poll(0) and n < 1000:  # bounded: connection events and ticks keep running
+                    self._receive()
+                    n += 1
                 self.tick()
         finally:
             for eng in self.engines.values():
                 if eng.alive:
                     self.send(eng.zmq_id, wire.Shutdown("coordinator stopping"))
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-            self.sock.close(linger=100)
+            self.channel.close()
             self.ctx.term()
 
     def _receive(self) -> None:
-        frames = self.sock.recv_multipart(copy=False)
-        if len(frames) != 2:
+        got = self.channel.receive()
+        if got is None:  # a handshake, or refused and counted
             return
-        zmq_id = frames[0].bytes
-        try:
-            msg = self.codec.decode(frames[1].bytes)
-        except Exception:  # malformed or unauthenticated: dropped (counted by the codec)
-            return
+        zmq_id, msg, frame = got
         if zmq_id in self.engines or isinstance(msg, wire.Register):
             try:
-                self._fd_owner[int(frames[1].get(zmq.SRCFD))] = zmq_id
+                self._fd_owner[int(frame.get(zmq.SRCFD))] = zmq_id
             except (zmq.ZMQError, AttributeError, TypeError, ValueError):
                 pass  # no fd information: heartbeats and pid checks still apply
-        self.handle(zmq_id, msg)
+        try:
+            self.handle(zmq_id, msg)
+        except Exception:  # a bug must cost one message, not the cluster
+            self.channel.count("handler error")
+            log.exception("coordinator: handling %s from %r failed; message dropped", type(msg).__name__, zmq_id[:64])
+
+    def _refuse(self, eng: Optional[_Engine], msg: wire.Msg, why: str) -> None:
+        """An authenticated message that does not fit its sender's role or state: counted and logged."""
+        self.channel.count("refused")
+        who = f"{eng.reg.role} {eng.identity!r}" if eng is not None else "a client"
+        log.warning("coordinator: refused %s from %s: %s", type(msg).__name__, who, why)
 
     def _connection_events(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            if event["event"] != zmq.EVENT_DISCONNECTED:
-                continue
-            eng = self.engines.get(self._fd_owner.pop(int(event["value"]), b""))
+        for fd in self.channel.events():
+            eng = self.engines.get(self._fd_owner.pop(fd, b""))
             if eng is not None and eng.alive:
                 gone = eng.reg.host == self.host and _process_gone(eng.reg.pid)
                 self._remove(eng, f"{eng.reg.role} {eng.identity!r} closed its connection to the coordinator"
@@ -229,6 +268,7 @@ class Coordinator:
         if isinstance(msg, wire.StatsRequest):
             return self.send(zmq_id, self.stats())
         if isinstance(msg, wire.Shutdown):
+            log.warning("coordinator: stopping on request of %r: %s", zmq_id[:64], msg.reason)
             return self.stop(msg.reason)
         eng = self.engines.get(zmq_id)
         if eng is None or not eng.alive:
@@ -237,6 +277,9 @@ class Coordinator:
                 self.send(zmq_id, wire.Shutdown(f"the coordinator does not know this engine: {reason}"))
             return
         eng.last_seen = time.monotonic()
+        why = self._misfit(eng, msg)
+        if why is not None:
+            return self._refuse(eng, msg, why)
         if isinstance(msg, wire.Heartbeat):
             eng.hb, eng.blocks_sent_since_hb = msg, 0
             self.send(zmq_id, wire.Registered(True))  # keepalive: the engine knows we are here
@@ -258,9 +301,43 @@ class Coordinator:
         elif isinstance(msg, wire.Goodbye):
             self._remove(eng, f"{eng.reg.role} {eng.identity!r} left: {msg.reason or 'goodbye'}", confirmed=True)
 
+    def _misfit(self, eng: _Engine, msg: wire.Msg) -> Optional[str]:
+        """Why ``msg`` cannot come from ``eng`` in the current state (``None`` if it can).
+
+        Schema checks say a message is well formed; these say it is this engine's to
+        send: an insider must not release another reader's pins or forge a source.
+        """
+        role = eng.reg.role
+        if isinstance(msg, (wire.HandoffReady, wire.TransferReady, wire.ReadDone, wire.Finished, wire.Failed)):
+            req = self.requests.get(msg.request_id)
+            if req is None:
+                return None  # a late message about a request already gone: harmless, ignored by the handlers
+            if isinstance(msg, wire.HandoffReady):
+                if role != "prefill" or req.prefill != eng.zmq_id:
+                    return f"request {msg.request_id} was not sent to this engine for prefill"
+                d = msg.descriptor
+                if d.request_id != msg.request_id or d.source != eng.identity:
+                    return (f"descriptor names request {d.request_id} from {d.source!r}; expected request "
+                            f"{msg.request_id} from {eng.identity!r}")
+                if d.meta_index >= len(eng.reg.transfer_meta):
+                    return f"descriptor meta_index {d.meta_index} but {len(eng.reg.transfer_meta)} metas registered"
+                tpb = _tokens_per_block(eng.reg)
+                if tpb and (len(d.block_ids) != -(-len(d.prompt) // tpb) or len(d.block_hashes) != len(d.prompt) // tpb):
+                    return (f"descriptor has {len(d.block_ids)} blocks and {len(d.block_hashes)} hashes for a "
+                            f"{len(d.prompt)}-token prompt at {tpb} tokens per block")
+                if list(d.prompt) != req.prompt:
+                    return "descriptor prompt differs from the submitted prompt"
+            elif isinstance(msg, wire.Failed):
+                if eng.zmq_id not in (req.prefill, req.decode):
+                    return f"request {msg.request_id} is not on this engine"
+            elif role != "decode" or req.decode != eng.zmq_id:
+                return f"request {msg.request_id} was not routed to this engine for decode"
+        elif isinstance(msg, (wire.Registered, wire.AddRequest, wire.PeerMeta, wire.StartDecode, wire.Release,
+                              wire.Abort, wire.Result, wire.Stats)):
+            return "a coordinator-to-engine message sent to the coordinator"
+        return None
+
     def _register(self, zmq_id: bytes, reg: wire.Register) -> None:
-        if reg.role not in ("prefill", "decode"):
-            return self.send(zmq_id, wire.Registered(False, f"unknown role {reg.role!r}"))
         existing = self.engines.get(zmq_id)
         if existing is not None and existing.alive:
             return self.send(zmq_id, wire.Registered(True))  # a retry of the same incarnation
@@ -282,11 +359,37 @@ class Coordinator:
         self._dispatch()
 
     def _submit(self, client: bytes, msg: wire.Submit) -> None:
+        why = self._inadmissible(list(msg.prompt), msg.max_new_tokens)
+        if why is not None:
+            log.info("coordinator: refused request %s of %r at submit: %s", msg.client_request_id, client[:64], why)
+            return self.send(client, wire.Result(msg.client_request_id, error=f"request refused at submit: {why}"))
         rid = next(self._ids)
         self.requests[rid] = _Request(rid, client, msg.client_request_id, list(msg.prompt), msg.max_new_tokens,
                                       time.monotonic())
         self.pending.append(rid)
         self._dispatch()
+
+    def _inadmissible(self, prompt: list[int], max_new_tokens: int) -> Optional[str]:
+        """Why no live pool could ever hold this request (``None``: it fits one, or no engine is known yet).
+
+        A request no decode can hold would otherwise be routed anyway and sit at the head
+        of a decode's FIFO until it times out, blocking everything behind it.
+        """
+        if not prompt:
+            return "the prompt is empty"
+        if max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {max_new_tokens}"
+        tokens = len(prompt) + max_new_tokens - 1  # the decode holds the prompt and all outputs but the last
+        for role, need_tokens in (("prefill", len(prompt)), ("decode", tokens)):
+            pools = [(e.reg.capacity_blocks, _tokens_per_block(e.reg)) for e in self._alive(role)]
+            if not pools or any(tpb is None for _, tpb in pools):
+                continue
+            if all(-(-need_tokens // tpb) > cap for cap, tpb in pools):
+                cap, tpb = max(pools)
+                return (f"{len(prompt)} prompt tokens + {max_new_tokens} new tokens need "
+                        f"{-(-need_tokens // tpb)} KV blocks of {tpb} tokens on a {role} instance; the largest live "
+                        f"{role} pool has {cap} blocks")
+        return None
 
     def _handoff_ready(self, prefill: _Engine, msg: wire.HandoffReady) -> None:
         req = self.requests.get(msg.request_id)
@@ -331,13 +434,23 @@ class Coordinator:
             prefill = self.engines.get(req.prefill) if req.prefill else None
             if prefill is None or not prefill.alive:
                 continue
-            target = max(decodes, key=lambda e: self._decode_score(e, req))
+            fits = [e for e in decodes if not self._too_big(e, req)]
+            if not fits:
+                self._fail_request(req, "request refused: " + (self._inadmissible(req.prompt, req.max_new_tokens)
+                                                                or "no live decode pool can hold it"))
+                continue
+            target = max(fits, key=lambda e: self._decode_score(e, req))
             self._send_to_decode(target, prefill, req)
+
+    @staticmethod
+    def _too_big(eng: _Engine, req: _Request) -> bool:
+        tpb = _tokens_per_block(eng.reg)
+        return tpb is not None and -(-(len(req.prompt) + req.max_new_tokens - 1) // tpb) > eng.reg.capacity_blocks
 
     def _decode_score(self, eng: _Engine, req: _Request) -> tuple[int, int]:
         """(cached-prefix blocks we expect there, free blocks): prefix first, then room."""
         match = 0
-        for h in req.descriptor["block_hashes"] if req.descriptor else ():
+        for h in req.descriptor.block_hashes if req.descriptor else ():
             if h not in eng.routed_hashes:
                 break
             match += 1
@@ -353,8 +466,8 @@ class Coordinator:
         assert req.descriptor is not None
         req.decode = decode.zmq_id
         decode.requests.add(req.rid)
-        decode.routed_hashes.update(req.descriptor["block_hashes"])
-        decode.blocks_sent_since_hb += len(req.descriptor["block_ids"])
+        decode.routed_hashes.update(req.descriptor.block_hashes)
+        decode.blocks_sent_since_hb += len(req.descriptor.block_ids)
         self.send(decode.zmq_id, wire.StartDecode(req.rid, req.descriptor, req.max_new_tokens))
 
     # --- endings ----------------------------------------------------------------------------
@@ -391,7 +504,7 @@ class Coordinator:
         """Take a dead engine out of routing and fail its requests; pins wait for confirmed death."""
         if not eng.alive:
             return
-        eng.alive, eng.death = False, reason
+        eng.alive, eng.death, eng.removed_at = False, reason, time.monotonic()
         self.removed[eng.zmq_id] = reason
         self.send(eng.zmq_id, wire.Shutdown(f"removed: {reason}"))
         for rid in sorted(eng.requests):
@@ -419,6 +532,23 @@ class Coordinator:
             if req.decode == eng.zmq_id and req.source_pinned:
                 self._read_done(req.rid)
 
+    def _presume_dead(self, eng: _Engine) -> None:
+        """Past the grace: free the pins a late read of which would fail its torn-read check.
+
+        Requests read without generation counters keep their pins (a zombie could commit
+        reused bytes); the reader stays in ``dead`` for them until death is confirmed.
+        """
+        freed = []
+        for req in list(self.requests.values()):
+            if req.decode == eng.zmq_id and req.source_pinned and req.descriptor is not None \
+                    and req.descriptor.generations:
+                freed.append(req.rid)
+                self._read_done(req.rid)
+        if freed:
+            log.warning("coordinator: decode %r silent for %.1fs past its removal (pin_grace_s=%s), presumed dead: "
+                        "freed the source pins of requests %s; a late read of them fails its torn-read check",
+                        eng.identity, time.monotonic() - eng.removed_at, self.config.pin_grace_s, freed)
+
     def tick(self) -> None:
         now = time.monotonic()
         for eng in list(self.engines.values()):
@@ -431,9 +561,12 @@ class Coordinator:
                 self._remove(eng, f"{eng.reg.role} {eng.identity!r} sent no heartbeat for "
                                   f"{now - eng.last_seen:.1f}s (limit {self.config.heartbeat_timeout_s}s)",
                              confirmed=False)
+        grace = self.config.pin_grace_s
         for eng in list(self.dead):
             if eng.reg.host == self.host and _process_gone(eng.reg.pid):
                 self._confirm_death(eng, "its process exited")
+            elif grace is not None and now - eng.removed_at > grace:
+                self._presume_dead(eng)
         for req in list(self.requests.values()):
             if req.stage != "done" and now - req.submitted > self.config.request_timeout_s:
                 self._fail_request(req, f"request timed out after {self.config.request_timeout_s}s "
@@ -450,7 +583,8 @@ class Coordinator:
                 **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__} if eng.hb else {}),
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
-        return wire.Stats(engines, live, self.codec.dropped)
+        return wire.Stats(engines, live, self.channel.dropped_total, dict(self.channel.dropped),
+                          self.channel.connections)
 
 
 # --- running it as a process ------------------------------------------------------------
@@ -459,6 +593,8 @@ def start_coordinator_process(config: CoordinatorConfig = CoordinatorConfig(), *
     """Start a coordinator process; returns ``(process, address)`` once it is bound."""
     from engine_integration import procs
 
+    # the same check the child makes, here, so a missing secret is a clear error and not a dead child
+    resolve_secret(config.secret, secret_file=config.secret_file, insecure=config.insecure, who="the coordinator")
     proc, ready = procs.spawn("engine_integration.coordinator", asdict(config), start_timeout_s=start_timeout_s)
     return proc, ready["address"]
 
@@ -470,13 +606,13 @@ def stop_coordinator_process(proc: Any, timeout_s: float = 10.0) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    import json
     import sys
 
     from engine_integration import procs
 
     args = sys.argv[1:] if argv is None else argv
-    config = CoordinatorConfig(**json.loads(args[0])) if args else CoordinatorConfig()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = CoordinatorConfig(**procs.read_payload(int(args[0])))
     coord = Coordinator(config)
     procs.report({"address": coord.address, "pid": os.getpid()}, int(args[1]))
     coord.serve()

@@ -17,6 +17,7 @@ engine (``engine_integration.reference``).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ from typing import Any, Optional, Sequence
 import zmq
 
 from engine_integration import wire
+from engine_integration.channel import ClientChannel, resolve_secret
 from engine_integration.adapter import ImportedRequest
 from engine_integration.descriptor import HandoffDescriptor, RequestId, rank_transfer_meta
 from engine_integration.poll import KVPoll
@@ -35,6 +37,8 @@ from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.errors import KVXferError
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
+
+log = logging.getLogger("kvxfer.engine")
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -277,11 +281,14 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
 
     def __init__(self, controller: Any, context: Any) -> None:
         super().__init__(controller, context)
-        self._socket: Any = None
-        self._codec: Any = None
+        self._channel: Optional[ClientChannel] = None
         self._coordinator_address: Optional[str] = None
         self._coordinator_process: Any = None
         self._coordinator_secret: Optional[str] = None  # the secret of a coordinator we spawned
+        self._coordinator_secret_file: Optional[str] = None
+        self._coordinator_insecure = False
+        self._owned_secret_file: Optional[str] = None   # generated for a spawned coordinator; removed with it
+        self.refused_messages: dict[str, int] = {}       #: coordinator messages refused here, by reason
         self._disagg_role: Optional[str] = None
         self._disagg_identity: Optional[str] = None
         self.incarnation = uuid.uuid4().hex[:12]
@@ -297,29 +304,47 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
 
         ``coordinator_group`` is the coordinator's address (``tcp://host:port``); with
         ``spawn_coordinator`` it may instead be a ``CoordinatorConfig`` (or ``None``)
-        and a coordinator process is started here.
+        and a coordinator process is started here. A spawned coordinator is never
+        unauthenticated by accident: without a secret in the config (or
+        ``$KVXFER_SECRET_FILE``) a fresh one is written to a 0600 file,
+        ``coordinator_secret_file``, which other engines of the cluster are given.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self._disagg_role, self._disagg_identity = role, identity
         if spawn_coordinator:
+            from dataclasses import replace
+
             from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process
+            from kvxfer.security.auth import SECRET_FILE_ENV, new_secret_file
 
             cfg = coordinator_group if isinstance(coordinator_group, CoordinatorConfig) else CoordinatorConfig()
+            if cfg.secret is None and cfg.secret_file is None and not cfg.insecure \
+                    and not os.environ.get(SECRET_FILE_ENV):
+                self._owned_secret_file = new_secret_file()
+                cfg = replace(cfg, secret_file=self._owned_secret_file)
             self._coordinator_process, self._coordinator_address = start_coordinator_process(cfg)
-            self._coordinator_secret = cfg.secret
+            self._coordinator_secret, self._coordinator_secret_file = cfg.secret, cfg.secret_file
+            self._coordinator_insecure = cfg.insecure
         else:
             if not isinstance(coordinator_group, str):
                 raise ValueError("coordinator_group must be the coordinator's address when not spawning one")
             self._coordinator_address = coordinator_group
 
+    @property
+    def coordinator_secret_file(self) -> Optional[str]:
+        """The secret file of a coordinator this engine spawned (give it to the cluster's other engines)."""
+        return self._coordinator_secret_file
+
     def connect(self, *, backend: str = "local", transfer_timeout_s: float = 30.0, queue_timeout_s: float = 120.0,
                 register_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.2,
-                coordinator_timeout_s: float = 10.0, secret: Optional[str] = None) -> None:
+                coordinator_timeout_s: float = 10.0, secret: Optional[str] = None,
+                secret_file: Optional[str] = None, insecure: bool = False) -> None:
         """Set up the transport and register with the coordinator; raises ``RegistrationRefused``.
 
-        ``secret`` authenticates every control frame; it defaults to the secret of a
-        coordinator this engine spawned.
+        ``secret`` (or ``secret_file``, or ``$KVXFER_SECRET_FILE``) keys the encrypted,
+        replay-proof control connection; it defaults to that of a coordinator this engine
+        spawned. With none, ``insecure=True`` must be asked for by name.
         """
 
         if self._coordinator_address is None or self._disagg_role is None:
@@ -329,20 +354,24 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
                                    timeout_s=transfer_timeout_s, queue_timeout_s=queue_timeout_s)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.coordinator_timeout_s = coordinator_timeout_s
-        self._codec = wire.Codec(secret if secret is not None else self._coordinator_secret)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, f"{self.identity}/{self.incarnation}".encode())
-        sock.connect(self._coordinator_address)
-        self._socket = sock
+        if secret is None and secret_file is None:
+            secret, secret_file = self._coordinator_secret, self._coordinator_secret_file
+        key = resolve_secret(secret, secret_file=secret_file, insecure=insecure or self._coordinator_insecure,
+                             who=f"engine {self.identity!r}")
+        try:
+            self._channel = ClientChannel(self._coordinator_address, key,
+                                          identity=f"{self.identity}/{self.incarnation}".encode(),
+                                          handshake_timeout_s=register_timeout_s)
+        except KVXferError as exc:
+            raise RegistrationRefused(f"{self.identity!r}: {exc}") from None
         self._send(wire.Register(
             role=self.role or "", identity=self.identity, incarnation=self.incarnation, pid=os.getpid(),
             host=socket.gethostname(), model_fingerprint=self.controller.config.fingerprint,
             transfer_meta=self._build_instance_transfer_meta(), capacity_blocks=self.context.num_blocks))
-        if not sock.poll(int(register_timeout_s * 1000)):
+        reply = self._channel.recv(register_timeout_s)
+        if reply is None:
             raise RegistrationRefused(f"{self.identity!r}: no answer from the coordinator at "
                                       f"{self._coordinator_address} within {register_timeout_s}s")
-        reply = self._codec.decode(sock.recv())
         if not isinstance(reply, wire.Registered) or not reply.ok:
             reason = getattr(reply, "reason", f"unexpected reply {type(reply).__name__}")
             raise RegistrationRefused(f"coordinator refused {self.role} {self.identity!r}: {reason}")
@@ -431,49 +460,73 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         return self.heartbeat_interval_s
 
     def _poll_messages(self) -> int:
-
+        """Handle what the coordinator sent. A message refused by the channel or the schema is
+        counted (``refused_messages``); one that fails in its handler is counted, logged and,
+        when it names a request, answered with ``Failed``: the engine loop never dies of it."""
+        channel = self._channel
         n = 0
-        while self._socket.poll(0, zmq.POLLIN):
-            msg = self._codec.decode(self._socket.recv())
-            self._last_heard = time.monotonic()
+        while channel is not None and channel.sock.poll(0, zmq.POLLIN):
+            msg = channel.receive()
             n += 1
-            if isinstance(msg, wire.AddRequest):
-                self.add_request(msg.request_id, msg.prompt, msg.max_new_tokens)
-            elif isinstance(msg, wire.PeerMeta):
-                self.add_peer_transfer_meta(msg.identity, msg.transfer_meta)
-            elif isinstance(msg, wire.StartDecode):
-                self.add_handoff(HandoffDescriptor.from_dict(msg.descriptor), msg.max_new_tokens)
-            elif isinstance(msg, wire.Release):
-                for request_id in msg.request_ids:
-                    self.release_handoff(request_id)
-            elif isinstance(msg, wire.Abort):
-                self.abort_request(msg.request_id, msg.reason)
-            elif isinstance(msg, wire.Shutdown):
-                self.shutdown_reason = msg.reason or "coordinator asked"
+            if msg is None:
+                continue
+            self._last_heard = time.monotonic()
+            try:
+                self._handle(msg)
+            except Exception as exc:
+                self.refused_messages["handler error"] = self.refused_messages.get("handler error", 0) + 1
+                log.warning("engine %r: refused %s: %s: %s", self.identity, type(msg).__name__,
+                            type(exc).__name__, exc)
+                request_id = getattr(msg, "request_id", None)
+                if isinstance(msg, (wire.AddRequest, wire.StartDecode)) and request_id is not None:
+                    self._send(wire.Failed(request_id, f"{self.role} {self.identity!r} refused it: {exc}"))
+        if channel is not None:
+            for reason, count in channel.dropped.items():
+                self.refused_messages[reason] = count
         return n
+
+    def _handle(self, msg: wire.Msg) -> None:
+        if isinstance(msg, wire.AddRequest):
+            self.add_request(msg.request_id, msg.prompt, msg.max_new_tokens)
+        elif isinstance(msg, wire.PeerMeta):
+            self.add_peer_transfer_meta(msg.identity, msg.transfer_meta)
+        elif isinstance(msg, wire.StartDecode):
+            self.add_handoff(HandoffDescriptor.from_dict(wire.descriptor_dict(msg.descriptor)), msg.max_new_tokens)
+        elif isinstance(msg, wire.Release):
+            for request_id in msg.request_ids:
+                self.release_handoff(request_id)
+        elif isinstance(msg, wire.Abort):
+            self.abort_request(msg.request_id, msg.reason)
+        elif isinstance(msg, wire.Shutdown):
+            self.shutdown_reason = msg.reason or "coordinator asked"
 
     def _send_heartbeat(self) -> None:
         self._last_heartbeat = time.monotonic()
         self._send(wire.Heartbeat(**self.handoff_stats()))
 
     def _send(self, msg: Any) -> None:
-        self._socket.send(self._codec.encode(msg))
+        self._channel.send(msg)  # type: ignore[union-attr]
 
     @property
     def socket(self) -> Any:
-        return self._socket
+        return self._channel.sock if self._channel is not None else None
 
     def disconnect(self, reason: str = "") -> None:
         """Say goodbye, close the socket and the transport, stop a spawned coordinator."""
-        if self._socket is not None:
+        if self._channel is not None:
             try:
-                self._send(wire.Goodbye(reason))
+                self._send(wire.Goodbye(reason[:wire.MAX_TEXT]))
             finally:
-                self._socket.close(linger=200)
-                self._socket = None
+                self._channel.close(linger_ms=200)
+                self._channel = None
         self.close_kv_transfer()
         if self._coordinator_process is not None:
             from engine_integration.coordinator import stop_coordinator_process
 
             stop_coordinator_process(self._coordinator_process)
             self._coordinator_process = None
+        if self._owned_secret_file is not None:
+            from kvxfer.security.auth import remove_secret_file
+
+            remove_secret_file(self._owned_secret_file)
+            self._owned_secret_file = None

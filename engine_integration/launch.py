@@ -46,8 +46,10 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 3.0
     request_timeout_s: float = 120.0
     transfer_timeout_s: float = 30.0
-    #: HMAC secret for every control frame: $KVXFER_SECRET_FILE's, else a fresh one per cluster
+    #: cluster secret keying every control connection: $KVXFER_SECRET_FILE's, else a fresh one per cluster.
+    #: It reaches the processes started here on inherited pipes, never in their argv.
     secret: Optional[str] = field(default_factory=lambda: default_cluster_secret())
+    pin_grace_s: Optional[float] = 10.0  #: see ``CoordinatorConfig.pin_grace_s``
     device: Optional[str] = None  #: None: a GPU where present, else the CPU
 
 
@@ -77,7 +79,8 @@ class DisaggCluster:
     def start(self) -> "DisaggCluster":
         c = self.config
         self.coordinator, self.address = start_coordinator_process(CoordinatorConfig(
-            heartbeat_timeout_s=c.heartbeat_timeout_s, request_timeout_s=c.request_timeout_s, secret=c.secret))
+            heartbeat_timeout_s=c.heartbeat_timeout_s, request_timeout_s=c.request_timeout_s, secret=c.secret,
+            pin_grace_s=c.pin_grace_s))
         prefill, decode = self.spec("prefill", "prefill-0"), self.spec("decode", "decode-0")
         groups = [[prefill, decode]] if self.backend in IN_PROCESS_BACKENDS else [[prefill], [decode]]
         self.hosts.extend(start_engine_hosts(groups, self.address))

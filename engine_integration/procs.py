@@ -1,4 +1,4 @@
-"""Start helper processes as ``python -m <module> <json> <fd>`` and wait for their first word.
+"""Start helper processes as ``python -m <module> <payload fd> <ready fd>`` and wait for their first word.
 
 Plain subprocesses rather than ``multiprocessing``: they never re-import the caller's
 ``__main__`` (so a script without an ``if __name__ == "__main__"`` guard still works),
@@ -7,6 +7,10 @@ and a test can SIGKILL one by pid like any real deployment would see it die.
 The child reports readiness as one JSON line on a private pipe (``report``), not on
 stdout: transports log to stdout, and the child's stdout is sent to our stderr so it
 never mixes with a command's own output.
+
+The payload (configs, and with them the cluster secret) travels the other way on an
+inherited pipe (``read_payload``), never in argv: ``/proc/<pid>/cmdline`` is readable by
+every local user.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,16 +44,35 @@ def launch(module: str, payload: Any) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [env.get("PYTHONPATH")])])
     read_fd, write_fd = os.pipe()
+    payload_read, payload_write = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(payload), str(write_fd)],
-                                stdin=subprocess.DEVNULL, stdout=2, pass_fds=(write_fd,), env=env)
+        proc = subprocess.Popen([sys.executable, "-m", module, str(payload_read), str(write_fd)],
+                                stdin=subprocess.DEVNULL, stdout=2, pass_fds=(payload_read, write_fd), env=env)
     except BaseException:
         os.close(read_fd)
+        os.close(payload_write)
         raise
     finally:
         os.close(write_fd)
+        os.close(payload_read)
+    # in a thread: a payload bigger than the pipe buffer must not block us before the child reads
+    threading.Thread(target=_write_all, args=(payload_write, json.dumps(payload).encode()), daemon=True).start()
     _READY_FDS[proc.pid] = read_fd
     return proc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+    except OSError:
+        pass  # the child died first; wait_ready reports that
+
+
+def read_payload(fd: int) -> Any:
+    """Child side: the JSON payload the parent wrote on the inherited pipe ``fd``."""
+    with os.fdopen(fd, "rb") as fh:
+        return json.loads(fh.read())
 
 
 def wait_ready(proc: subprocess.Popen, module: str, start_timeout_s: float) -> Any:

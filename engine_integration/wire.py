@@ -1,59 +1,106 @@
-"""Every control-plane message, and the one place they are encoded and decoded.
+"""Every control-plane message, its schema, and the one place payloads are encoded and decoded.
 
-Messages are typed, frozen msgspec structs tagged by ``type`` and sent as JSON, so a
-malformed or unknown message is rejected at the door with a clear error. To add
-authentication later (an HMAC over each frame), change ``encode``/``decode`` only.
+Messages are frozen msgspec structs tagged by ``type``. Every field carries its
+constraints (ranges, lengths, non-empty prompts), and cross-field rules live in
+``__post_init__``, which msgspec turns into a ``ValidationError`` while decoding. So a
+receiver either gets a message its handlers can trust or a ``WireError`` it counts and
+drops: an insider's malformed message (a descriptor without ``block_hashes``, a
+``StartDecode`` with an empty prompt) is refused at the door, never a ``KeyError``
+three calls later.
+
+Authentication and replay protection are *not* here: payloads travel inside a
+per-connection session (``engine_integration.channel``). This module only turns
+structs into bytes and back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
-RequestId = int
+#: Limits of the schema; generous for real traffic, small enough that no field can be a weapon.
+MAX_TOKENS = 1 << 20
+MAX_BLOCKS = 1 << 24
+MAX_TEXT = 16384
+MAX_METAS = 4096
+MAX_BATCH = 65536
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Prompt = Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 
 
 class Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
     """Base of every message."""
 
 
+class Descriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A ``HandoffDescriptor`` on the wire (``engine_integration.descriptor``), checked field by field."""
+
+    request_id: RequestId
+    source: Name
+    meta_index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_METAS)]
+    block_ids: Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)]
+    block_hashes: Annotated[list[Int64], msgspec.Meta(max_length=MAX_BLOCKS)]
+    prompt: Prompt
+    resume_tokens: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
+    generations: Annotated[list[Int64], msgspec.Meta(max_length=MAX_BLOCKS)] = []
+
+    def __post_init__(self) -> None:
+        if len(self.block_hashes) > len(self.block_ids):
+            raise ValueError(f"{len(self.block_hashes)} block hashes for {len(self.block_ids)} blocks")
+        if self.generations and len(self.generations) != len(self.block_ids):
+            raise ValueError(f"{len(self.generations)} generations for {len(self.block_ids)} blocks")
+        if len(self.block_ids) > len(self.prompt):
+            raise ValueError(f"{len(self.block_ids)} blocks for a prompt of {len(self.prompt)} tokens")
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError("block_ids repeat a block")
+
+
 # --- engine -> coordinator ---------------------------------------------------------------
 class Register(Msg, frozen=True, tag="register"):
-    role: str                      #: "prefill" or "decode"
-    identity: str
-    incarnation: str               #: new on every start: tells a restart from a duplicate
-    pid: int
-    host: str
-    model_fingerprint: str
-    transfer_meta: list[dict[str, Any]]  #: static, exported once (one entry per TP/PP rank)
-    capacity_blocks: int
+    role: Literal["prefill", "decode"]
+    identity: Name
+    incarnation: Name              #: new on every start: tells a restart from a duplicate
+    pid: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+    host: Name
+    model_fingerprint: Name
+    transfer_meta: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=MAX_METAS)]
+    capacity_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]  #: the pool: admission checks fit
 
 
 class Heartbeat(Msg, frozen=True, tag="heartbeat"):
-    free_blocks: int
-    pinned_blocks: int
-    pins: int
-    queued: int
-    running: int
-    quarantined_blocks: int = 0
+    free_blocks: Count
+    pinned_blocks: Count
+    pins: Count
+    queued: Count
+    running: Count
+    quarantined_blocks: Count = 0
 
 
 class HandoffReady(Msg, frozen=True, tag="handoff"):
     """Prefill: the prompt is computed and pinned; here is its descriptor."""
     request_id: RequestId
-    descriptor: dict[str, Any]
-    prefill_s: float
+    descriptor: Descriptor
+    prefill_s: Seconds
 
 
 class TransferReady(Msg, frozen=True, tag="transfer_ready"):
     """Decode: the request's KV is committed in our pool (``cached_prefix_blocks`` were reused)."""
     request_id: RequestId
-    cached_prefix_blocks: int
-    pulled_blocks: int
-    pull_s: float = 0.0
-    queue_s: float = 0.0
-    admit_seq: int = 0
+    cached_prefix_blocks: Count
+    pulled_blocks: Count
+    pull_s: Seconds = 0.0
+    queue_s: Seconds = 0.0
+    admit_seq: Count = 0
 
 
 class ReadDone(Msg, frozen=True, tag="read_done"):
@@ -63,71 +110,81 @@ class ReadDone(Msg, frozen=True, tag="read_done"):
 
 class Finished(Msg, frozen=True, tag="finished"):
     request_id: RequestId
-    tokens: list[int]
+    tokens: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)]
 
 
 class Failed(Msg, frozen=True, tag="failed"):
     request_id: RequestId
-    reason: str
+    reason: Text
 
 
 class Goodbye(Msg, frozen=True, tag="goodbye"):
-    reason: str = ""
+    reason: Text = ""
 
 
 # --- coordinator -> engine ---------------------------------------------------------------
 class Registered(Msg, frozen=True, tag="registered"):
     ok: bool
-    reason: str = ""
+    reason: Text = ""
 
 
 class AddRequest(Msg, frozen=True, tag="add_request"):
     request_id: RequestId
-    prompt: list[int]
-    max_new_tokens: int
+    prompt: Prompt
+    max_new_tokens: NewTokens
 
 
 class PeerMeta(Msg, frozen=True, tag="peer_meta"):
-    identity: str
-    incarnation: str
-    transfer_meta: list[dict[str, Any]]
+    identity: Name
+    incarnation: Name
+    transfer_meta: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=MAX_METAS)]
 
 
 class StartDecode(Msg, frozen=True, tag="start_decode"):
     request_id: RequestId
-    descriptor: dict[str, Any]
-    max_new_tokens: int
+    descriptor: Descriptor
+    max_new_tokens: NewTokens
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.descriptor, Descriptor):
+            return  # built locally from a dict: checked when the receiver decodes it
+        if self.descriptor.request_id != self.request_id:
+            raise ValueError(f"descriptor of request {self.descriptor.request_id} sent as request {self.request_id}")
+        if self.max_new_tokens < len(self.descriptor.resume_tokens):
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} < {len(self.descriptor.resume_tokens)} "
+                             "resume tokens")
 
 
 class Release(Msg, frozen=True, tag="release"):
     """To a prefill: no reader can still read these requests' blocks."""
-    request_ids: list[RequestId]
-    reason: str
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_BATCH)]
+    reason: Text
 
 
 class Abort(Msg, frozen=True, tag="abort"):
     request_id: RequestId
-    reason: str
+    reason: Text
 
 
 class Shutdown(Msg, frozen=True, tag="shutdown"):
-    reason: str = ""
+    reason: Text = ""
 
 
 # --- client <-> coordinator --------------------------------------------------------------
 class Submit(Msg, frozen=True, tag="submit"):
-    client_request_id: int
-    prompt: list[int]
-    max_new_tokens: int
+    """A prompt from a client. Its content is checked by admission, which answers with a reason."""
+    client_request_id: RequestId
+    prompt: Annotated[list[Int64], msgspec.Meta(max_length=MAX_TOKENS)]
+    max_new_tokens: Int64
 
 
 class Result(Msg, frozen=True, tag="result"):
-    client_request_id: int
-    tokens: Optional[list[int]] = None
-    error: Optional[str] = None
+    client_request_id: RequestId
+    tokens: Optional[list[Token]] = None
+    error: Optional[Text] = None
     timings: dict[str, float] = {}
-    cached_prefix_blocks: int = 0
-    pulled_blocks: int = 0
+    cached_prefix_blocks: Count = 0
+    pulled_blocks: Count = 0
 
 
 class StatsRequest(Msg, frozen=True, tag="stats_request"):
@@ -136,8 +193,10 @@ class StatsRequest(Msg, frozen=True, tag="stats_request"):
 
 class Stats(Msg, frozen=True, tag="stats"):
     engines: dict[str, dict[str, Any]]
-    requests_in_flight: int
-    dropped_frames: int = 0  #: control frames refused (unauthenticated or malformed)
+    requests_in_flight: Count
+    dropped_frames: Count = 0  #: control frames refused, all reasons together
+    dropped: dict[str, int] = {}  #: reason -> frames refused ("forged", "replayed", "reflected", "invalid", ...)
+    connections: Count = 0     #: control connections open now
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, Finished, Failed, Goodbye,
@@ -149,42 +208,23 @@ _DECODER = msgspec.json.Decoder(AnyMsg)
 
 
 class WireError(ValueError):
-    """A frame that is not a valid message."""
+    """A payload that is not a valid message; the text says which field and why."""
 
 
-class Codec:
-    """Encodes and decodes frames; with a shared secret, every frame is HMAC-sealed (``kvxfer.security.auth``).
+def encode(msg: Msg) -> bytes:
+    return _ENCODER.encode(msg)
 
-    The transfer metadata in ``Register``/``PeerMeta`` is the key to an instance's
-    registered memory, so production deployments should set a secret.
-    """
 
-    def __init__(self, secret: Union[str, bytes, None] = None) -> None:
-        self._auth = None
-        self.dropped = 0  #: frames refused: unauthenticated, undecodable or invalid
-        if secret is not None:
-            from kvxfer.security.auth import MessageAuthenticator
+def decode(payload: bytes) -> Msg:
+    """The message in ``payload``, every constraint checked; ``WireError`` otherwise."""
+    try:
+        return _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"invalid control message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable control message: {exc}") from None
 
-            self._auth = MessageAuthenticator(secret)
 
-    def encode(self, msg: Msg) -> bytes:
-        payload = _ENCODER.encode(msg)
-        return self._auth.seal(payload) if self._auth is not None else payload
-
-    def decode(self, frame: bytes) -> Msg:
-        """The message in ``frame``; raises ``WireError`` (or ``AuthenticationError``) otherwise.
-
-        An unauthenticated frame is refused before its payload is parsed at all.
-        """
-        try:
-            payload = self._auth.open(frame) if self._auth is not None else frame
-            return _DECODER.decode(payload)
-        except msgspec.ValidationError as exc:
-            self.dropped += 1
-            raise WireError(f"invalid control message: {exc}") from None
-        except msgspec.DecodeError as exc:
-            self.dropped += 1
-            raise WireError(f"undecodable control message: {exc}") from None
-        except Exception:
-            self.dropped += 1
-            raise
+def descriptor_dict(descriptor: Descriptor) -> dict[str, Any]:
+    """A wire descriptor as the plain dict ``HandoffDescriptor.from_dict`` reads."""
+    return msgspec.structs.asdict(descriptor)

@@ -7,7 +7,6 @@ by one loop (no threads: the engines never race on the pools or the sockets).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,9 @@ class EngineSpec:
     queue_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.2
     coordinator_timeout_s: float = 10.0
-    secret: Optional[str] = None
+    secret: Optional[str] = None       #: travels to the host process on a pipe, never in argv
+    secret_file: Optional[str] = None
+    insecure: bool = False
 
 
 def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
@@ -45,7 +46,8 @@ def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
     try:
         engine.connect(backend=spec.backend, transfer_timeout_s=spec.transfer_timeout_s,
                        queue_timeout_s=spec.queue_timeout_s, heartbeat_interval_s=spec.heartbeat_interval_s,
-                       coordinator_timeout_s=spec.coordinator_timeout_s, secret=spec.secret)
+                       coordinator_timeout_s=spec.coordinator_timeout_s, secret=spec.secret,
+                       secret_file=spec.secret_file, insecure=spec.insecure)
     except BaseException:
         engine.disconnect("registration failed")
         raise
@@ -165,5 +167,7 @@ def start_engine_hosts(groups: Sequence[Sequence[EngineSpec]], coordinator_addre
 
 
 if __name__ == "__main__":
-    _payload = json.loads(sys.argv[1])
+    from engine_integration import procs as _procs
+
+    _payload = _procs.read_payload(int(sys.argv[1]))
     sys.exit(host_main([spec_from_dict(d) for d in _payload["specs"]], _payload["address"], int(sys.argv[2])))

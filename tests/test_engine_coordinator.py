@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from engine_integration import wire
+from engine_integration.channel import ClientChannel
 from engine_integration.client import CoordinatorClient
 from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
 
@@ -31,21 +32,19 @@ SECRET = "coordinator-test-secret-0123456789"
 class ScriptedEngine:
     """A registered engine whose every message the test sends by hand."""
 
-    def __init__(self, address: str, role: str, identity: str, pid: int, meta: dict = META) -> None:
-        self.codec = wire.Codec(SECRET)
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, f"{identity}/1".encode())
-        self.sock.connect(address)
+    def __init__(self, address: str, role: str, identity: str, pid: int, meta: dict = META,
+                 capacity: int = 64) -> None:
+        self.channel = ClientChannel(address, SECRET.encode(), identity=f"{identity}/1".encode())
+        self.sock = self.channel.sock
         self.identity = identity.removeprefix("d-")
         self.free = 60  # free blocks reported in heartbeats
         self.last_heartbeat = 0.0
         self.registered: "wire.Msg | None" = None
-        self.send(wire.Register(role, identity, "1", pid, os.uname().nodename, "fp", [meta], 64))
+        self.send(wire.Register(role, identity, "1", pid, os.uname().nodename, "fp", [meta], capacity))
         self.registered = self.recv(5.0)
 
     def send(self, msg: wire.Msg) -> None:
-        self.sock.send(self.codec.encode(msg))
+        self.channel.send(msg)
 
     def heartbeat(self) -> None:
         """At most every 0.1 s, like a real engine (each one is answered with a keepalive)."""
@@ -60,8 +59,8 @@ class ScriptedEngine:
             for eng in keepalive:
                 eng.heartbeat()
             if self.sock.poll(50):
-                msg = self.codec.decode(self.sock.recv())
-                if not (isinstance(msg, wire.Registered) and msg.ok and self.registered is not None):
+                msg = self.channel.receive()
+                if msg is not None and not (isinstance(msg, wire.Registered) and msg.ok and self.registered is not None):
                     return msg
         return None
 
@@ -206,9 +205,11 @@ def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
     client = CoordinatorClient(coordinator, secret=SECRET)
 
     def route(hashes):
-        client.submit([1, 2, 3, 4, 5], 2)
+        prompt = list(range(1, 4 * len(hashes) + 2))  # len(hashes) full blocks and a partial one
+        client.submit(prompt, 2)
         add = prefill.expect(wire.AddRequest, 5.0, keepalive=everyone)
-        prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+        prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id, "prompt": prompt,
+                                                        "block_ids": list(range(3, 4 + len(hashes))),
                                                         "block_hashes": hashes}, 0.01))
         got = {e.identity: e.expect(wire.StartDecode, 0.5, keepalive=everyone) for e in (small, big)}
         return [name for name, msg in got.items() if msg is not None]
@@ -223,17 +224,61 @@ def test_decode_chosen_by_prefix_match_then_free_blocks(coordinator):
 
 def test_unauthenticated_frames_are_dropped_and_counted(coordinator):
     """No secret, or the wrong one: the coordinator never parses the frame, never registers the engine."""
-    for secret in (None, "another-secret-of-enough-bytes"):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(coordinator)
-        frame = wire.Codec(secret).encode(wire.Register(
-            role="decode", identity="intruder", incarnation="1", pid=os.getpid(), host="x",
-            model_fingerprint="m", transfer_meta=[META], capacity_blocks=8))
-        sock.send(frame)
-        assert sock.poll(1000) == 0  # no answer at all
-        sock.close()
+    register = wire.Register(role="decode", identity="intruder", incarnation="1", pid=os.getpid(), host="x",
+                             model_fingerprint="m", transfer_meta=[META], capacity_blocks=8)
+    plain = ClientChannel(coordinator, None, curve=False)  # no CURVE, no session: a plain JSON frame
+    plain.send(register)
+    assert plain.sock.poll(1000) == 0  # no answer at all
+    plain.close()
+    with pytest.raises(Exception, match="handshake"):  # the wrong secret cannot even complete CURVE
+        ClientChannel(coordinator, b"another-secret-of-enough-bytes", handshake_timeout_s=1.0)
     client = CoordinatorClient(coordinator, secret=SECRET)
     stats = client.stats()
     assert "intruder" not in stats.engines and stats.dropped_frames >= 2
     client.close()
+
+
+def test_request_no_decode_pool_can_hold_is_refused_at_submit_and_does_not_block_others(coordinator):
+    """Finding 5: prompt 5 + 3000 new tokens needs 751 blocks; the only decode pool has 512."""
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid(), capacity=1024)
+    decode = ScriptedEngine(coordinator, "decode", "d0", os.getpid(), capacity=512)
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    t0 = time.monotonic()
+    blocker = client.submit([1, 2, 3, 4, 5], 3000)
+    [result] = client.collect([blocker], timeout_s=5)
+    assert time.monotonic() - t0 < 2.0
+    assert "refused at submit" in result.error and "751 KV blocks" in result.error and "512 blocks" in result.error
+    client.submit([1, 2, 3, 4, 5], 4)  # a normal request right behind it goes straight to the prefill
+    assert isinstance(prefill.expect(wire.AddRequest, 2.0, keepalive=[decode]), wire.AddRequest)
+
+
+def test_presumed_dead_reader_frees_checked_pins_after_the_grace_only():
+    """Finding 6: a decode silent past ``pin_grace_s`` (death unconfirmed) frees the pins of requests
+    whose reads are torn-read checked (generations in the descriptor), and only those."""
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=0.5, pin_grace_s=1.0,
+                                                                secret=SECRET))
+    decode_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        prefill = ScriptedEngine(address, "prefill", "p0", os.getpid())
+        decode = ScriptedEngine(address, "decode", "d0", decode_proc.pid)
+        client = CoordinatorClient(address, secret=SECRET)
+        rids = []
+        for generations in ([5, 6], []):
+            client.submit([1, 2, 3, 4, 5], 4)
+            add = prefill.expect(wire.AddRequest, 5.0, keepalive=[decode])
+            prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+                                                            "generations": generations}, 0.01))
+            assert decode.expect(wire.StartDecode, 5.0, keepalive=[prefill]) is not None
+            rids.append(add.request_id)
+        t0 = time.monotonic()  # d0 goes silent now; its process lives on (as a SIGSTOPped one would)
+        assert prefill.expect(wire.Release, 1.0, keepalive=[prefill]) is None  # within the grace: kept
+        release = prefill.expect(wire.Release, 5.0, keepalive=[prefill])
+        assert release is not None and release.request_ids == [rids[0]] and time.monotonic() - t0 > 1.4
+        assert prefill.expect(wire.Release, 1.0, keepalive=[prefill]) is None  # unchecked: kept until death
+        decode_proc.kill()
+        decode_proc.wait(10)
+        assert prefill.expect(wire.Release, 5.0, keepalive=[prefill]).request_ids == [rids[1]]
+    finally:
+        decode_proc.kill()
+        decode_proc.wait(10)
+        stop_coordinator_process(proc, timeout_s=5)

@@ -17,7 +17,7 @@ from engine_integration.reference import BlockAllocator, ModelConfig, block_hash
 from engine_integration.sink import HandoffSink
 from engine_integration.source import HandoffSource
 from kvxfer.backends.base import ReadFailure
-from kvxfer.errors import AuthenticationError, TransferError
+from kvxfer.errors import TransferError
 
 from engine_helpers import MODEL, drive_pair, make_pair, successes, varied_prompts
 
@@ -167,17 +167,12 @@ def test_source_releases_on_read_done_or_safe_failure_once():
 
 
 # --- wire and registration checks ------------------------------------------------------------------
-def test_wire_round_trip_rejects_garbage_and_forged_frames():
-    codec = wire.Codec()
-    msg = wire.StartDecode(3, {"a": 1}, 5)
-    assert codec.decode(codec.encode(msg)) == msg
+def test_wire_round_trip_rejects_garbage():
+    d = wire.Descriptor(3, "p0", 0, [1, 2], [7], [1, 2, 3, 4, 5], [9])
+    msg = wire.StartDecode(3, d, 5)
+    assert wire.decode(wire.encode(msg)) == msg
     with pytest.raises(wire.WireError):
-        codec.decode(b'{"type": "nope"}')
-    sealed = wire.Codec("s" * 32)
-    frame = sealed.encode(msg)
-    assert sealed.decode(frame) == msg
-    with pytest.raises(AuthenticationError):
-        sealed.decode(frame.replace(b'"a":1', b'"a":2'))
+        wire.decode(b'{"type": "nope"}')
 
 
 def test_compatibility_problem_names_the_field():
