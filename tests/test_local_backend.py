@@ -133,3 +133,23 @@ def test_altered_meta_fails_the_seal_before_any_field_is_used(change):
     with pytest.raises(PeerMetadataError, match="meta_seal|integrity check"):
         dst.begin_pull_blocks(meta, [1], [2])
     assert not dst_pool.any()
+
+
+@pytest.mark.parametrize("shape, offset", [((2, 3, 16, 1, 1, 3), 0),   # 6-byte bf16 slices: 2-byte words
+                                           ((2, 3, 16, 1, 1, 4), 1)])  # 8-byte slices, pool misaligned by 2
+def test_oracle_copies_exactly_whatever_word_fits(shape, offset):
+    """The fast path copies in the widest word that divides slices and aligns both pools."""
+    n = int(np.prod(shape))
+    src_storage = random_pool((n + offset,), torch.bfloat16, seed=4)
+    dst_storage = torch.zeros(n + offset, dtype=torch.bfloat16)
+    src_pool, dst_pool = src_storage[offset:].view(shape), dst_storage[offset:].view(shape)
+    src, dst = LocalBackend("p", src_pool, 16), LocalBackend("d", dst_pool, 16)
+    try:
+        dst.begin_pull_blocks(src.export_meta(), [3, 0, 15], [1, 14, 2], request_id=1).wait(5)
+        expected = torch.zeros_like(dst_pool)
+        expected[:, :, [1, 14, 2]] = src_pool[:, :, [3, 0, 15]]
+        assert torch.equal(dst_pool.view(torch.int16), expected.view(torch.int16))
+        assert not dst_storage[:offset].any()
+    finally:
+        src.close()
+        dst.close()
