@@ -23,9 +23,6 @@ PREFERENCE = ("nixl", "ucx", "local")
 _REGISTRY: dict[str, type[KVTransportBackend]] = {}
 _BROKEN_PLUGINS: dict[str, str] = {}  # entry points that failed to load -> why
 _plugins_loaded = False
-#: Names Megatron users have in their configs that this kvxfer does not deliver yet.
-_NOT_YET = {"nccl": "backend 'nccl' (Megatron's push backend over torch.distributed) is not in this kvxfer yet; "
-                    "use 'nixl' or 'ucx' (pull backends) meanwhile"}
 
 B = TypeVar("B", bound=type[KVTransportBackend])
 
@@ -69,8 +66,6 @@ def construct_kv_transfer_backend_class(name: str) -> type[KVTransportBackend]:
         return _REGISTRY[key]
     if key in _BROKEN_PLUGINS:
         raise BackendUnavailableError(_BROKEN_PLUGINS[key])
-    if key in _NOT_YET:
-        raise BackendUnavailableError(_NOT_YET[key])
     raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_REGISTRY))}")
 
 
@@ -115,6 +110,7 @@ def default_backend_name() -> str:
 
 # Built-in backends register themselves on import; their heavy dependencies load lazily.
 from kvxfer.backends import local  # noqa: E402,F401
+from kvxfer.backends import nccl  # noqa: E402,F401
 from kvxfer.backends import nixl  # noqa: E402,F401
 from kvxfer.backends import ucx  # noqa: E402,F401
 
