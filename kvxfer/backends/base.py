@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Hashable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from kvxfer.plan.descriptors import CopyPlan, IdList, plan_block_copies, validate_block_ids
+from kvxfer.plan.descriptors import CopyPlan, IdList, check_plan_bounds, plan_block_copies, validate_block_ids
 from kvxfer.errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -47,11 +47,13 @@ from kvxfer.plan.geometry import (
     dtype_name,
     export_geometry_meta,
     parse_geometry_meta,
+    staging_geometry,
 )
 from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.peer_records import is_whole_request, transfer_peer_records
 from kvxfer.plan.reshard import check_covers, check_same_model, intersect
-from kvxfer.plan.reshard_descriptors import plan_reshard_pull
+from kvxfer.plan.reshard_descriptors import plan_reshard_pull, reshard_transfers_for_pull
+from kvxfer.plan.staged_reshard import DEFAULT_STAGING_BYTES, StagedChunk, plan_staged_kv, staging_pays
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.runtime.stats import TransferStats
 from kvxfer.security.meta_seal import (
@@ -258,6 +260,18 @@ class PullRequest:
     plan: CopyPlan
     request_id: RequestId
     notify: bool = True  # send the source a read-done when the read completes
+    #: A staged reshard (``kvxfer.backends.staged``): chunks read into staging, then placed; ``plan`` is unused.
+    staged: tuple[StagedChunk, ...] = ()
+    #: Absolute address the plan's destination offsets are from, when not our pool (a staging range).
+    local_base: Optional[int] = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.read.total_bytes for c in self.staged) if self.staged else self.plan.total_bytes
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(c.read.num_descriptors for c in self.staged) if self.staged else self.plan.num_descriptors
 
 
 @dataclass(frozen=True)
@@ -273,6 +287,8 @@ class KVTransportBackend(ABC):
 
     name: ClassVar[str]
     is_push: ClassVar[bool] = False
+    #: The transport can read into a registered staging region (``local_base``), enabling staged reshard.
+    supports_staging: ClassVar[bool] = False
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -310,6 +326,7 @@ class KVTransportBackend(ABC):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         meta_key: Optional[bytes] = None,
         allow_unauthenticated_metas: Optional[bool] = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
         _parent: Optional["KVTransportBackend"] = None,
     ) -> None:
         ok, why = self.availability()
@@ -326,6 +343,10 @@ class KVTransportBackend(ABC):
         self._allow_unauthenticated = (unauthenticated_metas_allowed_by_env() if allow_unauthenticated_metas is None
                                        else bool(allow_unauthenticated_metas))
         self._parent = _parent  # the registration whose transport agent a sibling shares
+        if not isinstance(staging_bytes, int) or staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be an int >= 0 (0 disables staged reshard), got {staging_bytes!r}")
+        self.staging_bytes = staging_bytes
+        self._arena: Optional[Any] = None  # kvxfer.runtime.staging.StagingArena, made on first staged pull
         self.memory_buffer = memory_buffer
         self.timeout_s = float(timeout_s)
         self.geometry = compute_buffer_geometry(
@@ -389,8 +410,8 @@ class KVTransportBackend(ABC):
         else:
             label = request_id
         pulls = self.plan_request(peer_meta, src_block_ids, dst_block_ids, label, notify)
-        total = sum(p.plan.total_bytes for p in pulls if p is not None)
-        self._stats.started(total, sum(p.plan.num_descriptors for p in pulls if p is not None))
+        total = sum(p.total_bytes for p in pulls if p is not None)
+        self._stats.started(total, sum(p.num_descriptors for p in pulls if p is not None))
         handle = self._post_pulls(pulls, label)
         handle._count_in(self._stats, total)
         return handle
@@ -412,10 +433,48 @@ class KVTransportBackend(ABC):
         chosen = self._sources_to_read(peers, complete=is_whole_request(peer_meta) or len(records) > 1)
         pulls: list[Optional[PullRequest]] = []
         for i, ((meta, _), peer, (src_ids, dst_ids)) in enumerate(zip(records, peers, ids)):
-            plan = self.plan_pull(peer, src_ids, dst_ids) if i in chosen else None
-            empty = plan is None or plan.num_descriptors == 0
-            pulls.append(None if empty else PullRequest(meta, peer, src_ids, dst_ids, plan, request_id, notify))
+            if i not in chosen:
+                pulls.append(None)
+                continue
+            staged = self._plan_staged(peer, src_ids, dst_ids)
+            if staged:
+                pulls.append(PullRequest(meta, peer, src_ids, dst_ids, staged[0].read, request_id, notify,
+                                         staged=tuple(staged)))
+                continue
+            plan = self.plan_pull(peer, src_ids, dst_ids)
+            pulls.append(None if plan.num_descriptors == 0 else
+                         PullRequest(meta, peer, src_ids, dst_ids, plan, request_id, notify))
         return pulls
+
+    def _plan_staged(self, peer: PeerGeometry, src_ids: np.ndarray, dst_ids: np.ndarray) -> list[StagedChunk]:
+        """Chunks of a staged KV reshard when the transport can stage and per-token fragments would be small."""
+        if not self.supports_staging or self.staging_bytes == 0 or self.ssm_state_kind is not None or src_ids.size == 0:
+            return []
+        transfers = reshard_transfers_for_pull(self, peer)
+        if not transfers or not staging_pays(transfers, peer.geometry, self.geometry):
+            return []
+        # Chunks of a quarter of the region: two pulls can each keep two chunks posted (pipelining).
+        chunks = plan_staged_kv(peer.geometry, self.geometry, transfers, src_ids, dst_ids, self.staging_bytes // 4)
+        for chunk in chunks:
+            check_plan_bounds(chunk.read, peer.geometry, staging_geometry(chunk.staging_bytes))
+        return chunks
+
+    def _staging_arena(self) -> Any:
+        """The staging region (made and registered with the transport on first use)."""
+        if self._arena is None:
+            from kvxfer.runtime.staging import StagingArena
+
+            tensor = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.memory_buffer.device)
+            self._register_staging(tensor)
+            self._arena = StagingArena(tensor)
+        return self._arena
+
+    def _start_pull(self, pull: "PullRequest") -> TransferHandle:
+        if pull.staged:
+            from kvxfer.backends.staged import StagedHandle
+
+            return StagedHandle(self, pull)
+        return self._post_read(pull)
 
     def _sources_to_read(self, peers: Sequence[PeerGeometry], complete: bool) -> set[int]:
         """Indices of the records to read: with layouts, one per (layer window, head range),
@@ -452,7 +511,7 @@ class KVTransportBackend(ABC):
         handles: list[TransferHandle] = []
         try:
             for pull in pulls:
-                handles.append(CompletedHandle(request_id) if pull is None else self._post_read(pull))
+                handles.append(CompletedHandle(request_id) if pull is None else self._start_pull(pull))
         except KVXferError as exc:
             posted = [h for h in handles if not isinstance(h, CompletedHandle)]
             if not posted and not isinstance(exc, TransferStartError):
@@ -483,8 +542,14 @@ class KVTransportBackend(ABC):
         return failed
 
     def stats(self) -> dict[str, int]:
-        """Counters: transfers started/completed/failed, timeouts, bytes, in flight, notifications."""
-        return self._stats.snapshot()
+        """Counters: transfers started/completed/failed, timeouts, bytes, in flight, notifications,
+        and the staging region (capacity, bytes in use, bytes quarantined)."""
+        out = self._stats.snapshot()
+        arena = self._arena
+        out["staging_capacity"] = arena.capacity if arena is not None else 0
+        out["staging_in_use"] = arena.in_use if arena is not None else 0
+        out["staging_quarantined"] = arena.quarantined if arena is not None else 0
+        return out
 
     def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
         """Register a sibling buffer (e.g. an SSM state pool) on this backend's transport agent.
@@ -505,7 +570,8 @@ class KVTransportBackend(ABC):
         if self._closed:
             return
         self._closed = True
-        self._deregister()
+        self._deregister()  # the transport releases its staging registration there too
+        self._arena = None
 
     @property
     def closed(self) -> bool:
@@ -582,6 +648,11 @@ class KVTransportBackend(ABC):
 
     def _collect_notifications(self) -> None:
         """Move transport notifications into ``_read_done`` / ``_read_failed``."""
+
+    def _register_staging(self, tensor: torch.Tensor) -> None:
+        """Register the staging region as a read destination (``supports_staging`` transports);
+        ``_deregister`` releases it."""
+        raise NotImplementedError(f"the {self.name} backend cannot read into a staging region")
 
 
 def _drain(queue: deque) -> list:

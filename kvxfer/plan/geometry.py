@@ -453,3 +453,9 @@ def kv_layout_geometry(layout: KVShardLayout, *, num_blocks: int, tokens_per_blo
         heads_per_partition=layout.heads_per_partition, head_dim=head_dim, tokens_per_block=tokens_per_block,
         layout=layout,
     )
+
+
+def staging_geometry(num_bytes: int) -> BufferGeometry:
+    """A flat byte region of ``num_bytes`` (a staging range), for bounds checks of plans into it."""
+    return BufferGeometry(buf_ptr=0, element_size=1, device_id=0, blocks_axis=0, num_blocks=1, num_outer=1,
+                          bytes_per_slice=num_bytes, outer_stride_bytes=num_bytes)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import numpy as np
+import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends import notice as notify
@@ -544,6 +545,7 @@ class NixlBackend(KVTransportBackend):
 
     name = "nixl"
     is_push = False
+    supports_staging = True
 
     _availability: Optional[tuple[bool, str]] = None
 
@@ -591,6 +593,12 @@ class NixlBackend(KVTransportBackend):
                 f"[nixl] registering {g.region_bytes} B of {self.mem_type} (device {g.device_id}) failed: {exc}"
             ) from exc
 
+    def _register_staging(self, tensor: torch.Tensor) -> None:
+        with self._share.lock:
+            self._staging_descs = self._share.agent.register_memory(
+                [(tensor.data_ptr(), tensor.numel(), self.geometry.device_id, "")], self.mem_type
+            )
+
     def _deregister(self) -> None:
         for handle in list(self._in_flight):
             with handle._lock:
@@ -606,7 +614,11 @@ class NixlBackend(KVTransportBackend):
                 except Exception as exc:
                     warnings.warn(f"kvxfer nixl: releasing the local prepared list failed: {exc}", stacklevel=2)
                 self._local_dlist = None
+            staging = getattr(self, "_staging_descs", None)
             try:
+                if staging is not None:
+                    share.agent.deregister_memory(staging)
+                    self._staging_descs = None
                 share.agent.deregister_memory(self._reg_descs)
             except Exception as exc:
                 warnings.warn(f"kvxfer nixl: deregistering {self.agent_name!r} failed: {exc}", stacklevel=2)
@@ -695,15 +707,16 @@ class NixlBackend(KVTransportBackend):
         """Build the READ (see the module docstring for why prepared lists come first)."""
         agent = self._share.agent
         plan, local, remote = pull.plan, self.geometry, pull.peer.geometry
+        local_base = local.buf_ptr if pull.local_base is None else pull.local_base  # pool, or a staging range
         try:
-            if _plan_is_slice_aligned(plan, local, remote):
+            if pull.local_base is None and _plan_is_slice_aligned(plan, local, remote):
                 remote_list = self._share.remote_dlist(peer, remote)
                 src_idx, dst_idx = slice_indices(plan, local.bytes_per_slice)
                 return agent.make_prepped_xfer(
                     "READ", self._local_prepped(), dst_idx, remote_list, src_idx, message
                 ), "prepped"
             local_rows = agent.get_xfer_descs(
-                _rows(local.buf_ptr, plan.dst_offsets, plan.lengths, local.device_id), self.mem_type
+                _rows(local_base, plan.dst_offsets, plan.lengths, local.device_id), self.mem_type
             )
             remote_rows = agent.get_xfer_descs(
                 _rows(remote.buf_ptr, plan.src_offsets, plan.lengths, remote.device_id), peer.mem_type

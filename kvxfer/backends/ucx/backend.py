@@ -9,6 +9,14 @@ transfer sends a failure AM instead, but only once no get can still land.
 Source side: the AM handler queues the notices; ``drain_read_done()`` and
 ``drain_read_failed()`` return them.
 
+A notice that cannot leave (the send fails, or hangs: e.g. a new endpoint
+connecting through a cut cable) is kept per source address and sent again, with
+a backoff, on a fresh endpoint until it goes or ``_NOTICE_KEEP_S`` has passed; so
+a source behind a long link cut still learns of the failure once it is
+reachable again, as NIXL's notifications do. Kept notices are bounded
+(``_NOTICE_MAX_PENDING``); one that is dropped is logged. Delivery means UCX
+completed the send: a repeat may reach the source twice (releases are idempotent).
+
 Why the details are as they are:
 - A peer that errors (``UCP_ERR_HANDLING_MODE_PEER``) is dropped from the
   endpoint cache at once; its endpoint is force-closed later by the progress
@@ -25,10 +33,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
@@ -36,9 +48,16 @@ from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, Tra
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
 
+logger = logging.getLogger("kvxfer.backends.ucx")
+
 AM_ID = 0x4B56  # "KV": the active-message id of read-done / read-failed notices
 _CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force-closing the endpoint
 _CLOSE_GRACE_S = 1.0  # how long close() lets read-done notices leave
+_NOTICE_RETRY_FIRST_S = 0.25  # first retry of a notice that could not leave; doubles per attempt...
+_NOTICE_RETRY_MAX_S = 2.0     # ...up to this
+_NOTICE_STALL_S = 1.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
+_NOTICE_KEEP_S = 120.0  # a notice still undelivered after this is dropped (logged)
+_NOTICE_MAX_PENDING = 4096  # notices kept for retry, all sources together; beyond, new ones are dropped (logged)
 
 
 def _b64(data: bytes) -> str:
@@ -84,6 +103,27 @@ class _Peer:
             key.close()
         self.rkeys.clear()
         return True
+
+
+@dataclass
+class _Notice:
+    """A read-done / read-failed notice on its way to one source address."""
+
+    payload: bytes
+    what: str  # for log lines: "read-failed of request 7"
+    created: float
+    attempts: int = 0
+    due: float = 0.0
+
+
+@dataclass
+class _Send:
+    """An active-message send UCX has not completed yet."""
+
+    peer: _Peer
+    request: Any
+    notice: _Notice
+    posted: float
 
 
 class UcxHandle(TransferHandle):
@@ -157,9 +197,9 @@ class UcxHandle(TransferHandle):
         if self._failure_sent:
             return
         self._failure_sent = True
-        if self._peer.endpoint.error is None:  # a dead source cannot be told, and need not be
-            self._backend._notify_address(self._peer.address,
-                                          {"kind": "failed", "id": self.request_id, "reason": self._failure_reason})
+        # Sent even if the endpoint failed: a cut link looks like a dead source, and the
+        # source must hear of it when the link returns (kept and retried, bounded).
+        self._backend._notify(self._peer, {"kind": "failed", "id": self.request_id, "reason": self._failure_reason})
 
 
 @register_backend
@@ -167,6 +207,7 @@ class UcxBackend(KVTransportBackend):
     """UCP transport: ``ucp_mem_map`` + packed rkey, ``ucp_get_nbx`` reads, AM read-done."""
 
     name = "ucx"
+    supports_staging = True
     is_push = False
 
     def __init__(self, *args: Any, peer_error_handling: bool = True, **kwargs: Any) -> None:
@@ -205,8 +246,12 @@ class UcxBackend(KVTransportBackend):
         self._retired: list[_Peer] = []  # dropped from the cache, endpoint still to close
         self._live: set[UcxHandle] = set()
         self._deferred: list[UcxHandle] = []  # failed, gets not all completed yet
-        self._sends: list[tuple[_ucp.Endpoint, Any]] = []  # AM requests in flight
+        self._sends: list[_Send] = []  # AM requests in flight
+        self._outbox: dict[bytes, deque[_Notice]] = {}  # source address -> notices waiting for a retry
+        self._outbox_size = 0
+        self.notices_dropped = 0  # notices given up on (too old, or too many kept)
         self._notices: deque[bytes] = deque()
+        self._staging_region: Optional[_ucp.MemoryRegion] = None
         self._context = _ucp.Context()
         try:
             self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
@@ -220,6 +265,10 @@ class UcxBackend(KVTransportBackend):
         self._worker.idle_tasks.append(self._housekeeping)
         self._worker.unlocked_tasks.append(self._complete_landed)
         self._worker.start_progress_thread(f"kvxfer-ucx-{self.agent_name}")
+
+    def _register_staging(self, tensor: torch.Tensor) -> None:
+        # Mapped like the pool, so gets into it use the same (zero-copy where possible) paths.
+        self._staging_region = _ucp.MemoryRegion(self._context, tensor.data_ptr(), tensor.numel(), cuda=tensor.is_cuda)
 
     def _transport_meta(self) -> dict[str, Any]:
         return {
@@ -246,7 +295,8 @@ class UcxBackend(KVTransportBackend):
                 rkey = peer.rkey(packed)
             except _ucp.UcpError as exc:
                 raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
-            batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, pull.peer.geometry.buf_ptr,
+            local_base = self.geometry.buf_ptr if pull.local_base is None else pull.local_base  # pool or staging
+            batch = _ucp.GetBatch(peer.endpoint, rkey, local_base, pull.peer.geometry.buf_ptr,
                                   plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
             peer.batches.add(batch)
             # ``notify`` (read-done on completion) is a newer PullRequest field; absent means True.
@@ -293,30 +343,88 @@ class UcxBackend(KVTransportBackend):
 
     # --- notices ----------------------------------------------------------------------------
     def _notify(self, peer: _Peer, message: dict[str, Any]) -> None:
-        if peer.endpoint.error is not None or peer.endpoint.handle is None:
-            self._notify_address(peer.address, message)
-            return
-        self._send(peer.endpoint, message)
-
-    def _notify_address(self, address: bytes, message: dict[str, Any]) -> None:
+        """Send a notice to ``peer``'s source; one that cannot leave now is kept and retried."""
+        what = f"read-{message['kind']} of request {message['id']!r}"
+        notice = _Notice(json.dumps(message, separators=(",", ":")).encode(), what, time.monotonic())
         with self._worker.lock:
-            try:
-                peer = self._peer_for(address)
-            except _ucp.UcpError:
-                return
-            self._send(peer.endpoint, message)
+            self._post_notice(peer.address, notice, peer)
 
-    def _send(self, endpoint: _ucp.Endpoint, message: dict[str, Any]) -> None:
-        payload = json.dumps(message, separators=(",", ":")).encode()
+    def _post_notice(self, address: bytes, notice: _Notice, peer: Optional[_Peer] = None) -> None:
+        """Worker lock held. On ``peer``'s endpoint if still usable, else on the cached (or a new) one."""
+        notice.attempts += 1
         try:
-            with self._worker.lock:
-                request = _ucp.send_active_message(endpoint, AM_ID, payload)
-                if request is not None:
-                    self._sends.append((endpoint, request))
-                    self._worker.inflight += 1
-                    self._worker.signal(only_if_idle=True)
-        except _ucp.UcpError:
-            return  # the source is gone: nobody is waiting for this notice
+            if peer is None or peer.failed:
+                peer = self._peer_for(address)
+            request = _ucp.send_active_message(peer.endpoint, AM_ID, notice.payload)
+        except _ucp.UcpError as exc:
+            self._requeue(address, notice, str(exc))
+            return
+        if request is not None:
+            self._sends.append(_Send(peer, request, notice, time.monotonic()))
+            self._worker.inflight += 1
+            self._worker.signal(only_if_idle=True)
+        elif notice.attempts > 1:
+            logger.info("ucx %r: %s delivered to the source after %d attempts (%.1fs)", self.agent_name,
+                        notice.what, notice.attempts, time.monotonic() - notice.created)
+
+    def _requeue(self, address: bytes, notice: _Notice, why: str) -> None:
+        """Worker lock held: keep a notice that did not leave, for a later attempt."""
+        if self._outbox_size >= _NOTICE_MAX_PENDING:
+            self.notices_dropped += 1
+            logger.warning("ucx %r: dropped %s: %d notices already wait for unreachable sources",
+                           self.agent_name, notice.what, self._outbox_size)
+            return
+        now = time.monotonic()
+        notice.due = now + min(_NOTICE_RETRY_FIRST_S * 2 ** (notice.attempts - 1), _NOTICE_RETRY_MAX_S)
+        log = logger.info if notice.attempts == 1 else logger.debug
+        log("ucx %r: %s could not reach the source (%s); retrying for up to %.0fs",
+            self.agent_name, notice.what, why, _NOTICE_KEEP_S - (now - notice.created))
+        self._outbox.setdefault(address, deque()).append(notice)
+        self._outbox_size += 1
+
+    def _reap_sends(self) -> None:
+        """Worker lock held: finish completed AM sends; keep failed ones; unstick hung ones."""
+        now = time.monotonic()
+        still = []
+        for send in self._sends:
+            status = _ucp.request_status(self._worker, send.request)
+            if _ucp.in_progress(status):
+                if now - send.posted > _NOTICE_STALL_S and not send.peer.batches:
+                    # e.g. a new endpoint connecting through a cut cable: retire it (its force-close
+                    # completes this send as cancelled, and the notice is kept); a later attempt
+                    # connects afresh. An endpoint with gets in flight is left to their timeouts.
+                    self._drop_peer(send.peer)
+                still.append(send)
+                continue
+            self._worker.inflight -= 1
+            if not _ucp.is_ok(status):
+                self._requeue(send.peer.address, send.notice, _ucp.status_string(status))
+            elif send.notice.attempts > 1:
+                logger.info("ucx %r: %s delivered to the source after %d attempts (%.1fs)", self.agent_name,
+                            send.notice.what, send.notice.attempts, now - send.notice.created)
+        self._sends = still
+
+    def _retry_notices(self) -> None:
+        """Worker lock held: send again what is due, one attempt at a time per source; drop the too old."""
+        now = time.monotonic()
+        busy = {send.peer.address for send in self._sends}
+        for address in list(self._outbox):
+            queue = self._outbox[address]
+            while queue and now - queue[0].created > _NOTICE_KEEP_S:
+                notice = queue.popleft()
+                self._outbox_size -= 1
+                self.notices_dropped += 1
+                logger.warning("ucx %r: gave up on %s: the source stayed unreachable for %.0fs (%d attempts)",
+                               self.agent_name, notice.what, now - notice.created, notice.attempts)
+            if not queue:
+                del self._outbox[address]
+                continue
+            if address in busy or queue[0].due > now:
+                continue
+            del self._outbox[address]
+            self._outbox_size -= len(queue)
+            for notice in queue:
+                self._post_notice(address, notice)
 
     def _collect_notifications(self) -> None:
         self._worker.progress()
@@ -333,14 +441,8 @@ class UcxBackend(KVTransportBackend):
                 self._deliver_read_failed(request_id, str(message.get("reason", "")))
 
     def _housekeeping(self) -> None:
-        """Progress-thread work (worker lock held): finish AM sends, deferred failures, dead endpoints."""
-        still = []
-        for endpoint, request in self._sends:
-            if _ucp.in_progress(_ucp.request_status(self._worker, request)):
-                still.append((endpoint, request))
-            else:
-                self._worker.inflight -= 1
-        self._sends = still
+        """Progress-thread work (worker lock held): AM sends and retries, deferred failures, dead endpoints."""
+        self._reap_sends()
         waiting = []
         for handle in self._deferred:
             if handle._batch.done:
@@ -349,6 +451,8 @@ class UcxBackend(KVTransportBackend):
             else:
                 waiting.append(handle)
         self._deferred = waiting
+        if self._outbox:
+            self._retry_notices()
         self._retired = [peer for peer in self._retired if not peer.close()]
 
     def _complete_landed(self) -> None:
@@ -382,8 +486,13 @@ class UcxBackend(KVTransportBackend):
             time.sleep(0.0005)
         self._worker.stop_progress_thread()
         with self._worker.lock:
-            for endpoint, request in self._sends:
-                self._worker.wait_request(request, time.monotonic())  # frees it if complete
+            for send in self._sends:
+                self._worker.wait_request(send.request, time.monotonic())  # frees it if complete
+            if self._outbox_size:
+                logger.warning("ucx %r: closed with %d notices still undelivered (their sources unreachable)",
+                               self.agent_name, self._outbox_size)
+                self._outbox.clear()
+                self._outbox_size = 0
             for peer in list(self._peers.values()):
                 self._drop_peer(peer)
             for peer in self._retired:
@@ -396,6 +505,9 @@ class UcxBackend(KVTransportBackend):
                 peer.close()
             self._retired.clear()
         self._region.close()
+        if self._staging_region is not None:
+            self._staging_region.close()
+            self._staging_region = None
         self._worker.close()
         self._context.close()
 

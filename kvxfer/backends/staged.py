@@ -1,0 +1,101 @@
+"""The handle of a staged reshard pull: read whole slices into staging, then place heads locally.
+
+``kvxfer.plan.staged_reshard`` plans the chunks; this drives them one after another
+through the transport's ordinary ``_post_read`` (its destination being a range of the
+backend's staging region instead of the pool) and places each chunk's heads into the
+pool with one tensor copy on the pool's device. The pool is only ever written by those
+placements, after a chunk's read completed, so a failed or aborted pull leaves the pool
+untouched past its last completed chunk: ``storage_safe`` is always True, and a staging
+range whose read could not be stopped is quarantined instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvxfer.backends.base import PullRequest, TransferHandle, TransferState
+from kvxfer.errors import TransferError
+from kvxfer.plan.staged_reshard import StagedChunk, apply_placement
+
+if TYPE_CHECKING:
+    from kvxfer.backends.base import KVTransportBackend
+
+
+#: Chunks a pull keeps posted at once: the next chunk's read overlaps the last one's placement.
+PIPELINE_DEPTH = 2
+
+
+@dataclasses.dataclass
+class _Posted:
+    chunk: StagedChunk
+    offset: int
+    part: TransferHandle
+
+
+class StagedHandle(TransferHandle):
+    """Chunks in order, up to ``PIPELINE_DEPTH`` posted: allocate staging, post the read;
+    when the oldest completes, place it and release its range."""
+
+    path = "staged"
+
+    def __init__(self, backend: "KVTransportBackend", pull: PullRequest) -> None:
+        super().__init__(pull.request_id, backend.timeout_s)
+        self._backend = backend
+        self._pull = pull
+        self._chunks = list(pull.staged)
+        self._next = 0
+        self._posted: collections.deque[_Posted] = collections.deque()
+
+    def _progress(self) -> bool:
+        while True:
+            while len(self._posted) < PIPELINE_DEPTH and self._next < len(self._chunks) and self._post_next():
+                pass
+            if not self._posted:
+                return self._next == len(self._chunks)  # False: staging busy with other pulls, retry later
+            if not self._posted[0].part.poll():  # raises TransferError on failure
+                return False
+            self._place(self._posted.popleft())
+
+    def _post_next(self) -> bool:
+        chunk = self._chunks[self._next]
+        arena = self._backend._staging_arena()
+        offset = arena.allocate(chunk.staging_bytes)
+        if offset is None:
+            return False
+        last = self._next == len(self._chunks) - 1
+        sub = dataclasses.replace(self._pull, plan=chunk.read, staged=(), notify=self._pull.notify and last,
+                                  local_base=arena.base + offset)
+        try:
+            part = self._backend._post_read(sub)
+        except BaseException:
+            arena.release(offset, chunk.staging_bytes)
+            raise
+        self._posted.append(_Posted(chunk, offset, part))
+        self._next += 1
+        return True
+
+    def _place(self, posted: _Posted) -> None:
+        arena = self._backend._staging_arena()
+        staging = arena.view(posted.offset, posted.chunk.staging_bytes)
+        for placement in posted.chunk.placements:
+            apply_placement(staging, self._backend.memory_buffer, placement)
+        if staging.is_cuda:  # the range is reused only after the copy out of it has run
+            torch.cuda.current_stream(staging.device).synchronize()
+        arena.release(posted.offset, posted.chunk.staging_bytes)
+
+    def _abort(self) -> bool:
+        arena = self._backend._staging_arena()
+        while self._posted:
+            posted = self._posted.popleft()
+            with posted.part._lock:
+                if posted.part.state is TransferState.PROC:
+                    posted.part._fail(TransferError(f"request {self.request_id!r}: aborted with its staged pull"))
+            if posted.part.storage_safe:
+                arena.release(posted.offset, posted.chunk.staging_bytes)
+            else:
+                arena.quarantine(posted.chunk.staging_bytes)
+        return True  # the pool is written only by placements, which run after a completed read
