@@ -4,7 +4,7 @@ STAMP := $(VENV)/.kvxfer-installed
 
 .PHONY: loopback test info
 
-$(STAMP): pyproject.toml tools/bootstrap.sh
+$(STAMP): pyproject.toml setup.py tools/bootstrap.sh
 	bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
 

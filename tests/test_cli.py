@@ -53,4 +53,48 @@ def test_loopback_reports_corruption(monkeypatch):
 
 def test_loopback_exit_status_on_bad_arguments():
     out = _kvxfer("loopback", "--backend", "no-such-backend", *SMALL)
-    assert out.returncode != 0 and "unknown backend" in out.stdout
+    assert out.returncode == 2 and "unknown backend" in out.stderr and out.stdout == ""
+
+
+def test_version_and_python_dash_m():
+    import kvxfer
+
+    for argv in (["-m", "kvxfer", "--version"], ["-m", "kvxfer.cli", "--version"]):
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == f"kvxfer {kvxfer.__version__}", out.stderr
+
+
+def test_every_option_has_help_and_says_its_default():
+    import argparse
+
+    from kvxfer.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        for action in command._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"kvxfer {name} {action.option_strings[0]} has no help text"
+            if action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0:
+                assert "default" in command._get_formatter()._get_help_string(action), (name, action.option_strings)
+        assert "(default:" in text or name == "info"
+
+
+def test_info_is_truthful_about_cuda():
+    out = _kvxfer("info")
+    assert out.returncode == 0, out.stderr
+    if not torch.cuda.is_available():
+        assert "cuda not available" in out.stdout and "VRAM=ok" not in out.stdout
+
+
+def test_a_quiet_successful_run_writes_nothing_to_stderr():
+    out = _kvxfer("loopback", "--backend", "local", *SMALL)  # stderr is a pipe: no progress drawn
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_verbose_logs_the_phases_to_stderr():
+    out = _kvxfer("-v", "loopback", "--backend", "local", *SMALL)
+    assert out.returncode == 0 and "kvxfer: INFO: kvxfer.harness.loopback:" in out.stderr
+

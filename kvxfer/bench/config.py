@@ -58,7 +58,7 @@ class BenchConfig:
     slice_sizes: tuple[int, ...] = DEFAULT_SLICE_SIZES
     block_counts: tuple[int, ...] = DEFAULT_BLOCK_COUNTS
     patterns: tuple[str, ...] = PATTERNS
-    reshard: str = "auto"  # "auto": on when kvxfer.plan.reshard imports; "off"
+    reshard: str = "on"  # "on": TP 2 -> 1 points at ``reshard_sizes``; "off": plain pulls only
     reshard_sizes: tuple[int, ...] = DEFAULT_RESHARD_SIZES  # slice sizes that get reshard points too
     num_layers: int = 4  # planes per block = 2 * num_layers (K and V)
     repeats: int = 10
@@ -82,8 +82,8 @@ class BenchConfig:
                 raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
-        if self.reshard not in ("auto", "off"):
-            raise ValueError(f"reshard must be 'auto' or 'off', got {self.reshard!r}")
+        if self.reshard not in ("on", "off"):
+            raise ValueError(f"reshard must be 'on' or 'off', got {self.reshard!r}")
         unknown = set(self.baselines) - set(DEFAULT_BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(DEFAULT_BASELINES)}")
@@ -123,6 +123,19 @@ class BenchConfig:
         """The request's ids come from ``LoopbackConfig.block_ids``: a fresh scatter per repeat."""
         return replace(pool, request_blocks=point.num_blocks, pattern=point.pattern,
                        seed=self.seed + 7919 * repeat + point.num_blocks)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
+
+
+def parse_size(text: str) -> int:
+    """``4K``, ``32KiB``, ``1M``, ``4096`` -> bytes (binary units)."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMIB")
+    unit = t[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS or int(digits) == 0:
+        raise ValueError(f"not a size: {text!r} (examples: 4K, 32KiB, 1M, 4096)")
+    return int(digits) * _UNITS[unit]
 
 
 def tiny_config(**overrides: object) -> BenchConfig:

@@ -118,11 +118,9 @@ def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
 
     started = time.monotonic()
     report = BenchReport(cfg, command, machine.describe(), datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    reshard_on, why = reshard_build.status()
-    reshard_on = reshard_on and cfg.reshard == "auto"
+    reshard_on = cfg.reshard == "on"
     report.reshard_axis = (f"on: prefill TP {RESHARD_SRC_TP} -> decode TP 1 points for kvxfer backends "
-                           "(baselines: plain pulls only)" if reshard_on
-                           else f"off: {why}" if cfg.reshard == "auto" else "off: disabled by --reshard off")
+                           "(baselines: plain pulls only)" if reshard_on else "off: disabled by --reshard off")
     points: list[Point] = list(cfg.points(reshard=reshard_on))
 
     runnable = {info.name: info for info in available_backends()}
@@ -163,7 +161,7 @@ def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
         else:
             report.results += outcome
 
-    build = (reshard_build.measure_build(repeats=max(3, 2 * cfg.repeats)) if cfg.reshard == "auto"
+    build = (reshard_build.measure_build(repeats=max(3, 2 * cfg.repeats)) if reshard_on
              else {"status": "not measured: --reshard off"})
     report.targets = targets.evaluate(report.results, build)
     report.machine["load_average_end"] = machine.load_average()

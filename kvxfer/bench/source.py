@@ -4,15 +4,14 @@ The decode side (the bench process) drives it through a small command set:
 ``setup`` (allocate a random pool, register it, return the meta), ``digest`` (a
 SHA-256 of some blocks, to verify what the reader got), ``await`` (watch
 ``drain_read_done`` until a request id shows up and report *when*, on the shared
-monotonic clock), ``close``. Network backends get a real second OS process (a spawn
-child and a Pipe, as ``kvxfer.harness.loopback`` does); the in-process ``local`` backend
+monotonic clock), ``close``. Network backends get a real second OS process
+(``kvxfer.harness.child``, the harness loopback and soak use too); the in-process ``local`` backend
 gets the same interface without the process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
+from kvxfer.harness.child import ERROR, Child, ChildFailure, Pipe
 from kvxfer.harness.loopback import LoopbackConfig, make_backend, make_pool
 
 #: Backends that can only reach registrations in their own process.
@@ -118,20 +118,21 @@ class SourceRole:
         self.backends, self.pools, self.cfg = [], [], None
 
 
-def _serve(conn: Any, role_cls: type = SourceRole) -> None:
+def _serve(pipe: Pipe, role_cls: type = SourceRole) -> None:
     """Child process body: execute commands on a ``role_cls()`` until ``close`` or the parent goes away.
 
     Any role with ``setup``/``digest``/``await_read_done``/``stats``/``release`` works
-    (the naive-NIXL baseline brings its own).
+    (the naive-NIXL baseline brings its own). A failed command is answered with the
+    harness's ``error`` message and the child goes on serving.
     """
     role = role_cls()
     try:
         while True:
-            if not conn.poll(CONTROL_TIMEOUT_S * 5):
+            if not pipe.poll(CONTROL_TIMEOUT_S * 5):
                 return  # the parent stopped talking to us: leave rather than linger
-            command, args = conn.recv()
+            command, args = pipe.recv()
             if command == "close":
-                conn.send(("ok", role.stats()))
+                pipe.send("ok", role.stats())
                 return
             try:
                 if command == "setup":
@@ -142,14 +143,13 @@ def _serve(conn: Any, role_cls: type = SourceRole) -> None:
                     value = role.await_read_done(*args)
                 else:
                     raise ValueError(f"unknown command {command!r}")
-                conn.send(("ok", value))
+                pipe.send("ok", value)
             except Exception as exc:  # reported to the parent, which records it on the point
-                conn.send(("error", f"source: {type(exc).__name__}: {exc}"))
+                pipe.send(ERROR, ChildFailure.from_exception("source", exc))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
     finally:
         role.release()
-        conn.close()
 
 
 class SourceClient:
@@ -195,18 +195,14 @@ class InProcessSource(SourceClient):
 
 
 class ChildSource(SourceClient):
-    """The source role in a spawned child process; every call has a timeout."""
+    """The source role in a spawned child process (``kvxfer.harness.child``); every call has a timeout."""
 
     two_process = True
 
     def __init__(self, timeout_s: float = CONTROL_TIMEOUT_S, role_cls: type = SourceRole) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        self._child = Child("source", _serve, role_cls, join_timeout_s=10.0)
         self._timeout_s = timeout_s
-        self._proc = ctx.Process(target=_serve, args=(child, role_cls), name="kvxfer-bench-source", daemon=True)
-        self._proc.start()
-        child.close()
-        self.pid = self._proc.pid
+        self.pid = self._child.pid
         self._pending_await: Optional[float] = None  # timeout of an ``await`` whose answer is unread
 
     def _call(self, command: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
@@ -215,16 +211,13 @@ class ChildSource(SourceClient):
                 self.read_done_at(-1, self._pending_await)
             except (RuntimeError, TimeoutError):
                 pass
-        self._conn.send((command, args))
+        self._child.send(command, args)
         return self._reply(command, timeout_s)
 
     def _reply(self, command: str, timeout_s: Optional[float] = None) -> Any:
+        """The child's answer; its failure raises ``ChildError`` (a ``RuntimeError``) with its own message."""
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"source process gave no answer to {command!r} within {timeout_s:.0f}s")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise RuntimeError(value)
+        _, value = self._child.recv(timeout_s, expected="ok")
         return value
 
     def setup(self, cfg: LoopbackConfig, agent_name: str, src_tp: int = 1) -> Any:
@@ -234,7 +227,7 @@ class ChildSource(SourceClient):
         return self._call("digest", ids.tolist())
 
     def expect(self, request_id: int, timeout_s: float) -> None:
-        self._conn.send(("await", (request_id, timeout_s)))
+        self._child.send("await", (request_id, timeout_s))
         self._pending_await = timeout_s
 
     def read_done_at(self, request_id: int, timeout_s: float) -> float:
@@ -244,16 +237,12 @@ class ChildSource(SourceClient):
     def close(self) -> dict[str, int]:
         stats: dict[str, int] = {}
         try:
-            if self._proc.is_alive():
+            if self._child.is_alive():
                 stats = self._call("close", timeout_s=10.0)
         except (OSError, EOFError, TimeoutError, RuntimeError):
             pass
         finally:
-            self._proc.join(timeout=10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(timeout=5)
-            self._conn.close()
+            self._child.close()
         return stats
 
 

@@ -6,7 +6,7 @@
 * scattered 32 KiB blocks vs naive NIXL, same points (target >= 2x);
 both compare two-process, non-reshard points only (an in-process copy is not a transport);
 * descriptor build for a TP 2 -> 1 reshard of 128 blocks x 64 planes x 16 tokens
-  (target < 10 ms), only when ``kvxfer.plan.reshard`` is importable.
+  (target < 10 ms), unless the run has ``--reshard off``.
 """
 
 from __future__ import annotations

@@ -16,34 +16,30 @@ the points it did not report are recorded as failed with the reason.
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
-import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from kvxfer.bench.config import BenchConfig, Point
 from kvxfer.bench.results import PointResult
+from kvxfer.harness.child import Child, ChildError, ChildExited, ChildTimeout, Pipe
 
 OnPoint = Callable[[PointResult], None]
 
 
-def _body(conn: Any, target: str, args: tuple) -> None:
-    """Worker body: ``module:function(*args, on_point=send)``; every result is sent as it lands."""
-    try:
-        import os
+def _body(pipe: Pipe, target: str, args: tuple) -> None:
+    """Worker body: ``module:function(*args, on_point=send)``; every result is sent as it lands.
 
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        module, name = target.split(":")
-        if module.startswith(("kvxfer", "tests")):  # measurements: one torch thread, as in the bench process
-            import torch
+    An exception reaches the bench through the harness as the worker's own message."""
+    import os
 
-            torch.set_num_threads(1)
-        fn = getattr(importlib.import_module(module), name)
-        out = fn(*args, on_point=lambda res: conn.send(("point", res)))
-        conn.send(("done", out))
-    except BaseException as exc:  # reported, then the worker ends
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
-    finally:
-        conn.close()
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    module, name = target.split(":")
+    if module.startswith(("kvxfer", "tests")):  # measurements: one torch thread, as in the bench process
+        import torch
+
+        torch.set_num_threads(1)
+    fn = getattr(importlib.import_module(module), name)
+    out = fn(*args, on_point=lambda res: pipe.send("point", res))
+    pipe.send("done", out)
 
 
 def run_in_worker(target: str, args: tuple, points: Sequence[Point], name: str, kind: str,
@@ -53,24 +49,22 @@ def run_in_worker(target: str, args: tuple, points: Sequence[Point], name: str, 
     Points the worker did not report (it died, hung or raised) come back as failed
     ``PointResult``s so the report still has a row, and a reason, for each.
     """
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_body, args=(child, target, args), name=f"kvxfer-bench-{name}", daemon=False)
-    proc.start()
-    child.close()
     seen: list[PointResult] = []
     error: Optional[str] = None
     result: Any = None
-    try:
+    # not a daemon: a worker may crash in its own teardown after "done", and that is not our failure
+    with Child(f"{name} worker", _body, target, args, daemon=False, join_timeout_s=10.0) as worker:
         while True:
-            if not parent.poll(silence_s):
+            try:
+                kind_, payload = worker.recv(silence_s)
+            except ChildTimeout:
                 error = f"worker silent for {silence_s:.0f}s; killed"
                 break
-            try:
-                kind_, payload = parent.recv()
-            except EOFError:
-                proc.join(timeout=5)
-                error = f"worker died (exit code {proc.exitcode})"
+            except ChildExited as exc:
+                error = f"worker died (exit code {exc.exitcode})"
+                break
+            except ChildError as exc:
+                error = f"worker failed: {exc}"
                 break
             if kind_ == "point":
                 seen.append(payload)
@@ -79,15 +73,8 @@ def run_in_worker(target: str, args: tuple, points: Sequence[Point], name: str, 
             elif kind_ == "done":
                 result = payload
                 break
-            else:
-                error = f"worker failed: {payload}"
-                break
-    finally:
-        proc.join(timeout=10)  # a worker may crash in its own teardown after "done": that is not our failure
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-        parent.close()
+        if error is not None and worker.is_alive():
+            worker.close(timeout_s=0)
     if error is None:
         return result
     reported = {(r.slice_bytes, r.num_blocks, r.pattern, r.reshard) for r in seen}

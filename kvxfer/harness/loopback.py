@@ -12,10 +12,10 @@ or missing notification makes the run fail.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
+import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
 from kvxfer.plan.descriptors import plan_block_copies
 from kvxfer.errors import KVXferError, TransferError
+from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.plan.geometry import dtype_from_name, parse_geometry_meta
 
 SENTINEL = 0xA5  # what the decode pool holds before the pull
@@ -174,36 +175,21 @@ class _Prefill:
         self.backend.close()
 
 
-def _prefill_process(cfg: LoopbackConfig, conn: Any) -> None:
-    """Child process body: offer the blocks, wait for read-done, report."""
-    prefill = None
+def _prefill_process(pipe: Pipe, cfg: LoopbackConfig) -> None:
+    """Child process body: offer the blocks, wait for read-done, report. Failures reach
+    the parent through the harness as this process's own error."""
+    prefill = _Prefill(cfg)
     try:
-        prefill = _Prefill(cfg)
-        conn.send(("offer", prefill.offer()))
-        if not conn.poll(CONTROL_TIMEOUT_S):
-            raise TimeoutError("decode never reported back")
-        kind, payload = conn.recv()
+        pipe.send("offer", prefill.offer())
+        if not pipe.poll(CONTROL_TIMEOUT_S):
+            raise TimeoutError(f"decode did not report back within {CONTROL_TIMEOUT_S:.0f}s")
+        kind, payload = pipe.recv()
         if kind != "pulled":
             return
         ok, latency, freed = prefill.await_read_done(payload["request_id"])
-        conn.send(("read_done", {"ok": ok, "latency_s": latency, "freed": freed}))
-    except Exception as exc:  # reported to the parent, which fails the run loudly
-        conn.send(("error", f"prefill: {type(exc).__name__}: {exc}"))
+        pipe.send("read_done", {"ok": ok, "latency_s": latency, "freed": freed})
     finally:
-        if prefill is not None:
-            prefill.close()
-        conn.close()
-
-
-def _recv(conn: Any, expected: str) -> dict[str, Any]:
-    if not conn.poll(CONTROL_TIMEOUT_S):
-        raise TimeoutError(f"no {expected!r} message from the prefill process within {CONTROL_TIMEOUT_S}s")
-    kind, payload = conn.recv()
-    if kind == "error":
-        raise RuntimeError(payload)
-    if kind != expected:
-        raise RuntimeError(f"expected {expected!r} from prefill, got {kind!r}")
-    return payload
+        prefill.close()
 
 
 def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor,
@@ -223,17 +209,43 @@ def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torc
     result.untouched_ok = untouched(pool, cfg.pool_blocks, dst_ids)
 
 
-def run_loopback(cfg: LoopbackConfig) -> LoopbackResult:
-    """Run one handoff; never raises for transfer problems, they land in ``result.error``."""
+#: Called with a short description of each phase as the run enters it (the CLI shows it as progress).
+OnPhase = Callable[[str], None]
+
+
+logger = logging.getLogger("kvxfer.harness.loopback")
+
+
+def _no_phase(_: str) -> None:
+    pass
+
+
+def run_loopback(cfg: LoopbackConfig, on_phase: Optional[OnPhase] = None) -> LoopbackResult:
+    """Run one handoff; never raises for transfer problems, they land in ``result.error``.
+
+    A failure in the prefill child lands there as the child's own message
+    (``prefill: <Type>: <what>``); ``result.extra["child_traceback"]`` keeps its traceback.
+    """
+    report_phase = on_phase or _no_phase
+
+    def phase(text: str) -> None:
+        logger.info("loopback on %s: %s", cfg.backend, text)
+        report_phase(text)
+
     result = LoopbackResult(cfg)
-    pool = make_pool(cfg, random_seed=None)
     decode = None
     try:
+        phase("allocating the decode pool")
+        pool = make_pool(cfg, random_seed=None)
+        phase(f"registering the decode pool with {cfg.backend}")
         decode = make_backend(cfg, "decode", pool)
         if cfg.backend == "local":
-            _run_in_process(cfg, decode, pool, result)
+            _run_in_process(cfg, decode, pool, result, phase)
         else:
-            _run_two_processes(cfg, decode, pool, result)
+            _run_two_processes(cfg, decode, pool, result, phase)
+    except ChildError as exc:
+        result.error = str(exc)
+        result.extra["child_traceback"] = exc.child_traceback
     except (KVXferError, TransferError, RuntimeError, TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -242,34 +254,35 @@ def run_loopback(cfg: LoopbackConfig) -> LoopbackResult:
     return result
 
 
-def _run_in_process(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult) -> None:
+def _run_in_process(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult,
+                    phase: OnPhase) -> None:
+    phase("preparing the prefill pool")
     prefill = _Prefill(cfg)
     try:
         offer = prefill.offer()
+        phase(f"pulling {cfg.request_blocks} blocks")
         _pull_and_verify(cfg, decode, pool, offer, result)
+        phase("waiting for read-done")
         result.read_done_ok, result.read_done_s, result.freed_blocks = prefill.await_read_done(offer["request_id"])
     finally:
         prefill.close()
 
 
-def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_process, args=(cfg, child), name="kvxfer-prefill", daemon=True)
-    proc.start()
-    child.close()
-    try:
-        offer = _recv(parent, "offer")
+def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult,
+                       phase: OnPhase) -> None:
+    phase("starting the prefill process")
+    with Child("prefill", _prefill_process, cfg) as prefill:
+        _, offer = prefill.recv(CONTROL_TIMEOUT_S, expected="offer")
+        phase(f"pulling {cfg.request_blocks} blocks")
         try:
             _pull_and_verify(cfg, decode, pool, offer, result)
         except BaseException:
-            parent.send(("abort", {}))
+            try:
+                prefill.send("abort", {})
+            except ChildError:
+                pass  # the prefill side is already gone; the pull's own error says more
             raise
-        parent.send(("pulled", {"request_id": offer["request_id"]}))
-        done = _recv(parent, "read_done")
+        prefill.send("pulled", {"request_id": offer["request_id"]})
+        phase("waiting for read-done")
+        _, done = prefill.recv(CONTROL_TIMEOUT_S, expected="read_done")
         result.read_done_ok, result.read_done_s, result.freed_blocks = done["ok"], done["latency_s"], done["freed"]
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        parent.close()

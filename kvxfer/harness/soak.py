@@ -14,12 +14,12 @@ registrations, resident memory growth.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import logging
 import resource
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -27,9 +27,11 @@ import torch
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
 from kvxfer.errors import KVXferError
+from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 CONTROL_TIMEOUT_S = 60.0
+logger = logging.getLogger("kvxfer.harness.soak")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class SoakReport:
     decode_reserved_at_end: int = -1
     rss_growth_mib: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -214,10 +217,23 @@ class SoakDecode:
         return report
 
 
-def _drive(cfg: SoakConfig, decode: SoakDecode, next_handoff, report: SoakReport) -> None:
+#: Called with (handoffs verified, handoffs in the run) as the soak goes (the CLI shows it as progress).
+OnProgress = Callable[[int, int], None]
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+def _drive(cfg: SoakConfig, decode: SoakDecode, next_handoff: Callable[[], Optional[dict[str, Any]]],
+           report: SoakReport, on_progress: OnProgress) -> None:
     """Keep ``in_flight`` handoffs going until all are verified (or the deadline passes)."""
     deadline = time.monotonic() + max(60.0, cfg.handoffs * 0.5)
+    shown = -1
     while report.handoffs_done + len(report.failures) < cfg.handoffs:
+        if report.handoffs_done != shown:
+            shown = report.handoffs_done
+            on_progress(shown, cfg.handoffs)
         if time.monotonic() > deadline:
             report.failures.append(f"soak did not finish: {report.handoffs_done} of {cfg.handoffs} verified")
             return
@@ -229,18 +245,22 @@ def _drive(cfg: SoakConfig, decode: SoakDecode, next_handoff, report: SoakReport
             time.sleep(1e-4)
 
 
-def run_soak(cfg: SoakConfig) -> SoakReport:
+def run_soak(cfg: SoakConfig, on_progress: Optional[OnProgress] = None) -> SoakReport:
+    """Run the soak; failures (the prefill child's included, as its own message) land in ``report.failures``."""
+    progress = on_progress or _no_progress
     report = SoakReport(cfg)
+    logger.info("soak on %s: %d handoffs, %d in flight", cfg.backend, cfg.handoffs, cfg.in_flight)
     start = time.monotonic()
     if cfg.backend == "local":
-        _soak_in_process(cfg, report)
+        _soak_in_process(cfg, report, progress)
     else:
-        _soak_two_processes(cfg, report)
+        _soak_two_processes(cfg, report, progress)
+    progress(report.handoffs_done, cfg.handoffs)
     report.duration_s = time.monotonic() - start
     return report
 
 
-def _soak_in_process(cfg: SoakConfig, report: SoakReport) -> None:
+def _soak_in_process(cfg: SoakConfig, report: SoakReport, on_progress: OnProgress) -> None:
     prefill = SoakPrefill(cfg)
     decode = SoakDecode(cfg, prefill.metas())
 
@@ -249,7 +269,7 @@ def _soak_in_process(cfg: SoakConfig, report: SoakReport) -> None:
         return prefill.publish() if prefill.can_publish() else None
 
     try:
-        _drive(cfg, decode, next_handoff, report)
+        _drive(cfg, decode, next_handoff, report, on_progress)
         prefill.release_finished()
     finally:
         d, p = decode.close(), prefill.close()
@@ -263,76 +283,61 @@ def _finish(report: SoakReport, prefill: dict[str, Any], decode: dict[str, Any])
     report.rss_growth_mib = {"prefill": prefill["rss_growth_mib"], "decode": decode["rss_growth_mib"]}
 
 
-def _prefill_process(cfg: SoakConfig, conn: Any) -> None:
-    """Child: publish handoffs as read-dones free room; report at the end."""
+def _prefill_process(pipe: Pipe, cfg: SoakConfig) -> None:
+    """Child: publish handoffs as read-dones free room; report at the end. Failures reach
+    the parent through the harness as this process's own error."""
     prefill = SoakPrefill(cfg)
-    try:
-        conn.send(("metas", prefill.metas()))
-        deadline = time.monotonic() + max(60.0, cfg.handoffs * 0.5)
-        while time.monotonic() < deadline:
-            prefill.release_finished()
-            if prefill.can_publish():
-                conn.send(("handoff", prefill.publish()))
-            elif prefill.next_request >= cfg.handoffs and not prefill.pinned:
+    pipe.send("metas", prefill.metas())
+    deadline = time.monotonic() + max(60.0, cfg.handoffs * 0.5)
+    while time.monotonic() < deadline:
+        prefill.release_finished()
+        if prefill.can_publish():
+            pipe.send("handoff", prefill.publish())
+        elif prefill.next_request >= cfg.handoffs and not prefill.pinned:
+            break
+        if pipe.poll(0 if prefill.can_publish() else 1e-3):
+            if pipe.recv()[0] == "stop":
                 break
-            if conn.poll(0 if prefill.can_publish() else 1e-3):
-                if conn.recv()[0] == "stop":
-                    break
-        conn.send(("done", prefill.close()))
-    except Exception as exc:  # reported to the parent, which fails the soak loudly
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
+    pipe.send("done", prefill.close())
 
 
-def _soak_two_processes(cfg: SoakConfig, report: SoakReport) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_process, args=(cfg, child), name="kvxfer-soak-prefill", daemon=True)
-    proc.start()
-    child.close()
+def _soak_two_processes(cfg: SoakConfig, report: SoakReport, on_progress: OnProgress) -> None:
     decode = None
-    try:
-        if not parent.poll(CONTROL_TIMEOUT_S):
-            raise TimeoutError("prefill process never sent its metadata")
-        kind, metas = parent.recv()
-        if kind != "metas":
-            raise RuntimeError(f"prefill failed to start: {metas}")
-        decode = SoakDecode(cfg, metas)
-        prefill_report: Optional[dict[str, Any]] = None
-
-        def next_handoff() -> Optional[dict[str, Any]]:
-            nonlocal prefill_report
-            if not parent.poll(0):
-                return None
-            kind, payload = parent.recv()
-            if kind == "handoff":
-                return payload
-            if kind == "error":
-                raise RuntimeError(f"prefill: {payload}")
-            prefill_report = payload
-            return None
-
-        _drive(cfg, decode, next_handoff, report)
-        deadline = time.monotonic() + CONTROL_TIMEOUT_S
-        while prefill_report is None and time.monotonic() < deadline:
-            if parent.poll(0.1):
-                next_handoff()
-        if prefill_report is None:
-            raise TimeoutError("prefill never reported its end state (pinned blocks leaked?)")
-        d = decode.close()
-        decode = None
-        _finish(report, prefill_report, d)
-    except (RuntimeError, TimeoutError, KVXferError) as exc:
-        report.failures.append(str(exc))
-    finally:
-        if decode is not None:
-            decode.close()
+    with Child("prefill", _prefill_process, cfg) as prefill:
         try:
-            parent.send(("stop", None))
-        except (BrokenPipeError, OSError):
-            pass
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        parent.close()
+            _, metas = prefill.recv(CONTROL_TIMEOUT_S, expected="metas")
+            decode = SoakDecode(cfg, metas)
+            prefill_report: Optional[dict[str, Any]] = None
+
+            def next_handoff() -> Optional[dict[str, Any]]:
+                nonlocal prefill_report
+                if not prefill.poll(0):
+                    return None
+                kind, payload = prefill.recv()
+                if kind == "handoff":
+                    return payload
+                prefill_report = payload
+                return None
+
+            _drive(cfg, decode, next_handoff, report, on_progress)
+            deadline = time.monotonic() + CONTROL_TIMEOUT_S
+            while prefill_report is None and time.monotonic() < deadline:
+                if prefill.poll(0.1):
+                    next_handoff()
+            if prefill_report is None:
+                raise TimeoutError("prefill never reported its end state (pinned blocks leaked?)")
+            d = decode.close()
+            decode = None
+            _finish(report, prefill_report, d)
+        except ChildError as exc:
+            report.failures.append(str(exc))
+            report.extra["child_traceback"] = exc.child_traceback
+        except (RuntimeError, TimeoutError, KVXferError) as exc:
+            report.failures.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if decode is not None:
+                decode.close()
+            try:
+                prefill.send("stop", None)
+            except ChildError:
+                pass  # it already ended

@@ -1,0 +1,116 @@
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate`` and ``bench`` (see ``kvxfer --help``).
+
+Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
+130 interrupted. Every error is one line on stderr,
+``kvxfer: error: <what> (<how to fix>)``; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import kvxfer
+from kvxfer.cli import logs
+from kvxfer.cli.args import (HelpFormatter, Parser, add_common, backend_name, int_at_least, positive_seconds,
+                             readable_file, writable_file)
+from kvxfer.cli.errors import INTERRUPTED, CommandError, one_line, report
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _subparser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+    add_common(p, in_subcommand=True)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvxfer.cli import bench, commands
+
+    parser = Parser(prog="kvxfer", formatter_class=HelpFormatter,
+                    description="Move an LLM request's KV cache from a prefill instance to a decode instance.",
+                    epilog="Exit status: 0 ok, 1 the run failed, 2 usage error (nothing ran).")
+    parser.add_argument("--version", action="version", version=f"kvxfer {kvxfer.__version__}")
+    add_common(parser, in_subcommand=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    _subparser(sub, "info", "version, backends and whether they can run here, transports").set_defaults(
+        func=commands.run_info)
+
+    loop = _subparser(sub, "loopback", "a real prefill -> decode handoff on this machine, every byte verified")
+    loop.add_argument("--backend", type=backend_name, help="transport (default: the best one that can run here)")
+    loop.add_argument("--layers", type=int_at_least(1), default=32, help="layers in the pool")
+    loop.add_argument("--tokens-per-block", type=int_at_least(1), default=16, help="tokens per KV block")
+    loop.add_argument("--heads", type=int_at_least(1), default=8, help="KV heads in the pool")
+    loop.add_argument("--head-dim", type=int_at_least(1), default=128, help="elements per head")
+    loop.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="element type of the pool")
+    loop.add_argument("--pool-blocks", type=int_at_least(1), default=256, help="blocks in each side's pool")
+    loop.add_argument("--blocks", type=int_at_least(1), default=128, help="blocks in the request (<= --pool-blocks)")
+    loop.add_argument("--pattern", default="scattered", choices=["scattered", "contiguous"],
+                      help="block ids: random on both sides, or the same run")
+    loop.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the block ids and pool bytes")
+    loop.add_argument("--timeout", type=positive_seconds, default=60.0, help="transfer timeout, seconds")
+    loop.add_argument("--json", type=writable_file, metavar="PATH", help="also write the figures to this JSON file")
+    loop.set_defaults(func=commands.run_loopback_command)
+
+    soak = _subparser(sub, "soak", "thousands of handoffs with block reuse, every byte verified, leaks counted")
+    soak.add_argument("--backend", type=backend_name, help="transport (default: the best one that can run here)")
+    soak.add_argument("--handoffs", type=int_at_least(1), default=2000, help="handoffs to run and verify")
+    soak.add_argument("--in-flight", type=int_at_least(1), default=8, help="handoffs in flight at once")
+    soak.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the request sizes and bytes")
+    soak.add_argument("--timeout", type=positive_seconds, default=30.0, help="per-transfer timeout, seconds")
+    soak.add_argument("--json", type=writable_file, metavar="PATH", help="also write the report to this JSON file")
+    soak.set_defaults(func=commands.run_soak_command)
+
+    gen = _subparser(sub, "generate", "greedy generation on the reference engine, co-located or disaggregated")
+    gen.add_argument("--prompts", required=True, type=readable_file, metavar="PATH",
+                     help="JSON lines file, each line a list of token ids")
+    gen.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens to generate per prompt")
+    gen.add_argument("--disagg", action="store_true",
+                     help="coordinator + prefill + decode processes on this machine (default: one co-located engine)")
+    gen.add_argument("--backend", type=backend_name, help="transport for --disagg (default: the best one here)")
+    gen.add_argument("--timings", action="store_true", help="print timings with the tokens")
+    gen.set_defaults(func=commands.run_generate)
+
+    bench_parser = _subparser(sub, "bench", "sweep backends and baselines (two processes, every transfer verified)")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=lambda args: bench.run_command(args, commands.console))
+    return parser
+
+
+def _wants_debug(argv: Sequence[str]) -> bool:
+    """``--debug`` anywhere on the line (known even when parsing fails)."""
+    return "--debug" in argv
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _wants_debug(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        logs.configure(args.verbose, args.quiet)
+        # NIXL logs every agent it creates at INFO; the command's own table says what happened.
+        # Child processes inherit this; a user's own NIXL_LOG_LEVEL wins.
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        return int(args.func(args))
+    except CommandError as exc:
+        report(exc.line(), debug=debug, child_traceback=exc.child_traceback, exc=exc)
+        return exc.status
+    except KeyboardInterrupt:
+        report(one_line("interrupted"), debug=debug)
+        return INTERRUPTED
+    except kvxfer.KVXferError as exc:  # raised by a run after the checks passed: the run failed
+        report(one_line(f"{type(exc).__name__}: {exc}", "rerun with --debug for the traceback"), debug=debug, exc=exc)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug or a broken environment: still one line, unless --debug
+        report(one_line(f"unexpected {type(exc).__name__}: {exc}",
+                        "rerun with --debug for the traceback, and report it if kvxfer is at fault"),
+               debug=debug, exc=exc)
+        return 1
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,157 @@
+"""Argument types and the parser class: every value is checked while the command line is read.
+
+A type here either returns a usable value or raises ``argparse.ArgumentTypeError``
+with ``<what> (<how to fix>)``; the parser turns that (and argparse's own
+complaints) into a :class:`~kvxfer.cli.errors.UsageError`, so a mistake ends
+with one line and exit status 2 before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+from typing import Callable, NoReturn, Optional
+
+from kvxfer.cli.errors import UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are :class:`UsageError` (the caller prints them)."""
+
+    def error(self, message: str) -> NoReturn:
+        fix = "" if message.rstrip().endswith(")") else f"see '{self.prog} --help'"
+        raise UsageError(message, fix)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every option that has a meaningful default."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        if isinstance(action.default, (tuple, list)):
+            return f"{text} (default: {','.join(str(v) for v in action.default)})"
+        return f"{text} (default: %(default)s)"
+
+
+def int_at_least(low: int, what: str = "a whole number") -> Callable[[str], int]:
+    """A type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} (give a whole number >= {low})") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small (give a whole number >= {low})")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """A type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (give e.g. 30 or 0.5)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a usable timeout (give a number of seconds > 0)")
+    return value
+
+
+def writable_file(text: str) -> str:
+    """A type: a path a file can be written to (its folder exists, or can be created, and is writable)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory (give a file name, e.g. {path / 'out.json'})")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable (choose another path or fix its permissions)")
+    folder = path.parent if str(path.parent) else Path(".")
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {existing} is not a directory (choose another path)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {existing} is not writable (choose a writable folder)")
+    return text
+
+
+def readable_file(text: str) -> str:
+    """A type: an existing, readable regular file."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (check the path)")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file (give a file path)")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable (fix its permissions)")
+    return text
+
+
+def executable_file(text: str) -> str:
+    """A type: an existing executable (an interpreter, a tool)."""
+    readable_file(text)
+    if not os.access(text, os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not executable (give the path of a Python interpreter)")
+    return text
+
+
+def check_backend(name: str, *, must_run: bool = True) -> str:
+    """``name`` normalised, if it is a registered pull backend (and, with ``must_run``, can run here).
+
+    The harnesses (loopback, soak, bench, generate) drive one-sided pulls; a push
+    backend is refused by name rather than failing half-way through a run."""
+    from kvxfer.backends import available_backends, normalize_name
+
+    infos = {info.name: info for info in available_backends()}
+    key = normalize_name(name)
+    info = infos.get(key)
+    if info is None:
+        from kvxfer.backends import construct_kv_transfer_backend_class
+        from kvxfer.errors import BackendUnavailableError
+
+        try:  # a name kvxfer knows of but does not deliver says so in its own words
+            construct_kv_transfer_backend_class(name)
+        except BackendUnavailableError as exc:
+            known = ", ".join(sorted(infos))
+            if "unknown backend" in str(exc):
+                raise argparse.ArgumentTypeError(
+                    f"unknown backend {name!r} (choose one of: {known}; 'kvxfer info' shows which can run here)") from None
+            raise argparse.ArgumentTypeError(f"{exc} (choose one of: {known})") from None
+    if info is not None and info.is_push:
+        pulls = ", ".join(sorted(n for n, i in infos.items() if not i.is_push))
+        raise argparse.ArgumentTypeError(f"backend {key!r} is a push backend, and this command drives pulls "
+                                         f"(choose one of: {pulls})")
+    if must_run and info is not None and not info.available:
+        raise argparse.ArgumentTypeError(f"backend {key!r} cannot run here: {info.reason} "
+                                         "(fix that, or choose another backend; see 'kvxfer info')")
+    return key
+
+
+def backend_name(text: str) -> str:
+    """A type: a backend that is registered and can run on this machine."""
+    return check_backend(text)
+
+
+def backend_list(text: str) -> tuple[str, ...]:
+    """A type: comma-separated backends, each registered and able to run here."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("no backend given (give e.g. nixl,ucx)")
+    return tuple(check_backend(name) for name in names)
+
+
+def add_common(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> None:
+    """``-v``, ``-q``, ``--debug``: accepted before or after the subcommand."""
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS if in_subcommand else 0,
+                        help="more log output on stderr (-v: info, -vv: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS if in_subcommand else False,
+                        help="only errors on stderr, no progress display")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS if in_subcommand else False,
+                        help="show the traceback of an error (a child process's too)")

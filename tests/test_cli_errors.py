@@ -1,0 +1,120 @@
+"""Every user mistake ends in one line on stderr, the right exit status, and no traceback.
+
+Each case runs the real command in a subprocess, as a user would: ``python -m kvxfer``.
+Usage errors exit 2 before anything runs (nothing on stdout); a run that fails exits 1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.backends import available_backends
+
+SMALL = ["--layers", "4", "--heads", "2", "--head-dim", "32", "--pool-blocks", "64", "--blocks", "24"]
+
+
+def _kvxfer(*args: str, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvxfer", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def _files(tmp_path):
+    (tmp_path / "not-json.jsonl").write_text("[1, 2, 3]\nthis is not json\n")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "dict.jsonl").write_text('{"tokens": [1, 2]}\n')
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00\x81")
+    (tmp_path / "good.jsonl").write_text("[1, 2, 3]\n")
+    (tmp_path / "a-file").write_text("")
+
+
+# (name, argv with {tmp} for the test's folder, what stderr must mention)
+USAGE_MISTAKES = [
+    ("no command", [], "required"),
+    ("unknown command", ["frobnicate"], "invalid choice"),
+    ("unknown option", ["loopback", "--frobnicate"], "unrecognized arguments"),
+    ("loopback unknown backend", ["loopback", "--backend", "nope", *SMALL], "unknown backend 'nope'"),
+    ("loopback zero blocks", ["loopback", "--blocks", "0"], "--blocks"),
+    ("loopback negative blocks", ["loopback", "--blocks", "-3"], "--blocks"),
+    ("loopback blocks over pool", ["loopback", "--blocks", "100", "--pool-blocks", "10"], "--pool-blocks"),
+    ("loopback zero heads", ["loopback", "--heads", "0"], "--heads"),
+    ("loopback not a number", ["loopback", "--layers", "many"], "--layers"),
+    ("loopback negative timeout", ["loopback", "--timeout", "-1"], "--timeout"),
+    ("loopback nan timeout", ["loopback", "--timeout", "nan"], "--timeout"),
+    ("loopback negative seed", ["loopback", "--seed", "-1"], "--seed"),
+    ("loopback unknown dtype", ["loopback", "--dtype", "int8"], "--dtype"),
+    ("loopback unknown pattern", ["loopback", "--pattern", "diagonal"], "--pattern"),
+    ("loopback pool size clashes", ["loopback", "--pool-blocks", "32", "--blocks", "4"], "--layers"),
+    ("loopback pools do not fit", ["loopback", "--layers", "4096", "--pool-blocks", "100000", "--blocks", "1"],
+     "GiB"),
+    ("loopback json is a folder", ["loopback", *SMALL, "--json", "{tmp}"], "is a directory"),
+    ("loopback json under a file", ["loopback", *SMALL, "--json", "{tmp}/a-file/out.json"], "not a directory"),
+    ("soak unknown backend", ["soak", "--backend", "foo"], "unknown backend 'foo'"),
+    ("soak zero in flight", ["soak", "--in-flight", "0"], "--in-flight"),
+    ("soak too many in flight", ["soak", "--in-flight", "100"], "--in-flight"),
+    ("soak zero handoffs", ["soak", "--handoffs", "0"], "--handoffs"),
+    ("soak zero timeout", ["soak", "--timeout", "0"], "--timeout"),
+    ("generate missing prompts option", ["generate"], "--prompts"),
+    ("generate prompts missing", ["generate", "--prompts", "/nonexistent.jsonl"], "does not exist"),
+    ("generate prompts a folder", ["generate", "--prompts", "{tmp}"], "not a file"),
+    ("generate prompts not json", ["generate", "--prompts", "{tmp}/not-json.jsonl"], "not-json.jsonl:2"),
+    ("generate prompts empty", ["generate", "--prompts", "{tmp}/empty.jsonl"], "no prompts"),
+    ("generate prompts not lists", ["generate", "--prompts", "{tmp}/dict.jsonl"], "list of token ids"),
+    ("generate prompts binary", ["generate", "--prompts", "{tmp}/binary.jsonl"], "not a text file"),
+    ("generate zero new tokens", ["generate", "--prompts", "{tmp}/good.jsonl", "--max-new-tokens", "0"],
+     "--max-new-tokens"),
+    ("generate backend without disagg", ["generate", "--prompts", "{tmp}/good.jsonl", "--backend", "local"],
+     "--disagg"),
+    ("generate unknown backend", ["generate", "--prompts", "{tmp}/good.jsonl", "--disagg", "--backend", "nope"],
+     "unknown backend 'nope'"),
+    ("bench unknown backend", ["bench", "--tiny", "--backends", "nope", "--baselines", "none"], "unknown backend 'nope'"),
+    ("bench size not a multiple", ["bench", "--sizes", "100"], "multiple of 256"),
+    ("bench size not a size", ["bench", "--sizes", "lots"], "not a size"),
+    ("bench zero repeats", ["bench", "--repeats", "0"], "--repeats"),
+    ("bench unknown baseline", ["bench", "--baselines", "magic"], "unknown baseline"),
+    ("bench unknown pattern", ["bench", "--patterns", "diagonal"], "unknown pattern"),
+    ("bench empty block list", ["bench", "--blocks", ","], "empty list"),
+    ("bench missing interpreter", ["bench", "--mooncake-python", "/nonexistent/python"], "does not exist"),
+    ("bench json is a folder", ["bench", "--json", "{tmp}"], "is a directory"),
+]
+
+if any(info.is_push for info in available_backends()):
+    push = next(info.name for info in available_backends() if info.is_push)
+    USAGE_MISTAKES.append(("loopback push backend", ["loopback", "--backend", push], "push backend"))
+
+
+def _assert_one_line_error(out: subprocess.CompletedProcess, status: int, mentions: str) -> str:
+    assert out.returncode == status, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    line = lines[0]
+    assert line.startswith("kvxfer: error: ") and line.endswith(")"), line
+    assert mentions in line, line
+    return line
+
+
+@pytest.mark.parametrize("name,argv,mentions", USAGE_MISTAKES, ids=[c[0] for c in USAGE_MISTAKES])
+def test_a_usage_mistake_is_one_line_exit_2_and_nothing_runs(tmp_path, name, argv, mentions):
+    _files(tmp_path)
+    out = _kvxfer(*[a.replace("{tmp}", str(tmp_path)) for a in argv], cwd=tmp_path)
+    _assert_one_line_error(out, 2, mentions)
+    assert out.stdout == "", "nothing may run (or print) before a usage error"
+    assert not (tmp_path / "bench-results").exists()
+
+
+def test_debug_shows_the_traceback():
+    out = _kvxfer("loopback", "--blocks", "100", "--pool-blocks", "10", "--debug")
+    assert out.returncode == 2 and "Traceback" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("kvxfer: error: --blocks 100")
+
+
+def test_a_failed_run_exits_1_with_one_error_line(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 2, 3]\n[1, 2, 999]\n")  # the second prompt has a token outside the vocabulary
+    out = _kvxfer("generate", "--prompts", str(prompts), "--max-new-tokens", "2")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("kvxfer: error: some requests failed (")
+    assert len(out.stdout.splitlines()) == 2  # one line per prompt: tokens, then the error
