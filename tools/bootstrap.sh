@@ -10,5 +10,5 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
-"$venv/bin/pip" install --quiet --disable-pip-version-check -e ".[nixl,bench,test]"
+"$venv/bin/pip" install --quiet --disable-pip-version-check -e ".[nixl,bench,test,etcd]"
 echo "kvxfer installed in $venv"

@@ -1,0 +1,361 @@
+"""Records the fleet keeps in its store, their key layout, signing and verification.
+
+Key layout (``<root>`` is ``/kvxfer/<cluster>``; names and request ids are ``[A-Za-z0-9._-]``)::
+
+    <root>/instances/<name>                       InstanceRecord, lease = that instance's
+    <root>/handoffs/<source>/<request_id>/source  HandoffRecord (published), lease = the prefill's
+    <root>/handoffs/<source>/<request_id>/reader  HandoffRecord (reserved..failed), lease = the decode's
+
+Why each piece:
+
+- One key per instance, keyed by its *name*: a restart under the same name overwrites
+  it with a new incarnation and a new lease, so the old lease's later expiry cannot
+  delete the new record, and readers see the incarnation change at once.
+- Each side of a handoff writes only its own key, under its own lease: a dead decode's
+  reservation vanishes with its lease (the prefill may then free pins), a dead prefill's
+  publication vanishes with its lease (the decode fails the pull before its timeout).
+- Everything is under one prefix per handoff so the source clears it in one delete.
+
+Nothing a writer without the cluster key stores is acted on: every record is sealed and
+signed (``kvxfer.security.meta_seal``, under a key derived from the cluster key for
+records, so a record and a transport meta never verify as each other), names its own key
+path and the lease it was written under (a record copied to another key, or replayed
+under another lease, fails), and every transfer meta inside an instance record is
+checked with ``check_meta_seal`` against the cluster key as well. A handoff record is
+believed only while its writer is a live instance whose lease it carries. Without a
+cluster key records are sealed unsigned and accepted only from this host (the same rule
+as unsigned metas), unless unauthenticated records are allowed by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from engine_integration.control_plane.base import HandoffState
+from kvxfer.errors import PeerMetadataError
+from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
+
+log = logging.getLogger("kvxfer.engine.control_plane")
+
+ROLES = ("prefill", "decode")
+INSTANCE_KIND = "kvxfer/instance/1"
+HANDOFF_KIND = "kvxfer/handoff/1"
+GENERATIONS_META_KEY = "generations"     # same as engine_integration.descriptor (kept import-free of torch)
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def check_name(what: str, value: str) -> str:
+    """``value`` if it is a safe key segment; else ``ValueError`` naming ``what``."""
+    if not isinstance(value, str) or not _NAME.match(value) or value in (".", ".."):
+        raise ValueError(f"{what} must be 1-128 characters of [A-Za-z0-9._-], got {value!r}")
+    return value
+
+
+def record_key(cluster_key: Optional[bytes]) -> Optional[bytes]:
+    """The key records are signed with: derived from the cluster key, distinct from the metas' key."""
+    if cluster_key is None:
+        return None
+    return hmac.new(cluster_key, b"kvxfer/etcd-record", hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where each record lives under ``/kvxfer/<cluster>``."""
+
+    cluster: str = "default"
+
+    def __post_init__(self) -> None:
+        check_name("cluster", self.cluster)
+
+    @property
+    def root(self) -> str:
+        return f"/kvxfer/{self.cluster}/"
+
+    @property
+    def instances(self) -> str:
+        return self.root + "instances/"
+
+    @property
+    def handoffs(self) -> str:
+        return self.root + "handoffs/"
+
+    def instance(self, name: str) -> str:
+        return self.instances + check_name("instance name", name)
+
+    def handoff_prefix(self, source: str, request_id: str) -> str:
+        return f"{self.handoffs}{check_name('source', source)}/{check_name('request id', request_id)}/"
+
+    def handoff(self, source: str, request_id: str, side: str) -> str:
+        if side not in ("source", "reader"):
+            raise ValueError(f"side must be 'source' or 'reader', got {side!r}")
+        return self.handoff_prefix(source, request_id) + side
+
+    def parse_handoff(self, key: str) -> Optional[tuple[str, str, str]]:
+        """(source, request_id, side) of a handoff key, or None if it is not one."""
+        if not key.startswith(self.handoffs):
+            return None
+        parts = key[len(self.handoffs):].split("/")
+        if len(parts) != 3 or parts[2] not in ("source", "reader"):
+            return None
+        return parts[0], parts[1], parts[2]
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """One live instance: who, which incarnation, and its verified transfer metas."""
+
+    name: str
+    role: str
+    incarnation: str
+    lease: int
+    host: str
+    pid: int
+    capacity_blocks: int
+    transfer_meta: tuple[dict[str, Any], ...]
+    started_at: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"kind": INSTANCE_KIND, "name": self.name, "role": self.role, "incarnation": self.incarnation,
+                "lease": str(self.lease), "host": self.host, "pid": self.pid,
+                "capacity_blocks": self.capacity_blocks, "transfer_meta": [dict(m) for m in self.transfer_meta],
+                "started_at": self.started_at, "extra": dict(self.extra)}
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """One side's state of one handoff."""
+
+    source: str
+    request_id: str
+    state: HandoffState
+    owner: str                     #: the writer: the source for PUBLISHED, the reader otherwise
+    owner_incarnation: str
+    lease: int
+    source_incarnation: str
+    reader: str
+    reader_incarnation: str
+    descriptor: Optional[dict[str, Any]] = None   #: source side only
+    detail: str = ""
+
+    @property
+    def side(self) -> str:
+        return self.state.side
+
+    def body(self) -> dict[str, Any]:
+        return {"kind": HANDOFF_KIND, "source": self.source, "request_id": self.request_id,
+                "state": self.state.value, "owner": self.owner, "owner_incarnation": self.owner_incarnation,
+                "lease": str(self.lease), "source_incarnation": self.source_incarnation, "reader": self.reader,
+                "reader_incarnation": self.reader_incarnation, "descriptor": self.descriptor, "detail": self.detail}
+
+
+def encode_record(body: dict[str, Any], cluster_key: Optional[bytes]) -> bytes:
+    """Seal (and with a cluster key sign) a record body; the stored value."""
+    sealed = dict(body)
+    sealed[HOST_FIELD] = host_identity()
+    seal_meta(sealed, record_key(cluster_key))
+    return json.dumps(sealed, sort_keys=True, separators=(",", ":")).encode()
+
+
+class RecordRefused(ValueError):
+    """A stored value that failed verification: logged, counted, never acted on."""
+
+
+def _load(value: bytes, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> dict[str, Any]:
+    try:
+        raw = json.loads(value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordRefused(f"not JSON: {exc}") from None
+    try:
+        return check_meta_seal(raw, record_key(cluster_key), allow_unauthenticated=allow_unauthenticated)
+    except PeerMetadataError as exc:
+        raise RecordRefused(str(exc)) from None
+
+
+def _field(view: Mapping[str, Any], name: str, kind: Any) -> Any:
+    value = view.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        wanted = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+        raise RecordRefused(f"field {name!r} must be {wanted}, got {type(value).__name__}")
+    return value
+
+
+def _lease_matches(view: Mapping[str, Any], lease: int) -> None:
+    if lease == 0 or str(lease) != view.get("lease"):
+        raise RecordRefused(f"written under lease {lease}, signed for lease {view.get('lease')!r} (replayed?)")
+
+
+def decode_instance(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
+                    allow_unauthenticated: bool = False) -> InstanceRecord:
+    """Verify and parse an instance record stored at ``key`` under ``lease``; ``RecordRefused`` if anything is off."""
+    view = _load(value, cluster_key, allow_unauthenticated)
+    if view.get("kind") != INSTANCE_KIND:
+        raise RecordRefused(f"kind {view.get('kind')!r} is not {INSTANCE_KIND!r}")
+    name = _field(view, "name", str)
+    if key != layout.instances + name:
+        raise RecordRefused(f"record names instance {name!r} but is stored at {key!r}")
+    _lease_matches(view, lease)
+    role = _field(view, "role", str)
+    if role not in ROLES:
+        raise RecordRefused(f"role {role!r} is not one of {ROLES}")
+    metas = _field(view, "transfer_meta", list)
+    for i, meta in enumerate(metas):
+        if not isinstance(meta, dict):
+            raise RecordRefused(f"transfer_meta[{i}] is not a dict")
+        try:   # the transport metas carry their exporter's seal: check them with the cluster key itself
+            check_meta_seal({k: v for k, v in meta.items() if k != GENERATIONS_META_KEY}, cluster_key,
+                            allow_unauthenticated=allow_unauthenticated)
+            if meta.get(GENERATIONS_META_KEY) is not None:
+                check_meta_seal(meta[GENERATIONS_META_KEY], cluster_key, allow_unauthenticated=allow_unauthenticated)
+        except PeerMetadataError as exc:
+            raise RecordRefused(f"transfer_meta[{i}]: {exc}") from None
+    return InstanceRecord(name=name, role=role, incarnation=_field(view, "incarnation", str), lease=lease,
+                          host=_field(view, "host", str), pid=_field(view, "pid", int),
+                          capacity_blocks=_field(view, "capacity_blocks", int), transfer_meta=tuple(metas),
+                          started_at=float(_field(view, "started_at", (int, float))),
+                          extra=_field(view, "extra", dict))
+
+
+def decode_handoff(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
+                   allow_unauthenticated: bool = False) -> HandoffRecord:
+    """Verify and parse one side's handoff record; ``RecordRefused`` if anything is off."""
+    where = layout.parse_handoff(key)
+    if where is None:
+        raise RecordRefused(f"{key!r} is not a handoff key")
+    view = _load(value, cluster_key, allow_unauthenticated)
+    if view.get("kind") != HANDOFF_KIND:
+        raise RecordRefused(f"kind {view.get('kind')!r} is not {HANDOFF_KIND!r}")
+    try:
+        state = HandoffState(view.get("state"))
+    except ValueError:
+        raise RecordRefused(f"unknown state {view.get('state')!r}") from None
+    record = HandoffRecord(
+        source=_field(view, "source", str), request_id=_field(view, "request_id", str), state=state,
+        owner=_field(view, "owner", str), owner_incarnation=_field(view, "owner_incarnation", str), lease=lease,
+        source_incarnation=_field(view, "source_incarnation", str), reader=_field(view, "reader", str),
+        reader_incarnation=_field(view, "reader_incarnation", str), descriptor=view.get("descriptor"),
+        detail=_field(view, "detail", str))
+    if (record.source, record.request_id, state.side) != where:
+        raise RecordRefused(f"record for {record.source}/{record.request_id} ({state.side}) stored at {key!r}")
+    expected_owner = record.source if state.side == "source" else record.reader
+    if record.owner != expected_owner:
+        raise RecordRefused(f"{state.side} record written by {record.owner!r}, not {expected_owner!r}")
+    _lease_matches(view, lease)
+    return record
+
+
+@dataclass(frozen=True)
+class HandoffPair:
+    """Both sides of one handoff as seen in one snapshot (either may be missing)."""
+
+    source: Optional[HandoffRecord] = None
+    reader: Optional[HandoffRecord] = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one side should do about one handoff now."""
+
+    source: str
+    request_id: str
+    action: str      #: source: ``read_done``/``failed``/``reader_dead``; reader: ``start``/``source_gone``/``cleanup``
+    detail: str = ""
+    record: Optional[HandoffRecord] = None
+
+
+@dataclass
+class FleetView:
+    """A verified snapshot of the fleet at one store revision, with the per-side decisions.
+
+    The decisions are pure functions of the snapshot, so whoever restarts (or any
+    process reading the store) reaches the same ones: no kvxfer process holds state.
+    """
+
+    revision: int
+    instances: dict[str, InstanceRecord]
+    handoffs: dict[tuple[str, str], HandoffPair]
+    refused: list[tuple[str, str]] = field(default_factory=list)   #: (key, reason)
+
+    def live(self, role: Optional[str] = None) -> list[InstanceRecord]:
+        return sorted((r for r in self.instances.values() if role is None or r.role == role), key=lambda r: r.name)
+
+    def is_live(self, name: str, incarnation: str) -> bool:
+        record = self.instances.get(name)
+        return record is not None and record.incarnation == incarnation
+
+    def source_verdicts(self, name: str, incarnation: str) -> list[Verdict]:
+        """Prefill ``name``: the handoffs it published whose pins it may now release, and why."""
+        out = []
+        for (source, rid), pair in sorted(self.handoffs.items()):
+            pub = pair.source
+            if source != name or pub is None or pub.owner_incarnation != incarnation:
+                continue
+            reader = pair.reader
+            if reader is not None and reader.reader_incarnation == pub.reader_incarnation \
+                    and reader.source_incarnation == incarnation:
+                if reader.state is HandoffState.READ_DONE:
+                    out.append(Verdict(source, rid, "read_done", record=reader))
+                    continue
+                if reader.state is HandoffState.FAILED:
+                    out.append(Verdict(source, rid, "failed", reader.detail, record=reader))
+                    continue
+            if not self.is_live(pub.reader, pub.reader_incarnation):
+                now = self.instances.get(pub.reader)
+                why = (f"reader {pub.reader!r} restarted (incarnation {pub.reader_incarnation} -> {now.incarnation})"
+                       if now is not None else f"reader {pub.reader!r} lease expired or deregistered")
+                out.append(Verdict(source, rid, "reader_dead", why, record=pub))
+        return out
+
+    def reader_verdicts(self, name: str, incarnation: str) -> list[Verdict]:
+        """Decode ``name``: handoffs routed to it to start, and its pulls whose source is gone."""
+        out = []
+        for (source, rid), pair in sorted(self.handoffs.items()):
+            pub, mine = pair.source, pair.reader
+            if mine is not None and (mine.owner != name or mine.owner_incarnation != incarnation):
+                mine = None
+            source_alive = pub is not None and self.is_live(source, pub.owner_incarnation)
+            if mine is None:
+                if source_alive and pub.reader == name and pub.reader_incarnation == incarnation:  # type: ignore[union-attr]
+                    out.append(Verdict(source, rid, "start", record=pub))
+                continue
+            if mine.state.terminal:
+                if pub is None or pub.owner_incarnation != mine.source_incarnation:
+                    out.append(Verdict(source, rid, "cleanup", "source acted or is gone", record=mine))
+                continue
+            if not source_alive or pub.owner_incarnation != mine.source_incarnation:  # type: ignore[union-attr]
+                now = self.instances.get(source)
+                why = (f"source {source!r} restarted" if now is not None and now.incarnation != mine.source_incarnation
+                       else f"source {source!r} lease expired or deregistered" if now is None
+                       else f"source {source!r} withdrew the handoff")
+                out.append(Verdict(source, rid, "source_gone", why, record=mine))
+        return out
+
+
+def diff_views(old: Optional[FleetView], new: FleetView) -> list["Any"]:
+    """Changes from ``old`` to ``new`` (``base.Change``), instances first, in name order."""
+    from engine_integration.control_plane.base import Change
+
+    before_i = old.instances if old is not None else {}
+    before_h = old.handoffs if old is not None else {}
+    changes: list[Change] = []
+    for name in sorted(set(before_i) | set(new.instances)):
+        was, now = before_i.get(name), new.instances.get(name)
+        if was is not None and (now is None or now.incarnation != was.incarnation):
+            changes.append(Change("instance_down", name, was,
+                                  "restarted" if now is not None else "lease expired or deregistered"))
+        if now is not None and (was is None or now.incarnation != was.incarnation):
+            changes.append(Change("instance_up", name, now))
+    for key in sorted(set(before_h) | set(new.handoffs)):
+        was, now = before_h.get(key), new.handoffs.get(key)
+        label = f"{key[0]}/{key[1]}"
+        if now is None:
+            changes.append(Change("handoff_gone", label, was))
+        elif was != now:
+            changes.append(Change("handoff", label, now))
+    return changes

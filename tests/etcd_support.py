@@ -1,0 +1,254 @@
+"""Helpers for the etcd control-plane tests: a secured etcd, a cuttable TCP proxy, child instances.
+
+A child is a real process that registers under its own lease and keeps it alive from
+its own keepalive thread, driven by JSON lines on stdin (answers on stdout), so a test
+can ``kill -9`` it at any point of a handoff. Its configuration, etcd password and
+cluster key included, arrives on stdin, never in argv.
+
+Run as a script, this module *is* the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from engine_integration.control_plane.base import HandoffState  # noqa: E402
+from engine_integration.control_plane.etcd import EtcdConfig, EtcdControlPlane  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Where the test etcd is and how to talk to it."""
+
+    endpoint: str
+    user: str
+    password: str
+    cluster_key: Optional[bytes]
+    cluster: str = "test"
+    ttl_s: int = 2
+    poll_interval_s: float = 0.1
+
+    def config(self, **over: Any) -> EtcdConfig:
+        kw: dict[str, Any] = dict(endpoints=(self.endpoint,), cluster=self.cluster, user=self.user,
+                                  password=self.password, cluster_key=self.cluster_key, ttl_s=self.ttl_s,
+                                  poll_interval_s=self.poll_interval_s, timeout_s=2.0)
+        kw.update(over)
+        return EtcdConfig(**kw)
+
+    def plane(self, **over: Any) -> EtcdControlPlane:
+        return EtcdControlPlane(self.config(**over))
+
+
+def sealed_meta(name: str, incarnation_hint: str, key: Optional[bytes]) -> dict[str, Any]:
+    """A stand-in for a backend's ``export_meta()``: sealed (and signed) the same way."""
+    from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
+
+    return seal_meta({"schema_version": 1, "backend": "local", "agent": name, "pid": os.getpid(),
+                      "exported_by": incarnation_hint, HOST_FIELD: host_identity()}, key)
+
+
+def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; that value, or None at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval_s)
+
+
+class TcpProxy:
+    """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._down = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self._down.is_set():
+                self._reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                self._reset(client)
+                continue
+            with self._lock:
+                self._socks.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                ready, _, _ = select.select([a, b], [], [], 0.5)
+                for s in ready:
+                    data = s.recv(65536)
+                    if not data:
+                        raise OSError("closed")
+                    (b if s is a else a).sendall(data)
+        except (OSError, ValueError):
+            pass
+        finally:
+            for s in (a, b):
+                self._reset(s)
+
+    @staticmethod
+    def _reset(s: socket.socket) -> None:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        """Reset every open connection and refuse new ones until ``restore``."""
+        self._down.set()
+        with self._lock:
+            socks, self._socks = self._socks, set()
+        for s in socks:
+            self._reset(s)
+
+    def restore(self) -> None:
+        self._down.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self.listener.close()
+
+
+class Child:
+    """A kvxfer instance in its own process, registered in etcd, driven over stdin/stdout."""
+
+    def __init__(self, fleet: Fleet, name: str, role: str, *, endpoint: Optional[str] = None,
+                 cluster_key: Any = "fleet") -> None:
+        self.name, self.role = name, role
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env.pop("KVXFER_SECRET_FILE", None)
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True, bufsize=1)
+        key = fleet.cluster_key if cluster_key == "fleet" else cluster_key
+        self._send({"endpoint": endpoint or fleet.endpoint, "user": fleet.user, "password": fleet.password,
+                    "key": key.hex() if key else None, "cluster": fleet.cluster, "ttl_s": fleet.ttl_s,
+                    "name": name, "role": role})
+        self.ready: Optional[dict[str, Any]] = None
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _recv(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"child {self.name} did not answer within {timeout_s}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child {self.name} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        if self.ready is None:
+            self.ready = self._recv(timeout_s)
+        return self.ready
+
+    @property
+    def incarnation(self) -> str:
+        return str(self.wait_ready()["incarnation"])
+
+    def do(self, op: str, timeout_s: float = 10.0, **args: Any) -> dict[str, Any]:
+        self._send({"op": op, **args})
+        reply = self._recv(timeout_s)
+        if "error" in reply:
+            raise RuntimeError(f"child {self.name} {op}: {reply['error']}")
+        return reply
+
+    def kill9(self) -> float:
+        """SIGKILL; returns the monotonic time of the kill."""
+        t = time.monotonic()
+        self.proc.kill()
+        self.proc.wait()
+        return t
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+def _child_main() -> None:
+    """Register, answer ``ready``, then run commands from stdin until EOF (then exit without goodbye)."""
+    cfg = json.loads(sys.stdin.readline())
+    key = bytes.fromhex(cfg["key"]) if cfg["key"] else None
+    plane = EtcdControlPlane(EtcdConfig(endpoints=(cfg["endpoint"],), cluster=cfg["cluster"], user=cfg["user"],
+                                        password=cfg["password"], cluster_key=key, ttl_s=cfg["ttl_s"],
+                                        timeout_s=2.0))
+    hint = os.urandom(4).hex()
+    record = plane.register(name=cfg["name"], role=cfg["role"], transfer_meta=[sealed_meta(cfg["name"], hint, key)],
+                            capacity_blocks=64)
+    print(json.dumps({"incarnation": record.incarnation, "lease": record.lease, "pid": os.getpid(),
+                      "meta_hint": hint}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "publish":
+                plane.publish_handoff(cmd["request_id"], reader=cmd["reader"],
+                                      reader_incarnation=cmd["reader_incarnation"], descriptor=cmd.get("descriptor", {}))
+                reply: dict[str, Any] = {"ok": True}
+            elif op == "reader_state":
+                plane.set_reader_state(cmd["source"], cmd["request_id"], HandoffState(cmd["state"]),
+                                       source_incarnation=cmd["source_incarnation"])
+                reply = {"ok": True}
+            elif op == "verdicts":
+                view = plane.snapshot()
+                verdicts = (view.source_verdicts if cfg["role"] == "prefill" else view.reader_verdicts)(
+                    record.name, record.incarnation)
+                reply = {"verdicts": [[v.source, v.request_id, v.action] for v in verdicts]}
+            elif op == "health":
+                h = plane.health()
+                reply = {"ok": h.ok, "lease_lost": h.lease_lost, "valid": plane.lease_valid()}
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # report to the driving test; the child stays up
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main()
