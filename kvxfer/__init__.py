@@ -11,13 +11,9 @@ pull blocks with one-sided reads::
     handle.wait()                                         # source: src.drain_read_done() -> [42]
 """
 
-from kvxfer.backends import (
-    available_backends,
-    construct_kv_transfer_backend_class,
-    default_backend_name,
-    register_backend,
-)
-from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState
+from importlib import import_module
+from typing import Any
+
 from kvxfer.errors import (
     BackendUnavailableError,
     BlockIdError,
@@ -27,13 +23,33 @@ from kvxfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvxfer.plan.geometry import BufferGeometry, compute_buffer_geometry, export_geometry_meta, parse_geometry_meta
+
+# The rest loads on first use (PEP 562): importing kvxfer.errors or kvxfer.security must not
+# pull in torch and every backend (a control-plane process would pay seconds to start).
+_LAZY = {
+    "available_backends": "kvxfer.backends", "construct_kv_transfer_backend_class": "kvxfer.backends",
+    "default_backend_name": "kvxfer.backends", "register_backend": "kvxfer.backends",
+    "KVTransportBackend": "kvxfer.backends.base", "TransferHandle": "kvxfer.backends.base",
+    "TransferState": "kvxfer.backends.base", "TransferStartError": "kvxfer.backends.base",
+    "BufferGeometry": "kvxfer.plan.geometry", "compute_buffer_geometry": "kvxfer.plan.geometry",
+    "export_geometry_meta": "kvxfer.plan.geometry", "parse_geometry_meta": "kvxfer.plan.geometry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "BlockIdError", "BufferGeometry", "GeometryError", "KVTransportBackend",
     "KVXferError", "PeerMetadataError", "TransferError", "TransferHandle", "TransferState",
-    "TransferTimeoutError", "available_backends", "compute_buffer_geometry", "construct_kv_transfer_backend_class",
+    "TransferStartError", "TransferTimeoutError", "available_backends", "compute_buffer_geometry", "construct_kv_transfer_backend_class",
     "default_backend_name", "export_geometry_meta", "parse_geometry_meta", "register_backend",
 ]
