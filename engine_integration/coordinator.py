@@ -268,7 +268,7 @@ class Coordinator:
         if isinstance(msg, wire.StatsRequest):
             return self.send(zmq_id, self.stats())
         if isinstance(msg, wire.Shutdown):
-            log.warning("coordinator: stopping on request of %r: %s", zmq_id[:64], msg.reason)
+            log.info("coordinator: stopping on request of %r: %s", zmq_id[:64], msg.reason)
             return self.stop(msg.reason)
         eng = self.engines.get(zmq_id)
         if eng is None or not eng.alive:

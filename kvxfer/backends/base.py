@@ -55,7 +55,7 @@ from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull, reshard_transfers_for_pull
 from kvxfer.plan.staged_reshard import DEFAULT_STAGING_BYTES, StagedChunk, plan_staged_kv, staging_pays
 from kvxfer.plan.ssm_layout import SSMShardLayout
-from kvxfer.runtime.stats import TransferStats
+from kvxfer.backends.stats import TransferStats
 from kvxfer.security.meta_seal import (
     HOST_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta, unauthenticated_metas_allowed_by_env,
 )
@@ -462,7 +462,7 @@ class KVTransportBackend(ABC):
     def _staging_arena(self) -> Any:
         """The staging region (made and registered with the transport on first use)."""
         if self._arena is None:
-            from kvxfer.runtime.staging import StagingArena
+            from kvxfer.backends.staging import StagingArena
 
             tensor = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.memory_buffer.device)
             self._register_staging(tensor)
