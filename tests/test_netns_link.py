@@ -3,7 +3,9 @@
 Two network namespaces joined by a veth pair stand in for two hosts; UCX runs over
 TCP between them. A transfer across works; the link is cut mid-transfer and the
 decode handle fails within its timeout (no hang) with its storage safe; the link
-comes back and new transfers succeed without restarting either process.
+comes back and new transfers succeed without restarting either process. The cable
+stays down well past the timeout (12 s, as in issue 15), and once it returns the source
+receives the read-failed of the request that was cut, on ucx as on nixl.
 Needs root and ``ip netns`` (CI runs as root); skipped, with the reason, elsewhere.
 """
 
@@ -23,6 +25,8 @@ from tests.netns_peer import AUTHKEY, NUM_BLOCKS
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0  # the backends' transfer timeout in netns_peer
+CUT_S = 12.0  # how long the cable stays down (issue 15: a 12 s cut lost ucx's read-failed)
+NOTICE_AFTER_LINK_S = 15.0  # the read-failed must reach the source within this after the cable returns
 
 
 def _ip(*args: str) -> None:
@@ -96,9 +100,14 @@ class Peer:
 
     def close(self) -> None:
         try:
-            self.call_reply("quit", timeout=20)
+            self.call_reply("quit", timeout=8)
         except (OSError, EOFError, TimeoutError):
             pass
+        import signal as _s
+        for c in self.proc.pid, *[int(x) for x in subprocess.run(["pgrep","-P",str(self.proc.pid)],capture_output=True,text=True).stdout.split()]:
+            try: os.kill(c, _s.SIGUSR1)
+            except OSError: pass
+        time.sleep(1)
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -130,15 +139,28 @@ def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backe
         _pull(decode, prefill, rid=2, count=NUM_BLOCKS, seed=2)
         time.sleep(0.05)
         _ip("-n", ns_a, "link", "set", veth_a, "down")
+        cut_at = time.monotonic()
         reply = decode.call_reply("wait", 2, timeout=TIMEOUT_S + 30)
         assert reply[0] == "failed", f"the transfer finished before the cut ({reply}); make it larger"
         _, error, message, elapsed, storage_safe = reply
         assert error in ("TransferTimeoutError", "TransferError"), message
         assert elapsed < TIMEOUT_S + 5 and storage_safe
 
-        # 3. the cable comes back: new transfers succeed, neither process restarted
+        # 3. the cable stays down well past the timeout (the failure report cannot leave yet),
+        #    then comes back: the source gets the read-failed for request 2, without any new
+        #    pull to carry it, and new transfers succeed, neither process restarted
+        time.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))
+        assert 2 not in prefill.call_reply("drain")[1]
         _ip("-n", ns_a, "link", "set", veth_a, "up")
-        time.sleep(1.0)
+        back_at = time.monotonic()
+        failed_ids: list = []
+        while 2 not in failed_ids and time.monotonic() < back_at + NOTICE_AFTER_LINK_S:
+            failed_ids += prefill.call_reply("drain")[1]
+            time.sleep(0.1)
+        arrived_after = time.monotonic() - back_at
+        print(f"{backend}: cable down {back_at - cut_at:.1f}s; read-failed of request 2 at the source "
+              f"{arrived_after:.2f}s after the cable came back")
+        assert 2 in failed_ids, f"{backend}: no read-failed for request 2 {arrived_after:.1f}s after the link returned"
         for attempt in range(3):
             _pull(decode, prefill, rid=10 + attempt, count=32, seed=10 + attempt)
             reply = decode.call_reply("wait", 10 + attempt, timeout=TIMEOUT_S + 30)

@@ -446,3 +446,36 @@ def test_idle_agent_does_not_spin_a_core():
         assert used < 0.4, f"an idle NIXL backend used {used:.2f}s of CPU in 2s (a spinning progress thread)"
     finally:
         backend.close()
+
+
+def test_handles_kept_after_close_do_not_keep_the_agent(peer):
+    """Issue 15, item 8: a NixlHandle kept after close() kept the whole NIXL agent alive (its
+    ~20 fds and 2 threads) through the binding's xfer handle. close() must release it even
+    while the caller still holds handles: a finished one and one close() failed in flight."""
+    import gc
+
+    def fds_and_threads() -> tuple[int, int]:
+        gc.collect()
+        time.sleep(0.2)  # the agent's threads exit asynchronously
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+    def cycle(name: str) -> list:
+        backend = NixlBackend(name, torch.zeros(SHAPE, dtype=torch.bfloat16), SHAPE[2], timeout_s=10,
+                              **SPECS[0].kwargs())
+        done = backend.begin_pull_blocks(peer.metas[0], [1, 2], [3, 4], request_id=f"{name}-done")
+        done.wait(10)
+        pending = backend.begin_pull_blocks(peer.metas[0], list(range(64)), list(range(64)),
+                                            request_id=f"{name}-pending")  # never polled before close
+        opened = fds_and_threads()
+        backend.close()
+        return [done, pending, opened]
+
+    kept = cycle("nixl-test-kept-warmup")  # the process's first agent may start lasting helpers
+    before = fds_and_threads()
+    kept += cycle("nixl-test-kept")
+    opened = kept[-1]
+    after = fds_and_threads()
+    assert opened[0] > before[0] + 5, f"the probe is blind: an open agent held {opened} vs {before}"
+    assert after == before, f"fds/threads before {before}, with the agent {opened}, after close with handles kept {after}"
+    assert kept[3].state.value == "DONE" and kept[4].storage_safe
+    drain_until(peer, 0, 4)

@@ -253,6 +253,46 @@ def test_stalled_source_times_out_and_reports_failure(monkeypatch: pytest.Monkey
         src.stop()
 
 
+def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15, item 6: a read-done / read-failed the source cannot be sent now (link cut, endpoint
+    failing) is kept per source and sent again on a later pass, not dropped; kept notices are bounded,
+    and close() with notices still kept leaves no UCX object behind. (The real cable cut is in
+    ``tests/test_netns_link.py``.)"""
+    from kvxfer.backends.ucx import backend as ucx_backend
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    src = Source("tcp", seed=11)
+    real_send = _ucp.send_active_message
+    blocked_until = [0.0]
+
+    def flaky_send(endpoint, am_id, payload):
+        if time.monotonic() < blocked_until[0]:
+            raise _ucp.UcpError("ucp_am_send_nbx", -80)  # UCS_ERR_ENDPOINT_TIMEOUT, as a cut link gives
+        return real_send(endpoint, am_id, payload)
+
+    monkeypatch.setattr(_ucp, "send_active_message", flaky_send)
+    try:
+        with Mode("tcp").decode(timeout_s=5.0) as dst:
+            blocked_until[0] = time.monotonic() + 1.5
+            dst.begin_pull_blocks(src.meta, [0, 1], [0, 1], request_id="late").wait()
+            assert src.drain() == ([], [])  # not sent yet...
+            t0 = time.monotonic()
+            done, failed = src.drain_until(1, timeout=10)
+            assert (done, failed) == (["late"], [])  # ...but kept, and sent once it could leave
+            assert time.monotonic() - t0 < 1.5 + ucx_backend._NOTICE_RETRY_MAX_S + 1.5
+            assert dst.notices_dropped == 0
+
+            monkeypatch.setattr(ucx_backend, "_NOTICE_MAX_PENDING", 2)
+            blocked_until[0] = time.monotonic() + 60
+            for rid in ("k1", "k2", "k3"):
+                dst.begin_pull_blocks(src.meta, [2], [2], request_id=rid).wait()
+            assert dst.notices_dropped == 1  # the third found the bound full: dropped, and logged
+        assert _ucp.live_objects() == {}  # closed with two notices still kept
+        assert src.drain() == ([], [])
+    finally:
+        src.stop()
+
+
 # --- validation ------------------------------------------------------------------------------
 def test_bad_input_rejected_before_posting(mode: Mode, source: Source) -> None:
     with mode.decode() as dst:

@@ -346,7 +346,7 @@ class KVTransportBackend(ABC):
         if not isinstance(staging_bytes, int) or staging_bytes < 0:
             raise ValueError(f"staging_bytes must be an int >= 0 (0 disables staged reshard), got {staging_bytes!r}")
         self.staging_bytes = staging_bytes
-        self._arena: Optional[Any] = None  # kvxfer.runtime.staging.StagingArena, made on first staged pull
+        self._arena: Optional[Any] = None  # kvxfer.backends.staging.StagingArena, made on first staged pull
         self.memory_buffer = memory_buffer
         self.timeout_s = float(timeout_s)
         self.geometry = compute_buffer_geometry(

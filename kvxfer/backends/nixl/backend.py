@@ -474,6 +474,8 @@ class NixlHandle(TransferHandle):
     def _state_now(self) -> str:
         if self._posted == "ERR":
             return "ERR"
+        if self._released:
+            return "DONE" if self._read_completed else "ERR"
         share = self._backend._share
         with share.lock:
             try:
@@ -504,6 +506,9 @@ class NixlHandle(TransferHandle):
             except Exception:
                 return False  # still in flight and not cancellable: keep it, retry later
         self._released = True
+        # The binding's xfer handle keeps the native agent alive (its fds and threads):
+        # a handle kept by the caller after close() must not keep it too.
+        self._xfer = None
         self._backend._in_flight.discard(self)
         return True
 
