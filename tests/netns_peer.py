@@ -70,7 +70,4 @@ def serve(role: str, socket_path: str, backend_name: str) -> None:
 
 
 if __name__ == "__main__":
-    import faulthandler, signal as _sig
-    _fh = open(f"/tmp/fh-{sys.argv[1]}.txt", "w")
-    faulthandler.register(_sig.SIGUSR1, file=_fh, all_threads=True)
     serve(*sys.argv[1:4])

@@ -100,14 +100,9 @@ class Peer:
 
     def close(self) -> None:
         try:
-            self.call_reply("quit", timeout=8)
+            self.call_reply("quit", timeout=20)
         except (OSError, EOFError, TimeoutError):
             pass
-        import signal as _s
-        for c in self.proc.pid, *[int(x) for x in subprocess.run(["pgrep","-P",str(self.proc.pid)],capture_output=True,text=True).stdout.split()]:
-            try: os.kill(c, _s.SIGUSR1)
-            except OSError: pass
-        time.sleep(1)
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

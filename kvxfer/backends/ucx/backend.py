@@ -55,7 +55,7 @@ _CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force
 _CLOSE_GRACE_S = 1.0  # how long close() lets read-done notices leave
 _NOTICE_RETRY_FIRST_S = 0.25  # first retry of a notice that could not leave; doubles per attempt...
 _NOTICE_RETRY_MAX_S = 2.0     # ...up to this
-_NOTICE_STALL_S = 1.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
+_NOTICE_STALL_S = 4.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
 _NOTICE_KEEP_S = 120.0  # a notice still undelivered after this is dropped (logged)
 _NOTICE_MAX_PENDING = 4096  # notices kept for retry, all sources together; beyond, new ones are dropped (logged)
 
