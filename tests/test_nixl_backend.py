@@ -22,7 +22,7 @@ import pytest
 from kvxfer.security.meta_seal import seal_meta
 import torch
 
-pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl==1.5.1)")
+pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvxfer[nixl]')")
 
 from _nixl_peer import Peer, PoolSpec, make_pool  # noqa: E402
 
@@ -379,7 +379,7 @@ NO_NIXL_PROBE = (
         "import sys; sys.modules['nixl'] = None\n"
         "from kvxfer.backends import available_backends, construct_kv_transfer_backend_class\n"
         "info = {i.name: i for i in available_backends()}['nixl']\n"
-        "assert not info.available and 'pip install nixl==1.5.1' in info.reason and 'torch==2.13.0' in info.reason\n"
+        "assert not info.available and \"pip install 'kvxfer[nixl]'\" in info.reason and 'torch==2.13.0' in info.reason\n"
         "import torch\n"
         "try:\n"
         "    construct_kv_transfer_backend_class('nixl')('x', torch.zeros(4, 8), 8)\n"

@@ -25,6 +25,7 @@ class TransferStats:
     read_done_received: int = 0
     read_failed_received: int = 0
     notices_dropped: int = 0  # read-done/failed reports dropped because nobody drained them
+    notices_undelivered: int = 0  # reports to a source given up on (unreachable too long, or too many kept)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -55,6 +56,10 @@ class TransferStats:
     def notice_dropped(self) -> None:
         with self._lock:
             self.notices_dropped += 1
+
+    def notice_undelivered(self) -> None:
+        with self._lock:
+            self.notices_undelivered += 1
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -47,11 +47,11 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
+import logging
 import os
 import threading
 import time
 import uuid
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -78,8 +78,10 @@ from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
 __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info",
            "nixl_transport_probe", "slice_indices"]
 
+logger = logging.getLogger("kvxfer.backends.nixl")
+
 INSTALL_HINT = (
-    "pip install nixl==1.5.1 (on a CPU-only machine run `pip install torch==2.13.0` first: "
+    "pip install 'kvxfer[nixl]' (on a CPU-only machine run `pip install torch==2.13.0` first: "
     "otherwise pip resolves nixl's torch dependency to a multi-GB CUDA build)"
 )
 #: Version of the NIXL-specific fields in ``export_meta``.
@@ -101,8 +103,23 @@ def nixl_transport_probe() -> dict[str, Any]:
         "transports": ",".join(info.transports),
         "rdma_devices": ",".join(info.rdma_devices) or "none",
         "DRAM": info.usable_for("DRAM")[1] or "ok",
-        "VRAM": info.usable_for("VRAM")[1] or "ok",
+        "VRAM": _vram_status(info),
     }
+
+
+def _vram_status(info: NixlTransportInfo) -> str:
+    """"ok" only when NIXL is installed, a CUDA device exists and UCX can move its memory."""
+    if not info.nixl_package:
+        return "nixl not installed"
+    try:
+        import torch  # noqa: PLC0415
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA runtime is information, not a crash
+        devices = 0
+    if devices == 0:
+        return "no CUDA device here"
+    return info.usable_for("VRAM")[1] or "ok"
 
 
 def _nixl_api() -> Any:
@@ -413,7 +430,7 @@ class _AgentShare:
             try:
                 self._remote_dlists.pop(key).release()
             except Exception as exc:  # a dead peer's list is freed with the agent at the latest
-                warnings.warn(f"kvxfer nixl: releasing a prepared list of peer {name!r} failed: {exc}", stacklevel=2)
+                logger.warning(f"kvxfer nixl: releasing a prepared list of peer {name!r} failed: {exc}")
         if self._remote_md.pop(name, None) is not None:
             self._remove_agent(name)
         self._remote_instance.pop(name, None)
@@ -422,7 +439,7 @@ class _AgentShare:
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:
-            warnings.warn(f"kvxfer nixl: removing peer agent {name!r} failed: {exc}", stacklevel=2)
+            logger.warning(f"kvxfer nixl: removing peer agent {name!r} failed: {exc}")
 
     def send(self, peer_name: str, message: bytes) -> bool:
         """Best effort: a dead or unknown peer is not an error for the sender."""
@@ -617,7 +634,7 @@ class NixlBackend(KVTransportBackend):
                 try:
                     self._local_dlist.release()
                 except Exception as exc:
-                    warnings.warn(f"kvxfer nixl: releasing the local prepared list failed: {exc}", stacklevel=2)
+                    logger.warning(f"kvxfer nixl: releasing the local prepared list failed: {exc}")
                 self._local_dlist = None
             staging = getattr(self, "_staging_descs", None)
             try:
@@ -626,7 +643,7 @@ class NixlBackend(KVTransportBackend):
                     self._staging_descs = None
                 share.agent.deregister_memory(self._reg_descs)
             except Exception as exc:
-                warnings.warn(f"kvxfer nixl: deregistering {self.agent_name!r} failed: {exc}", stacklevel=2)
+                logger.warning(f"kvxfer nixl: deregistering {self.agent_name!r} failed: {exc}")
         share.remove_registration(self.buffer_id)
         share.release()
 

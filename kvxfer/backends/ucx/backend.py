@@ -371,6 +371,7 @@ class UcxBackend(KVTransportBackend):
         """Worker lock held: keep a notice that did not leave, for a later attempt."""
         if self._outbox_size >= _NOTICE_MAX_PENDING:
             self.notices_dropped += 1
+            self._stats.notice_undelivered()
             logger.warning("ucx %r: dropped %s: %d notices already wait for unreachable sources",
                            self.agent_name, notice.what, self._outbox_size)
             return
@@ -414,6 +415,7 @@ class UcxBackend(KVTransportBackend):
                 notice = queue.popleft()
                 self._outbox_size -= 1
                 self.notices_dropped += 1
+                self._stats.notice_undelivered()
                 logger.warning("ucx %r: gave up on %s: the source stayed unreachable for %.0fs (%d attempts)",
                                self.agent_name, notice.what, now - notice.created, notice.attempts)
             if not queue:

@@ -86,7 +86,8 @@ def load() -> tuple[Any, Any]:
     except (ImportError, OSError) as exc:
         _load_error = (
             f"the UCX binding could not be loaded ({exc}); install kvxfer with its build dependencies "
-            "(`pip install -e .` builds kvxfer/backends/ucx/_ucp_cffi with cffi against libucx-cu12==1.22.0), "
+            "(`pip install -e .` builds kvxfer/backends/ucx/_ucp_cffi with cffi against libucx-cu12>=1.21,<1.23; "
+            "a wheel built with KVXFER_BUILD_WITHOUT_UCX=1 has no binding), "
             "or build it in place with `python -m kvxfer.backends.ucx.binding_build`"
         )
         raise ImportError(_load_error) from None

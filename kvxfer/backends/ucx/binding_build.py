@@ -260,7 +260,7 @@ def libucx_prefix() -> Path:
     """The installed ``libucx`` package folder (headers in include/, libraries in lib/)."""
     spec = importlib.util.find_spec("libucx")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the 'libucx' package (pip install libucx-cu12==1.22.0) is needed to build the UCX binding")
+        raise RuntimeError("the 'libucx' package (pip install 'libucx-cu12>=1.21,<1.23') is needed to build the UCX binding")
     prefix = Path(list(spec.submodule_search_locations)[0])
     if not (prefix / "include" / "ucp" / "api" / "ucp.h").is_file():
         raise RuntimeError(f"{prefix} has no include/ucp/api/ucp.h; reinstall libucx-cu12")
