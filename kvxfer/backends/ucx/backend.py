@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
+from kvxfer.backends.ucx.same_host import SourceWatch, own_identity
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
@@ -77,10 +79,13 @@ def _unb64(meta: Mapping[str, Any], field: str) -> bytes:
 class _Peer:
     """One endpoint to a source worker and the rkeys unpacked on it."""
 
-    def __init__(self, backend: "UcxBackend", address: bytes) -> None:
+    def __init__(self, backend: "UcxBackend", address: bytes, watch: Optional[SourceWatch] = None) -> None:
         self.address = address
+        self.watch = watch  # a source on this host, watched by pidfd (then no UCX peer failure mode)
+        error_handling = backend.peer_error_handling if backend.peer_error_handling is not None else watch is None
+        self.path = "peer-error-mode" if error_handling else "same-host"
         self.endpoint = _ucp.Endpoint(backend._worker, address, backend._on_endpoint_error,
-                                      peer_error_handling=backend.peer_error_handling)
+                                      peer_error_handling=error_handling)
         self.rkeys: dict[bytes, _ucp.RemoteKey] = {}
         self.batches: set[_ucp.GetBatch] = set()  # posted, not yet released
 
@@ -92,11 +97,18 @@ class _Peer:
 
     @property
     def failed(self) -> bool:
-        return self.endpoint.error is not None or self.endpoint.handle is None
+        return self.endpoint.error is not None or self.endpoint.handle is None or self.source_exited
+
+    @property
+    def source_exited(self) -> bool:
+        return self.watch is not None and self.watch.exited()
 
     def close(self) -> bool:
         """Force-close the endpoint (completing its gets), then destroy the rkeys. True when fully closed."""
         self.endpoint.close()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if any(not batch.done for batch in self.batches):
             return False
         for key in self.rkeys.values():
@@ -145,11 +157,19 @@ class UcxHandle(TransferHandle):
             return self._batch.done  # every get has completed or been cancelled: nothing can land now
         return super().storage_safe
 
+    @property
+    def path(self) -> str:
+        """"same-host" (zero-copy shared memory, death seen by pidfd) or "peer-error-mode"."""
+        return self._peer.path
+
     def _progress(self) -> bool:
         batch = self._batch
         if not batch.done:
             self._backend._worker.progress()
         if not batch.done:
+            if self._peer.source_exited:
+                raise TransferError(f"request {self.request_id!r}: the source process (pid {self._peer.watch.pid}) "
+                                    "exited during the read")
             return False
         if not _ucp.is_ok(batch.status):
             raise TransferError(
@@ -210,17 +230,19 @@ class UcxBackend(KVTransportBackend):
     supports_staging = True
     is_push = False
 
-    def __init__(self, *args: Any, peer_error_handling: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, peer_error_handling: Optional[bool] = None, **kwargs: Any) -> None:
         """Same arguments as every backend, plus ``peer_error_handling``.
 
-        ``peer_error_handling=True`` (default) creates endpoints with
-        ``UCP_ERR_HANDLING_MODE_PEER``: a dead source fails its transfers at once
-        and is dropped. On one host this excludes shared memory, so gets go over
-        tcp emulation; ``False`` lets UCX use CMA/shared memory (zero-copy gets,
-        no source CPU) and a dead source is then only caught by the timeout or
-        the failed read.
+        ``None`` (default) chooses per source: one on this host (same boot id and
+        network namespace, its pid alive with the start time its meta names) gets an
+        endpoint without UCX's peer failure mode, so UCX may use CMA/shared memory
+        (zero-copy gets, no source CPU), and is watched through a pidfd, which fails
+        its pulls the moment it exits (``kvxfer.backends.ucx.same_host``); any other
+        source gets ``UCP_ERR_HANDLING_MODE_PEER``. ``True``/``False`` force one mode
+        for every source (``False`` without a pidfd: a dead source is then caught by
+        the failed read or the timeout). A handle's ``path`` says which was taken.
         """
-        self.peer_error_handling = bool(peer_error_handling)
+        self.peer_error_handling = None if peer_error_handling is None else bool(peer_error_handling)
         super().__init__(*args, **kwargs)
 
     def new_registered_buffer(self, **kwargs: Any) -> "KVTransportBackend":
@@ -272,6 +294,7 @@ class UcxBackend(KVTransportBackend):
 
     def _transport_meta(self) -> dict[str, Any]:
         return {
+            **own_identity(),
             "ucx_worker_address": _b64(self._worker.address),
             "ucx_rkey": _b64(self._region.packed_rkey),
             "ucx_version": _ucp.version(),
@@ -291,7 +314,7 @@ class UcxBackend(KVTransportBackend):
         plan = pull.plan
         with self._worker.lock:
             try:
-                peer = self._peer_for(address)
+                peer = self._peer_for(address, pull.peer_meta)
                 rkey = peer.rkey(packed)
             except _ucp.UcpError as exc:
                 raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
@@ -305,13 +328,16 @@ class UcxBackend(KVTransportBackend):
         self._worker.signal(only_if_idle=True)
         return handle
 
-    def _peer_for(self, address: bytes) -> _Peer:
+    def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:
+        """The cached endpoint to ``address`` (a failed one replaced); a new one to a source of
+        this host is watched by pidfd and skips UCX's peer failure mode (see ``__init__``)."""
         peer = self._peers.get(address)
         if peer is not None and peer.failed:
             self._drop_peer(peer)
             peer = None
         if peer is None:
-            peer = self._peers[address] = _Peer(self, address)
+            auto = self.peer_error_handling is None and meta is not None
+            peer = self._peers[address] = _Peer(self, address, SourceWatch.for_meta(meta) if auto else None)
         return peer
 
     def _drop_peer(self, peer: _Peer) -> None:
@@ -546,6 +572,9 @@ def ucx_transport_info(backend: Optional[UcxBackend] = None) -> dict[str, Any]:
         info["reason"] = why
         return info
     info["version"] = _ucp.version()
+    pidfd = hasattr(os, "pidfd_open")
+    info["paths"] = ("same host: zero-copy shared memory/CMA, a dead source seen by pidfd; other hosts: "
+                     "UCX peer failure mode" if pidfd else "peer failure mode everywhere (no pidfd_open here)")
     if backend is not None and not backend.closed:
         info["endpoints"] = backend.transports_in_use()
     return info

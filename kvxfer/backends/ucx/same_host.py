@@ -1,0 +1,75 @@
+"""Knowing that a source shares our host, and seeing it die at once.
+
+UCX's peer error handling (``UCP_ERR_HANDLING_MODE_PEER``) rules out its shared-memory
+transports, so on one host it pushed gets onto tcp emulation (0.75-1.0 GB/s where CMA
+gets 5-9 GB/s). A source on our host needs no such mode: its meta carries the host
+identity (boot id + network namespace, ``kvxfer.security.meta_seal.host_identity``), its
+pid and that pid's start time, and we watch it through a pidfd, which becomes readable
+the moment the process exits. A dead source then fails its pulls at once instead of by
+timeout, without UCX's peer failure mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+from typing import Any, Mapping, Optional
+
+from kvxfer.security.meta_seal import HOST_FIELD, host_identity
+
+logger = logging.getLogger("kvxfer.backends.ucx")
+
+PID_FIELD, START_FIELD = "ucx_pid", "ucx_pid_start"
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot): tells a pid from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
+    return int(fields[19])
+
+
+def own_identity() -> dict[str, int]:
+    """The fields a source exports so that a reader on its host can watch it."""
+    pid = os.getpid()
+    return {PID_FIELD: pid, START_FIELD: process_start_time(pid) or 0}
+
+
+class SourceWatch:
+    """A pidfd on a source process of this host; ``exited()`` is a non-blocking check."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid, self._fd = pid, fd
+
+    @classmethod
+    def for_meta(cls, meta: Mapping[str, Any]) -> Optional["SourceWatch"]:
+        """A watch when the meta's source runs on this host (and is the process it names), else None."""
+        pid, start = meta.get(PID_FIELD), meta.get(START_FIELD)
+        if meta.get(HOST_FIELD) != host_identity() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        if not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone already, or another pid namespace: treat as remote
+            return None
+        if process_start_time(pid) != start:  # the pid was reused by another process
+            os.close(fd)
+            return None
+        return cls(pid, fd)
+
+    def exited(self) -> bool:
+        if self._fd < 0:
+            return True
+        readable, _, _ = select.select([self._fd], [], [], 0)
+        return bool(readable)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
