@@ -60,6 +60,22 @@ def test_bench_smoke_writes_every_field_and_verifies_every_transfer(tmp_path):
 
 
 
+def test_bench_nccl_pushes_and_verifies_every_point(tmp_path):
+    """The push backend's axis: worker and source in one Gloo group, plain and TP 2 -> 1 points, all verified."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--tiny", "--backends", "nccl", "--baselines", "none", "--json", str(out),
+               "--markdown", str(tmp_path / "benchmarks.md")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    points = [p for p in report["points"] if p["source"] == "nccl"]
+    assert report["ok"] and {(p["pattern"], p["reshard"]) for p in points} == {
+        (pattern, reshard) for pattern in ("contiguous", "scattered") for reshard in (False, True)}
+    for p in points:
+        assert p["ok"] and p["verified"] and p["extra"] == {"two_process": True, "direction": "push"}
+        assert p["bytes"] == p["num_blocks"] * 2 * 2 * p["slice_bytes"] and p["read_done_ms_p50"] is not None
+    assert "Push backends (*nccl*)" in (tmp_path / "benchmarks.md").read_text()
+
+
 def test_a_wrong_transfer_is_a_failure_not_a_result():
     cfg = tiny_config(slice_sizes=(4 * KiB,))
     points = list(cfg.points())

@@ -34,6 +34,24 @@ def test_loopback_local_verifies_and_prints_the_table(tmp_path, pattern):
         assert result["descriptors"] < result["raw_descriptors"]
 
 
+def test_loopback_nccl_pushes_over_gloo_and_verifies(tmp_path):
+    """The push backend: two processes in one Gloo group, decode posts receives, prefill pushes."""
+    out = _kvxfer("loopback", "--backend", "nccl", *SMALL, "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for row in ("push", "receives posted", "exact", "OK"):
+        assert row in out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ok"] and result["verified"] and result["untouched_ok"] and result["read_done_ok"]
+    assert result["direction"] == "push" and result["freed_blocks"] == 24
+    assert result["bytes_moved"] == 24 * 2 * 4 * 16 * 2 * 32 * 2
+
+
+def test_soak_and_generate_still_refuse_a_push_backend():
+    for argv in (["soak", "--backend", "nccl"], ["generate", "--prompts", "README.md", "--disagg", "--backend", "nccl"]):
+        out = _kvxfer(*argv)
+        assert out.returncode == 2 and "push backend" in out.stderr and out.stdout == "", out.stderr
+
+
 def test_loopback_reports_corruption(monkeypatch):
     """Flip a source byte after its digest is taken: verification must fail, loudly."""
     import kvxfer.harness.loopback as lb

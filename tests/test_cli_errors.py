@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-from kvxfer.backends import available_backends
-
 SMALL = ["--layers", "4", "--heads", "2", "--head-dim", "32", "--pool-blocks", "64", "--blocks", "24"]
 
 
@@ -79,10 +77,6 @@ USAGE_MISTAKES = [
     ("bench missing interpreter", ["bench", "--mooncake-python", "/nonexistent/python"], "does not exist"),
     ("bench json is a folder", ["bench", "--json", "{tmp}"], "is a directory"),
 ]
-
-if any(info.is_push for info in available_backends()):
-    push = next(info.name for info in available_backends() if info.is_push)
-    USAGE_MISTAKES.append(("loopback push backend", ["loopback", "--backend", push], "push backend"))
 
 
 def _assert_one_line_error(out: subprocess.CompletedProcess, status: int, mentions: str) -> str:

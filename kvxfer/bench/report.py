@@ -18,7 +18,7 @@ from rich.table import Table
 from kvxfer.bench.results import PointResult
 from kvxfer.bench.run import BenchReport
 
-SOURCE_ORDER = ("local", "nixl", "ucx", "naive-nixl", "mooncake", "ucx-perftest", "memcpy")
+SOURCE_ORDER = ("local", "nixl", "ucx", "nccl", "naive-nixl", "mooncake", "ucx-perftest", "memcpy")
 
 
 def size_label(num_bytes: float) -> str:
@@ -193,6 +193,20 @@ def perftest_protocols(report: BenchReport) -> list[str]:
     return [f"- ucx_perftest `ucp_get` was served by: {'; '.join(rows)}"] if rows else []
 
 
+def push_lines(report: BenchReport) -> list[str]:
+    """How a push backend's points differ, when the run has any."""
+    pushed = sorted({r.source for r in report.results if r.extra.get("direction") == "push"})
+    if not pushed:
+        return []
+    names = ", ".join(f"*{n}*" for n in pushed)
+    return [f"- Push backends ({names}): worker and source join one Gloo process group (TCP store on 127.0.0.1). "
+            "Megatron's order: the decode posts its receives (*post*), then asks the source to push (one pipe "
+            "message); *p50/p99* run from posting to every byte landed, so they include that message and the "
+            "source's gather; *read-done* is the source's push completing. *desc raw/desc* are the byte runs gathered "
+            "into one message per peer pair. TP reshard points: both prefill TP ranks live in the one source process "
+            "(one rank of the group) and their messages pair by post order."]
+
+
 def markdown(report: BenchReport, plot_name: Optional[str], command: str, json_name: Optional[str] = None) -> str:
     """``docs/benchmarks.md``: the command, the machine, the targets, the plot, the table."""
     m = report.machine
@@ -237,6 +251,7 @@ def markdown(report: BenchReport, plot_name: Optional[str], command: str, json_n
             "flight; kvxfer requests read from pools twice their size. Its median get is the optimistic reference; its "
             "mean throughput is stated next to it.",
             "- Waits poll every ~20 us (no GIL-holding spin that would starve a transport's progress thread on 2 cores).",
+            *push_lines(report),
             "", "## Not measured here", ""]
     out += [f"- **{u.name}**: {u.reason}" for u in report.unavailable] or ["- (everything requested ran)"]
     out += [f"- TP reshard axis: {report.reshard_axis}", ""]

@@ -7,6 +7,12 @@ SHA-256 of some blocks, to verify what the reader got), ``await`` (watch
 monotonic clock), ``close``. Network backends get a real second OS process
 (``kvxfer.harness.child``, the harness loopback and soak use too); the in-process ``local`` backend
 gets the same interface without the process.
+
+A push backend (``nccl``) reverses who acts: the decode posts its receives and then
+sends ``push`` (request id, source ids, its meta) -- Megatron's order --, the source
+pushes with ``begin_push_blocks`` and answers, as ``await`` does, with the moment its
+push completed (its read-done). Both processes are then one torch.distributed
+process group (``kvxfer.harness.child.join_group``), joined before the first command.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
-from kvxfer.harness.child import ERROR, Child, ChildFailure, Pipe
+from kvxfer.harness.child import (
+    DECODE_RANK, ERROR, PREFILL_RANK, Child, ChildFailure, GroupSpec, Pipe, host_group, join_group, leave_group,
+)
 from kvxfer.harness.loopback import LoopbackConfig, make_backend, make_pool
 
 #: Backends that can only reach registrations in their own process.
@@ -104,6 +112,21 @@ class SourceRole:
                 raise TimeoutError(f"no read-done for request {request_id!r} within {timeout_s}s")
             time.sleep(READ_DONE_POLL_S)
 
+    def push(self, request_id: Any, ids: list[int], decode_meta: dict[str, Any], timeout_s: float) -> float:
+        """A push backend: push blocks ``ids`` to the decode that sent ``decode_meta`` (it has posted
+        its receives); return ``time.monotonic()`` when the push's read-done shows up."""
+        assert self.backends, "setup() first"
+        # TP ranks (reshard points: both in this process, so both at this process's rank of the group)
+        # push in rank order, the order the decode posted its receives in; messages pair by post order
+        handles = [backend.begin_push_blocks(decode_meta, ids, request_id=request_id) for backend in self.backends]
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            while not handle.poll():
+                if time.monotonic() > deadline:
+                    handle.wait(0.0)  # raises the standard timeout
+                time.sleep(READ_DONE_POLL_S)
+        return self.await_read_done(request_id, max(deadline - time.monotonic(), 1.0))
+
     def stats(self) -> dict[str, int]:
         totals: dict[str, int] = {}
         for backend in self.backends:
@@ -118,13 +141,16 @@ class SourceRole:
         self.backends, self.pools, self.cfg = [], [], None
 
 
-def _serve(pipe: Pipe, role_cls: type = SourceRole) -> None:
+def _serve(pipe: Pipe, role_cls: type = SourceRole, group: Optional[GroupSpec] = None) -> None:
     """Child process body: execute commands on a ``role_cls()`` until ``close`` or the parent goes away.
 
     Any role with ``setup``/``digest``/``await_read_done``/``stats``/``release`` works
     (the naive-NIXL baseline brings its own). A failed command is answered with the
-    harness's ``error`` message and the child goes on serving.
+    harness's ``error`` message and the child goes on serving. With ``group`` (a push
+    backend) the child first joins that process group as the prefill rank.
     """
+    if group is not None:
+        join_group(group, PREFILL_RANK)
     role = role_cls()
     try:
         while True:
@@ -141,6 +167,8 @@ def _serve(pipe: Pipe, role_cls: type = SourceRole) -> None:
                     value = role.digest(*args)
                 elif command == "await":
                     value = role.await_read_done(*args)
+                elif command == "push":
+                    value = role.push(*args)
                 else:
                     raise ValueError(f"unknown command {command!r}")
                 pipe.send("ok", value)
@@ -150,6 +178,8 @@ def _serve(pipe: Pipe, role_cls: type = SourceRole) -> None:
         return
     finally:
         role.release()
+        if group is not None:
+            leave_group()
 
 
 class SourceClient:
@@ -168,6 +198,10 @@ class SourceClient:
 
     def read_done_at(self, request_id: int, timeout_s: float) -> float:
         raise NotImplementedError
+
+    def push(self, request_id: int, ids: np.ndarray, decode_meta: dict[str, Any], timeout_s: float) -> None:
+        """A push backend: ask the source to push (call after posting the receives); ``read_done_at`` answers."""
+        raise NotImplementedError(f"{type(self).__name__} cannot push")
 
     def close(self) -> dict[str, int]:
         raise NotImplementedError
@@ -199,11 +233,22 @@ class ChildSource(SourceClient):
 
     two_process = True
 
-    def __init__(self, timeout_s: float = CONTROL_TIMEOUT_S, role_cls: type = SourceRole) -> None:
-        self._child = Child("source", _serve, role_cls, join_timeout_s=10.0)
+    def __init__(self, timeout_s: float = CONTROL_TIMEOUT_S, role_cls: type = SourceRole, push: bool = False) -> None:
+        store = group = None
+        if push:  # the source joins as the prefill rank, this process as the decode rank
+            store, group = host_group(timeout_s=timeout_s)
+        self._child = Child("source", _serve, role_cls, group, join_timeout_s=10.0)
         self._timeout_s = timeout_s
         self.pid = self._child.pid
         self._pending_await: Optional[float] = None  # timeout of an ``await`` whose answer is unread
+        self._in_group = False
+        if group is not None:
+            try:
+                join_group(group, DECODE_RANK, store)
+            except BaseException:
+                self._child.close(timeout_s=0)
+                raise
+            self._in_group = True
 
     def _call(self, command: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
         if self._pending_await is not None:  # a pull failed between expect and read_done_at: resync
@@ -234,6 +279,10 @@ class ChildSource(SourceClient):
         self._pending_await = None
         return self._reply("await", timeout_s + 5.0)
 
+    def push(self, request_id: int, ids: np.ndarray, decode_meta: dict[str, Any], timeout_s: float) -> None:
+        self._child.send("push", (request_id, ids.tolist(), decode_meta, timeout_s))
+        self._pending_await = timeout_s
+
     def close(self) -> dict[str, int]:
         stats: dict[str, int] = {}
         try:
@@ -243,12 +292,19 @@ class ChildSource(SourceClient):
             pass
         finally:
             self._child.close()
+            if self._in_group:
+                self._in_group = False
+                leave_group()
         return stats
 
 
 def open_source(backend: str, timeout_s: float) -> SourceClient:
-    """A child-process source for network backends, an in-process one for ``local``."""
-    return InProcessSource() if backend in IN_PROCESS_ONLY else ChildSource(timeout_s=max(timeout_s, CONTROL_TIMEOUT_S))
+    """A child-process source for network backends (in one process group with this one for a push
+    backend), an in-process one for ``local``."""
+    if backend in IN_PROCESS_ONLY:
+        return InProcessSource()
+    push = construct_kv_transfer_backend_class(backend).is_push
+    return ChildSource(timeout_s=max(timeout_s, CONTROL_TIMEOUT_S), push=push)
 
 
 def agent_name(role: str, tag: str) -> str:

@@ -5,6 +5,12 @@ For each slice size both sides register one pool; each point then runs
 of every point starts from a destination pool reset to a sentinel and is verified
 (digest of the pulled blocks equals the source's, and no other block changed), so
 a fast wrong transfer shows up as an error, never as a result.
+
+A push backend (``nccl``) is measured in Megatron's push order: the decode posts its
+receives (``begin_pull_blocks``, the "post" figure) and asks the source to push; the
+transfer time runs from posting to every byte landed in the decode pool, so it
+includes that request to the source (one pipe message) and the source's gather.
+The source's read-done is its push completing.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, sour
     """Warm-up pulls, then measured pulls; the first measured one is verified byte for byte."""
     res = _result(decode.name, point, source)
     peers = [decode.parse_peer_meta(meta) for meta in metas]
+    push = decode.is_push
+    if push:
+        res.extra["direction"] = "push"
+        decode_meta = decode.export_meta()  # Megatron's decode sends it with every request
     ids = iter(request_ids)
     try:
         for repeat in range(cfg.warmup + cfg.repeats):
@@ -114,10 +124,13 @@ def measure_point(cfg: BenchConfig, point: Point, pool_cfg: LoopbackConfig, sour
             t0 = time.perf_counter()
             plans = [decode.plan_pull(peer, src_ids, dst_ids) for peer in peers]  # what begin_pull does inside
             t1 = time.perf_counter()
-            source.expect(request_id, cfg.timeout_s)
+            if not push:
+                source.expect(request_id, cfg.timeout_s)
             t2 = time.perf_counter()
             handle = _post(decode, metas, src_ids, dst_ids, request_id)
             t3 = time.perf_counter()
+            if push:  # receives posted: now the prefill pushes
+                source.push(request_id, src_ids, decode_meta, cfg.timeout_s)
             spin_wait(handle, cfg.timeout_s)
             t4 = time.perf_counter()
             landed_at = time.monotonic()

@@ -7,6 +7,13 @@ default) into its own pool, verifies every byte (a digest of the pulled slices,
 plus a check that no other destination block changed), and the prefill side
 waits for the read-done notification before it frees the blocks. Any mismatch
 or missing notification makes the run fail.
+
+A push backend (``nccl``) runs in Megatron's push order instead: both processes
+join one Gloo process group (``kvxfer.harness.child.join_group``), the decode side
+posts its receives (``begin_pull_blocks``) and sends its meta to the prefill, the
+prefill pushes (``begin_push_blocks(decode_meta, src_ids, request_id=...)``), both
+poll to completion; the prefill's read-done is its push completing
+(``drain_read_done``). The decode verifies exactly as for a pull.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
 from kvxfer.plan.descriptors import plan_block_copies
 from kvxfer.errors import KVXferError, TransferError
-from kvxfer.harness.child import Child, ChildError, Pipe
+from kvxfer.harness.child import (
+    DECODE_RANK, PREFILL_RANK, Child, ChildError, GroupSpec, Pipe, host_group, join_group, leave_group,
+)
 from kvxfer.plan.geometry import dtype_from_name, parse_geometry_meta
 
 SENTINEL = 0xA5  # what the decode pool holds before the pull
@@ -81,6 +90,7 @@ class LoopbackResult:
     read_done_ok: bool = False
     freed_blocks: int = 0
     error: Optional[str] = None
+    direction: str = "pull"  # "push": the prefill sent, the decode posted receives
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -192,8 +202,35 @@ def _prefill_process(pipe: Pipe, cfg: LoopbackConfig) -> None:
         prefill.close()
 
 
+def _push_prefill_process(pipe: Pipe, cfg: LoopbackConfig, spec: GroupSpec) -> None:
+    """Child process body for a push backend: join the group, offer, push when the decode asks, report."""
+    join_group(spec, PREFILL_RANK)
+    try:
+        prefill = _Prefill(cfg)
+        try:
+            pipe.send("offer", prefill.offer())
+            if not pipe.poll(CONTROL_TIMEOUT_S):
+                raise TimeoutError(f"decode did not ask for the push within {CONTROL_TIMEOUT_S:.0f}s")
+            kind, payload = pipe.recv()
+            if kind != "push":
+                return
+            start = time.monotonic()
+            handle = prefill.backend.begin_push_blocks(payload["meta"], prefill.src_ids,
+                                                       request_id=payload["request_id"])
+            handle.wait()
+            ok, _, freed = prefill.await_read_done(payload["request_id"])
+            pipe.send("read_done", {"ok": ok, "latency_s": time.monotonic() - start, "freed": freed})
+        finally:
+            prefill.close()
+    finally:
+        leave_group()
+
+
 def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor,
-                     offer: dict[str, Any], result: LoopbackResult) -> None:
+                     offer: dict[str, Any], result: LoopbackResult,
+                     ask_push: Optional[Callable[[], None]] = None) -> None:
+    """Post the read (a pull) or the receives (a push: then ``ask_push`` tells the prefill to push),
+    wait, verify. ``transfer_s`` runs from posting to every byte landed in the decode pool."""
     _, dst_ids = cfg.block_ids()
     src_ids = np.asarray(offer["src_ids"], dtype=np.int64)
     t0 = time.perf_counter()
@@ -203,6 +240,8 @@ def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torc
     result.bytes_moved = plan.total_bytes
     t0 = time.perf_counter()
     handle = decode.begin_pull_blocks(offer["meta"], src_ids, dst_ids, request_id=offer["request_id"])
+    if ask_push is not None:
+        ask_push()
     handle.wait()
     result.transfer_s = time.perf_counter() - t0
     result.verified = blocks_digest(pool, cfg.pool_blocks, dst_ids) == offer["digest"]
@@ -235,6 +274,10 @@ def run_loopback(cfg: LoopbackConfig, on_phase: Optional[OnPhase] = None) -> Loo
     result = LoopbackResult(cfg)
     decode = None
     try:
+        if construct_kv_transfer_backend_class(cfg.backend).is_push:
+            result.direction = "push"
+            _run_push(cfg, result, phase)
+            return result
         phase("allocating the decode pool")
         pool = make_pool(cfg, random_seed=None)
         phase(f"registering the decode pool with {cfg.backend}")
@@ -286,3 +329,36 @@ def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: to
         phase("waiting for read-done")
         _, done = prefill.recv(CONTROL_TIMEOUT_S, expected="read_done")
         result.read_done_ok, result.read_done_s, result.freed_blocks = done["ok"], done["latency_s"], done["freed"]
+
+
+def _run_push(cfg: LoopbackConfig, result: LoopbackResult, phase: OnPhase) -> None:
+    """A push backend: both processes in one Gloo group; decode posts receives and asks, prefill pushes."""
+    phase("starting the prefill process")
+    store, spec = host_group(timeout_s=max(cfg.timeout_s, 60.0))
+    with Child("prefill", _push_prefill_process, cfg, spec) as prefill:
+        phase("joining the process group")
+        decode = None
+        try:
+            join_group(spec, DECODE_RANK, store)
+            phase("allocating the decode pool")
+            pool = make_pool(cfg, random_seed=None)
+            phase(f"registering the decode pool with {cfg.backend}")
+            decode = make_backend(cfg, "decode", pool)
+            _, offer = prefill.recv(CONTROL_TIMEOUT_S, expected="offer")
+            ask = {"meta": decode.export_meta(), "request_id": offer["request_id"]}
+            phase(f"receiving {cfg.request_blocks} pushed blocks")
+            _pull_and_verify(cfg, decode, pool, offer, result, ask_push=lambda: prefill.send("push", ask))
+            phase("waiting for the push to complete at the prefill")
+            _, done = prefill.recv(CONTROL_TIMEOUT_S, expected="read_done")
+            result.read_done_ok, result.read_done_s, result.freed_blocks = done["ok"], done["latency_s"], done["freed"]
+        except BaseException:
+            try:  # a prefill still waiting for the push request leaves at once (one that pushed ignores it)
+                prefill.send("abort", {})
+            except ChildError:
+                pass  # the prefill side is already gone; our own error says more
+            raise
+        finally:
+            if decode is not None:
+                decode.close()
+            leave_group()
+            del store
