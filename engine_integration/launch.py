@@ -51,6 +51,10 @@ class ClusterConfig:
     secret: Optional[str] = field(default_factory=lambda: default_cluster_secret())
     pin_grace_s: Optional[float] = 10.0  #: see ``CoordinatorConfig.pin_grace_s``
     device: Optional[str] = None  #: None: a GPU where present, else the CPU
+    #: None: the embedded ZeroMQ coordinator; ``etcd://...``: the etcd fleet control plane
+    #: (``engine_integration.etcd_launch``; a private, secured etcd is started in demo mode)
+    control_plane: Optional[str] = None
+    etcd_password_file: Optional[str] = None  #: else ``$KVXFER_ETCD_PASSWORD_FILE`` (an etcd started here: its own)
 
 
 class DisaggCluster:
@@ -162,9 +166,18 @@ def generate_colocated(prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
             for r in (records[i] for i in range(len(prompts)))]
 
 
+def make_cluster(config: ClusterConfig = ClusterConfig()) -> Any:
+    """A ``DisaggCluster`` (coordinator), or an ``EtcdDisaggCluster`` when ``config.control_plane`` is etcd."""
+    if config.control_plane:
+        from engine_integration.etcd_launch import EtcdDisaggCluster
+
+        return EtcdDisaggCluster(config)
+    return DisaggCluster(config)
+
+
 def generate_disaggregated(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                            config: ClusterConfig = ClusterConfig()) -> list[GenerationResult]:
-    with DisaggCluster(config) as cluster:
+    with make_cluster(config) as cluster:
         return cluster.generate(prompts, max_new_tokens)
 
 
@@ -183,11 +196,12 @@ def read_prompts(path: str) -> list[list[int]]:
 
 
 def run_generate_command(prompts_path: str, max_new_tokens: int, *, disagg: bool, backend: str,
-                         timings: bool = False) -> int:
+                         timings: bool = False, control_plane: Optional[str] = None) -> int:
     """``kvxfer generate``: one JSON line per prompt (token ids, or ``{"error": ...}``); 1 if any failed."""
     prompts = read_prompts(prompts_path)
     if disagg:
-        results = generate_disaggregated(prompts, max_new_tokens, ClusterConfig(backend=backend))
+        results = generate_disaggregated(prompts, max_new_tokens,
+                                         ClusterConfig(backend=backend, control_plane=control_plane))
     else:
         results = generate_colocated(prompts, max_new_tokens)
     failed = 0

@@ -95,6 +95,10 @@ class HandoffSink:
         self._quarantine: list[_Import] = []
         self.pull_stats: dict[RequestId, PullStats] = {}  #: per admitted request; the engine pops it
         self._admitted = 0
+        #: called before a completed pull is committed (hashes registered, request admitted); a
+        #: returned reason fails the request instead (e.g. the etcd lease may have expired, so the
+        #: source may already have freed the blocks: ``engine_integration.etcd_engine``)
+        self.commit_guard: Optional[Callable[[], Optional[str]]] = None
 
     # --- inputs -----------------------------------------------------------------------
     def submit(self, descriptor: HandoffDescriptor, max_new_tokens: int) -> None:
@@ -220,6 +224,11 @@ class HandoffSink:
                                                   time.monotonic() - entry.started_at, entry.admit_seq,
                                                   entry.verified)
         table = entry.cached + entry.fresh
+        fenced = self.commit_guard() if self.commit_guard is not None and not entry.abort_reason else None
+        if fenced:  # the read completed (nothing in flight), but the bytes may not be this request's
+            self.adapter.free_blocks(table)
+            entry.state = KVPoll.Failed
+            return SinkEvent(d.request_id, KVPoll.Failed, True, n_cached, pulled, reason=fenced)
         n_full = len(d.block_hashes)
         self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])
         if entry.abort_reason:

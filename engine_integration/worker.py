@@ -33,10 +33,17 @@ class EngineSpec:
     secret: Optional[str] = None       #: travels to the host process on a pipe, never in argv
     secret_file: Optional[str] = None
     insecure: bool = False
+    control_plane: Optional[str] = None       #: ``etcd://...``: register there instead of with a coordinator
+    etcd_password_file: Optional[str] = None  #: the etcd user's password (a 0600 file; the path travels on the pipe)
 
 
 def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
-    """A registered ``DisaggDynamicInferenceEngine`` (raises ``RegistrationRefused``)."""
+    """A registered ``DisaggDynamicInferenceEngine`` (raises ``RegistrationRefused``);
+    with ``spec.control_plane`` an ``EtcdDisaggEngine`` registered in etcd."""
+    if spec.control_plane:
+        from engine_integration.etcd_engine import build_etcd_engine
+
+        return build_etcd_engine(spec)
     from engine_integration.engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import build_reference_engine
 
@@ -94,7 +101,12 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: i
         return 3
     procs.report({"ready": [e.identity for e in engines], "pid": os.getpid()}, ready_fd)
     try:
-        serve(engines)
+        if any(spec.control_plane for spec in specs):
+            from engine_integration.etcd_engine import serve_etcd
+
+            serve_etcd(engines)
+        else:
+            serve(engines)
     finally:
         for engine in engines:
             engine.disconnect(engine.shutdown_reason or "stopping")

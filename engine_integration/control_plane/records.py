@@ -88,6 +88,30 @@ class KeyLayout:
     def instance(self, name: str) -> str:
         return self.instances + check_name("instance name", name)
 
+    @property
+    def requests(self) -> str:
+        return self.root + "requests/"
+
+    @property
+    def results(self) -> str:
+        return self.root + "results/"
+
+    @property
+    def stats(self) -> str:
+        return self.root + "stats/"
+
+    def request(self, prefill: str, request_id: str) -> str:
+        """A client's request routed to ``prefill`` (under the client's lease; the prefill takes it once)."""
+        return f"{self.requests}{check_name('prefill', prefill)}/{check_name('request id', request_id)}"
+
+    def result(self, client: str, request_id: str) -> str:
+        """A request's progress and outcome for its client (always under the client's lease)."""
+        return f"{self.results}{check_name('client', client)}/{check_name('request id', request_id)}"
+
+    def stat(self, name: str) -> str:
+        """An engine's load figures (pins, queue, running), under its own lease."""
+        return self.stats + check_name("instance name", name)
+
     def handoff_prefix(self, source: str, request_id: str) -> str:
         return f"{self.handoffs}{check_name('source', source)}/{check_name('request id', request_id)}/"
 

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import kvxfer
 from kvxfer.cli import logs
-from kvxfer.cli.args import (HelpFormatter, Parser, add_common, backend_name, int_at_least, positive_seconds,
+from kvxfer.cli.args import (HelpFormatter, Parser, add_common, backend_name, control_plane_url, int_at_least,
+                             positive_seconds,
                              readable_file, writable_file)
 from kvxfer.cli.errors import INTERRUPTED, CommandError, one_line, report
 
@@ -37,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(parser, in_subcommand=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    _subparser(sub, "info", "version, backends and whether they can run here, transports").set_defaults(
-        func=commands.run_info)
+    info = _subparser(sub, "info", "version, backends and whether they can run here, transports, control plane")
+    info.add_argument("--control-plane", type=control_plane_url, metavar="URL",
+                      help="also check this etcd control plane's health (etcd://host:port[/cluster])")
+    info.set_defaults(func=commands.run_info)
 
     loop = _subparser(sub, "loopback", "a real prefill -> decode handoff on this machine, every byte verified")
     loop.add_argument("--backend", type=backend_name, help="transport (default: the best one that can run here)")
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="coordinator + prefill + decode processes on this machine (default: one co-located engine)")
     gen.add_argument("--backend", type=backend_name, help="transport for --disagg (default: the best one here)")
     gen.add_argument("--timings", action="store_true", help="print timings with the tokens")
+    gen.add_argument("--control-plane", type=control_plane_url, metavar="URL",
+                     help="with --disagg: the etcd fleet control plane instead of the embedded coordinator "
+                          "(etcd://host:port[/cluster][?ttl=5&poll=0.25]; etcd:// starts a private etcd)")
     gen.set_defaults(func=commands.run_generate)
 
     bench_parser = _subparser(sub, "bench", "sweep backends and baselines (two processes, every transfer verified)")

@@ -11,14 +11,33 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from kvxfer.cli.errors import UsageError
+
+#: Commands whose harness drives a push backend as well as pulls (both processes join a
+#: torch.distributed group). The others (soak, generate) drive pulls only.
+PUSH_COMMANDS = frozenset({"loopback", "bench"})
+
+#: The subcommand whose arguments are being parsed (its parser sets it), so that one
+#: ``--backend`` type can tell a command that drives pushes from one that does not.
+_parsing_command: ContextVar[str] = ContextVar("kvxfer_cli_parsing_command", default="")
 
 
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are :class:`UsageError` (the caller prints them)."""
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None,
+                         namespace: Optional[argparse.Namespace] = None) -> Any:
+        command = self.prog.split()[-1] if " " in self.prog else ""
+        token = _parsing_command.set(command) if command else None
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            if token is not None:
+                _parsing_command.reset(token)
 
     def error(self, message: str) -> NoReturn:
         fix = "" if message.rstrip().endswith(")") else f"see '{self.prog} --help'"
@@ -102,11 +121,14 @@ def executable_file(text: str) -> str:
     return text
 
 
-def check_backend(name: str, *, must_run: bool = True) -> str:
-    """``name`` normalised, if it is a registered pull backend (and, with ``must_run``, can run here).
+def check_backend(name: str, *, must_run: bool = True, allow_push: Optional[bool] = None) -> str:
+    """``name`` normalised, if it is a registered backend (and, with ``must_run``, can run here).
 
-    The harnesses (loopback, soak, bench, generate) drive one-sided pulls; a push
-    backend is refused by name rather than failing half-way through a run."""
+    Loopback and bench drive push backends too (``PUSH_COMMANDS``); soak and generate
+    drive one-sided pulls, so there a push backend is refused by name rather than
+    failing half-way through a run. ``allow_push`` None: decided by the command being parsed."""
+    if allow_push is None:
+        allow_push = _parsing_command.get() in PUSH_COMMANDS
     from kvxfer.backends import available_backends, normalize_name
 
     infos = {info.name: info for info in available_backends()}
@@ -124,10 +146,12 @@ def check_backend(name: str, *, must_run: bool = True) -> str:
                 raise argparse.ArgumentTypeError(
                     f"unknown backend {name!r} (choose one of: {known}; 'kvxfer info' shows which can run here)") from None
             raise argparse.ArgumentTypeError(f"{exc} (choose one of: {known})") from None
-    if info is not None and info.is_push:
+    if info is not None and info.is_push and not allow_push:
         pulls = ", ".join(sorted(n for n, i in infos.items() if not i.is_push))
-        raise argparse.ArgumentTypeError(f"backend {key!r} is a push backend, and this command drives pulls "
-                                         f"(choose one of: {pulls})")
+        command = f"'kvxfer {_parsing_command.get()}'" if _parsing_command.get() else "this command"
+        raise argparse.ArgumentTypeError(f"backend {key!r} is a push backend, and {command} drives pulls only "
+                                         f"(choose one of: {pulls}; 'kvxfer loopback' and 'kvxfer bench' "
+                                         f"run {key!r})")
     if must_run and info is not None and not info.available:
         raise argparse.ArgumentTypeError(f"backend {key!r} cannot run here: {info.reason} "
                                          "(fix that, or choose another backend; see 'kvxfer info')")
@@ -155,3 +179,34 @@ def add_common(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> None:
                         help="only errors on stderr, no progress display")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS if in_subcommand else False,
                         help="show the traceback of an error (a child process's too)")
+
+
+def control_plane_url(text: str) -> str:
+    """A type: an ``etcd://[user@]host:port[,host:port][/cluster][?ttl=S&poll=S]`` URL.
+
+    ``etcd://`` with no endpoint is the demo mode of ``generate``: a private etcd is started.
+    """
+    from urllib.parse import urlsplit
+
+    fix = "e.g. etcd://127.0.0.1:2379, or etcd:// to start a private etcd"
+    if not text.startswith("etcd://"):
+        raise argparse.ArgumentTypeError(f"control plane {text!r} is not an etcd:// URL ({fix})")
+    try:
+        parts = urlsplit(text)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if ":" in userinfo:
+            raise ValueError("put the etcd password in a file ($KVXFER_ETCD_PASSWORD_FILE), not in the URL")
+        for host in filter(None, hosts.split(",")):
+            name, sep, port = host.rpartition(":")
+            if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"endpoint {host!r} is not host:port")
+        from engine_integration.control_plane.etcd import parse_etcd_url
+        from engine_integration.control_plane.records import KeyLayout
+
+        config = parse_etcd_url(text if hosts else text.replace("etcd://", "etcd://127.0.0.1:2379", 1))
+        KeyLayout(config.cluster)
+        if config.ttl_s < 2 or not config.poll_interval_s > 0:
+            raise ValueError(f"ttl must be >= 2 s and poll > 0 s, got ttl={config.ttl_s} poll={config.poll_interval_s}")
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"control plane URL {text!r}: {exc} ({fix})") from None
+    return text

@@ -43,7 +43,7 @@ def _probe_value(key: str, value: Any, cuda: bool) -> str:
     return str(value)
 
 
-def run_info(_: argparse.Namespace) -> int:
+def run_info(args: argparse.Namespace) -> int:
     import torch
 
     from kvxfer.backends import available_backends, default_backend_name, transport_probes
@@ -61,7 +61,33 @@ def run_info(_: argparse.Namespace) -> int:
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  {cuda_line}")
     for name, details in transport_probes().items():
         console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={_probe_value(k, v, cuda)}" for k, v in details.items()))
+    console.print(control_plane_line(getattr(args, "control_plane", None)), highlight=False)
     return 0
+
+
+def control_plane_line(url: Optional[str]) -> str:
+    """``kvxfer info``'s control-plane line: the embedded coordinator, or an etcd fleet and its health."""
+    if not url:
+        return ("control plane: embedded ZeroMQ coordinator (default; 'kvxfer generate --disagg' starts one; "
+                "--control-plane etcd://host:port for a fleet)")
+    from urllib.parse import urlsplit
+
+    if not urlsplit(url).netloc.rpartition("@")[2]:
+        return "control plane: etcd, demo mode (each 'kvxfer generate --disagg' starts a private, secured etcd)"
+    from engine_integration.control_plane import ControlPlaneError, open_control_plane
+
+    try:
+        plane = open_control_plane(url, allow_unauthenticated=True)   # health only: no record is read here
+    except (ControlPlaneError, OSError, ValueError) as exc:
+        return f"control plane: etcd {url}: cannot connect: {exc}"
+    try:
+        health = plane.health()
+    finally:
+        plane.close()
+    if not health.ok:
+        return f"control plane: etcd {health.endpoint} cluster {plane.config.cluster!r}: UNHEALTHY: {health.detail}"
+    return (f"control plane: etcd {health.endpoint} cluster {plane.config.cluster!r}: healthy, etcd "
+            f"{health.server_version}, lease TTL {plane.config.ttl_s}s, poll {plane.config.poll_interval_s}s")
 
 
 # ---------------------------------------------------------------- loopback
@@ -110,24 +136,33 @@ def loopback_config(args: argparse.Namespace) -> Any:
 
 def print_loopback(result: Any) -> None:
     cfg = result.config
-    console.print(f"kvxfer loopback on [bold]{cfg.backend}[/bold]: {cfg.request_blocks} {cfg.pattern} blocks of a "
-                  f"[2, {cfg.num_layers}, {cfg.pool_blocks}, {cfg.tokens_per_block}, {cfg.num_heads}, {cfg.head_dim}] "
-                  f"{cfg.dtype} pool")
+    push = getattr(result, "direction", "pull") == "push"
+    how = ("push: decode posts receives, prefill sends 1 message of gathered byte runs" if push
+           else "pull: decode reads")
+    console.print(f"kvxfer loopback on [bold]{cfg.backend}[/bold] ({how}): {cfg.request_blocks} {cfg.pattern} blocks "
+                  f"of a [2, {cfg.num_layers}, {cfg.pool_blocks}, {cfg.tokens_per_block}, {cfg.num_heads}, "
+                  f"{cfg.head_dim}] {cfg.dtype} pool")
     table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
+    if push:  # one message per peer pair; the byte runs are what the prefill gathers and the decode scatters
+        labels = ("byte runs before coalescing", "byte runs after coalescing", "run plan build",
+                  "transfer time (receives posted -> landed)", "push done at prefill after", "push completion seen once")
+    else:
+        labels = ("descriptors before coalescing", "descriptors after coalescing", "descriptor build",
+                  "transfer time", "read-done at source after", "read-done received once")
     rows = [
         ("bytes moved", f"{result.bytes_moved:,} ({result.bytes_moved / 2**20:.1f} MiB)"),
-        ("descriptors before coalescing", f"{result.raw_descriptors:,}"),
-        ("descriptors after coalescing", f"{result.descriptors:,}"),
-        ("descriptor build", f"{result.plan_ms:.2f} ms"),
-        ("transfer time", f"{result.transfer_s * 1e3:.2f} ms"),
+        (labels[0], f"{result.raw_descriptors:,}"),
+        (labels[1], f"{result.descriptors:,}"),
+        (labels[2], f"{result.plan_ms:.2f} ms"),
+        (labels[3], f"{result.transfer_s * 1e3:.2f} ms"),
         ("bandwidth", f"{result.gbps:.2f} GB/s"),
-        ("read-done at source after", f"{result.read_done_s * 1e3:.2f} ms"),
+        (labels[4], f"{result.read_done_s * 1e3:.2f} ms"),
         ("blocks freed by prefill", f"{result.freed_blocks}"),
         ("bytes verified", "[green]exact[/green]" if result.verified else "[red]MISMATCH[/red]"),
         ("other blocks untouched", "[green]yes[/green]" if result.untouched_ok else "[red]NO[/red]"),
-        ("read-done received once", "[green]yes[/green]" if result.read_done_ok else "[red]NO[/red]"),
+        (labels[5], "[green]yes[/green]" if result.read_done_ok else "[red]NO[/red]"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -249,12 +284,17 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.backend and not args.disagg:
         raise UsageError("--backend only applies to a disaggregated run", "add --disagg, or drop --backend")
+    control_plane = getattr(args, "control_plane", None)
+    if control_plane and not args.disagg:
+        raise UsageError("--control-plane only applies to a disaggregated run", "add --disagg, or drop --control-plane")
     count = check_prompts(args.prompts)
     backend = args.backend or default_backend_name()
     where = f"disaggregated on {backend}" if args.disagg else "co-located"
+    if control_plane:
+        where += f", control plane {control_plane}"
     with DelayedProgress(f"generating {count} prompt(s), {where}", enabled=not args.quiet):
         status = run_generate_command(args.prompts, args.max_new_tokens, disagg=args.disagg, backend=backend,
-                                      timings=args.timings)
+                                      timings=args.timings, control_plane=control_plane)
     if status != 0:
         raise RunFailed("some requests failed", "each failed prompt's line on stdout says why")
     return 0
