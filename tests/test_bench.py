@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from kvxfer.bench.baselines import naive_nixl, ucx_perftest
+from kvxfer.bench.baselines import naive_nixl, ucp_get_cold, ucx_perftest
 from kvxfer.bench.config import KiB, MiB, BenchConfig, Point, parse_size, tiny_config
 from kvxfer.bench.results import POINT_FIELDS, PointResult
-from kvxfer.bench.targets import large_reads_vs_perftest, scattered_32k_vs_naive
+from kvxfer.bench.targets import large_reads_vs_perftest, reshard_vs_plain, scattered_32k_vs_naive
 from kvxfer.bench.worker import run_in_worker
 from kvxfer.cli import main
 
@@ -30,6 +30,8 @@ def test_bench_smoke_writes_every_field_and_verifies_every_transfer(tmp_path):
     out = tmp_path / "bench.json"
     # whatever is available quickly: memcpy always, ucx_perftest where installed (naive NIXL: its own test)
     baselines = "memcpy,ucx-perftest" if _perftest_available() else "memcpy"
+    if ucp_get_cold.availability() is None:
+        baselines += ",ucp-get-cold"
     rc = main(["bench", "--tiny", "--backends", "local", "--baselines", baselines, "--json", str(out),
                "--plot", str(tmp_path / "bench.png"), "--markdown", str(tmp_path / "benchmarks.md")])
     assert rc == 0
@@ -38,14 +40,16 @@ def test_bench_smoke_writes_every_field_and_verifies_every_transfer(tmp_path):
     assert report["command"].startswith("kvxfer bench --backends local")
     assert all(report["machine"][f] is not None for f in MACHINE_FIELDS)
     assert {"torch", "nixl", "ucx"} <= set(report["machine"]["versions"])
-    assert set(report["targets"]) == {"large_reads_vs_ucx_perftest", "scattered_32k_vs_naive_nixl",
+    assert set(report["targets"]) == {"large_reads_vs_ucx_perftest", "reshard_vs_plain", "scattered_32k_vs_naive_nixl",
                                       "reshard_descriptor_build"}
+    assert report["machine"]["llc_bytes"] is None or report["machine"]["llc_bytes"] > 0
     sources = {p["source"] for p in report["points"]}
     assert {"local", "memcpy"} <= sources
     for point in report["points"]:
         assert set(POINT_FIELDS) <= set(point), set(POINT_FIELDS) - set(point)
         assert point["ok"] and point["verified"] and point["error"] is None
-        assert point["bytes"] > 0 and point["repeats"] == 1 and point["gbps"] > 0
+        assert point["bytes"] > 0 and point["gbps"] > 0
+        assert point["repeats"] == 1 or point["source"] == "ucp-get-cold"  # it samples per batch of gets
     local = [p for p in report["points"] if p["source"] == "local"]
     assert {p["pattern"] for p in local} == {"contiguous", "scattered"}
     assert {p["reshard"] for p in local} == {False, True}  # TP 2 -> 1 points, verified like the others
@@ -53,10 +57,25 @@ def test_bench_smoke_writes_every_field_and_verifies_every_transfer(tmp_path):
     for p in local:
         assert p["descriptors"] <= p["raw_descriptors"] and p["build_ms"] is not None and p["read_done_ms_p50"] is not None
         assert p["bytes"] == p["num_blocks"] * 2 * 2 * p["slice_bytes"]  # tiny: 2 layers -> 4 planes
+        # per-request latency and the point's own gather ceiling (same ids, same run), plain and reshard alike
+        assert 0 < p["transfer_ms_p50"] <= p["transfer_ms_p99"]
+        assert p["gather_gbps"] > 0 and 0 < p["gather_ms_p50"] <= p["gather_ms_p99"]
+        assert p["vs_gather"] == pytest.approx(p["gbps"] / p["gather_gbps"])
+        assert "gather_error" not in p["extra"]
     md = (tmp_path / "benchmarks.md").read_text()
     assert report["command"] in md and "bench.png" in md
+    assert "x gather" in md and "Against the ceilings (same run)" in md
     if "ucx-perftest" in baselines:
         assert any(p["source"] == "ucx-perftest" for p in report["points"])
+    if "ucp-get-cold" in baselines:  # the inter-process ceiling at every coalesced size, compared per point
+        gets = [p for p in report["points"] if p["source"] == "ucp-get-cold"]
+        assert {p["slice_bytes"] for p in gets} == {4 * KiB, 8 * 4 * KiB}  # a slice, and 8 contiguous blocks' run
+        for g in gets:
+            assert g["verified"] and g["gbps"] > 0 and 0 < g["transfer_ms_p50"] <= g["transfer_ms_p99"]
+            assert g["extra"]["region_bytes"] >= 32 * MiB and g["extra"]["measured_gets"] > 0
+        for p in local:
+            assert p["get_gbps"] > 0 and p["get_size"] in {g["slice_bytes"] for g in gets}
+            assert p["get_size"] <= max(p["mean_descriptor_bytes"], 4 * KiB)
 
 
 
@@ -159,6 +178,42 @@ def test_targets_compare_like_with_like():
     results.append(reshard)
     large = large_reads_vs_perftest(results)["backends"]["nixl"]
     assert large["median_ratio"] == pytest.approx(0.95) and large["met"]
+    # with the over-the-LLC get in the run, it (not the cache-warm perftest) is the reference
+    cold = _point("ucp-get-cold", "baseline", 1 * MiB, 1, "contiguous", 19.0, 0.05, 1)
+    large = large_reads_vs_perftest(results + [cold])
+    assert large["reference"] == "ucp-get-cold" and large["backends"]["nixl"]["median_ratio"] == pytest.approx(0.5)
     scattered = scattered_32k_vs_naive(results)["backends"]
     assert set(scattered) == {"nixl"} and len(scattered["nixl"]["points"]) == 1
     assert scattered["nixl"]["min_speedup"] == pytest.approx(2.5) and scattered["nixl"]["met"]
+
+
+def test_reshard_is_compared_with_the_same_backends_plain_pull():
+    plain = _point("ucx", "backend", 32 * KiB, 16, "scattered", 2.0, 2.0, 128)
+    tp = _point("ucx", "backend", 32 * KiB, 16, "scattered", 1.0, 4.0, 128)
+    tp.reshard = True
+    other = _point("nixl", "backend", 32 * KiB, 16, "scattered", 9.0, 0.5, 128)  # another backend: never compared
+    entry = reshard_vs_plain([plain, tp, other])["backends"]
+    assert set(entry) == {"ucx"} and entry["ucx"]["min_ratio"] == pytest.approx(0.5) and not entry["ucx"]["met"]
+
+
+def test_gather_ceiling_copies_exactly_the_points_slices():
+    """The same-process ceiling lands the source's bytes at the point's ids, plain and TP 2 -> 1, and nothing else."""
+    import numpy as np
+    import torch
+
+    from kvxfer.bench.ceiling import GatherCeiling
+    from kvxfer.harness.loopback import SENTINEL, make_pool, untouched
+
+    cfg = tiny_config(slice_sizes=(4 * KiB,), repeats=2, warmup=0)
+    for point in cfg.points(reshard=True):
+        pool_cfg = cfg.pool_config("local", point.slice_bytes)
+        ceiling = GatherCeiling(pool_cfg, point.reshard)
+        dst = make_pool(pool_cfg, random_seed=None)
+        times, why = ceiling.measure(cfg, point, dst)
+        assert why is None and len(times) == 2 and all(t > 0 for t in times)
+        src_ids, dst_ids = (np.asarray(a) for a in cfg.request_config(pool_cfg, point, 1).block_ids())
+        joined = torch.cat(ceiling.sources, dim=4)  # TP ranks' heads side by side = the decode's layout
+        as_bytes = lambda t: t.contiguous().view(torch.uint8)  # random bytes hold NaNs: compare bits
+        assert torch.equal(as_bytes(dst[:, :, torch.from_numpy(dst_ids)]), as_bytes(joined[:, :, torch.from_numpy(src_ids)]))
+        if point.pattern == "contiguous":  # one repeat's ids: every other block still holds the sentinel
+            assert untouched(dst, pool_cfg.pool_blocks, dst_ids) and int(dst.view(torch.uint8).view(-1)[-1]) == SENTINEL

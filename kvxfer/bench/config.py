@@ -24,7 +24,7 @@ DEFAULT_BLOCK_COUNTS = (16, 128)
 #: small slices cost seconds per point; two sizes show the effect within the time budget.
 DEFAULT_RESHARD_SIZES = (32 * KiB, 1 * MiB)
 PATTERNS = ("contiguous", "scattered")
-DEFAULT_BASELINES = ("memcpy", "naive-nixl", "ucx-perftest", "mooncake")
+DEFAULT_BASELINES = ("memcpy", "naive-nixl", "ucx-perftest", "ucp-get-cold", "mooncake")
 
 #: Pool shape besides the head dim: [2, layers, blocks, TOKENS, HEADS, head_dim] in bf16.
 TOKENS_PER_BLOCK = 16
@@ -68,6 +68,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 60.0
     mooncake_python: Optional[str] = None  # interpreter with mooncake installed (default: this one)
+    get_region_bytes: Optional[int] = None  # ucp-get-cold's region per side (None: 2x the LLC, see get_region())
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,24 @@ class BenchConfig:
                     for pattern in self.patterns:
                         yield Point(size, n, pattern, reshard=tp_change)
 
+    def coalesced_sizes(self) -> list[int]:
+        """The message sizes plain pulls post: a slice (scattered ids) and a whole contiguous request's run
+        per plane (``blocks x slice``); the inter-process ceiling is measured at each."""
+        sizes = set(self.slice_sizes)
+        if "contiguous" in self.patterns:
+            sizes |= {self.capped_blocks(s, n) * s for s in self.slice_sizes for n in self.block_counts}
+        return sorted(sizes)
+
+    def get_region(self, llc_bytes: Optional[int], memory_bytes: Optional[int]) -> int:
+        """Bytes per side for ucp-get-cold: ``get_region_bytes``, else 2x the LLC (at least 256 MiB), never
+        more than an eighth of the memory nor 4 GiB; always at least twice the largest message."""
+        if self.get_region_bytes:
+            region = self.get_region_bytes
+        else:
+            region = max(2 * (llc_bytes or 128 * MiB), 256 * MiB)
+            region = min(region, 4096 * MiB, (memory_bytes or 1 << 40) // 8)
+        return max(region, 2 * max(self.coalesced_sizes()))
+
     def pool_config(self, backend: str, slice_bytes: int) -> LoopbackConfig:
         """The pool (both sides) for one slice size: twice the largest request, so scattered ids scatter."""
         largest = max(self.capped_blocks(slice_bytes, n) for n in self.block_counts)
@@ -141,6 +160,6 @@ def parse_size(text: str) -> int:
 def tiny_config(**overrides: object) -> BenchConfig:
     """A seconds-long sweep (tests, smoke runs): one small size, 8 blocks, 1 repeat."""
     base = dict(slice_sizes=(4 * KiB,), reshard_sizes=(4 * KiB,), block_counts=(8,), num_layers=2, repeats=1, warmup=1,
-                max_request_bytes=4 * MiB)
+                max_request_bytes=4 * MiB, get_region_bytes=32 * MiB)
     base.update(overrides)
     return BenchConfig(**base)  # type: ignore[arg-type]

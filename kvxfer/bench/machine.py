@@ -61,6 +61,31 @@ def ucx_version() -> Optional[str]:
     return getattr(libucx, "__version__", None)
 
 
+def llc_bytes() -> Optional[int]:
+    """The last-level cache (the highest-level data/unified cache cpu0 sees), from sysfs; else ``lscpu``."""
+    best: tuple[int, int] = (0, 0)
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        level, kind, size = (_read(str(index / f)).strip() for f in ("level", "type", "size"))
+        if kind == "Instruction" or not level.isdigit() or not size:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except ValueError:
+            continue
+        best = max(best, (int(level), value))
+    if best[1]:
+        return best[1]
+    try:
+        out = subprocess.run(["lscpu", "-B"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("L3 cache:"):
+                return int(line.split(":", 1)[1].split()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        pass
+    return None
+
+
 def load_average() -> Optional[list[float]]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -77,6 +102,7 @@ def describe() -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_bytes": memory_bytes(),
+        "llc_bytes": llc_bytes(),
         "kernel": platform.release(),
         "os": platform.platform(),
         "python": platform.python_version(),

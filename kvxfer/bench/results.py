@@ -62,6 +62,16 @@ class PointResult:
     read_done_ms_p99: Optional[float] = None
     gbps: Optional[float] = None
     gbps_mean: Optional[float] = None
+    # the point's own ceilings, measured in the same run (``kvxfer.bench.ceiling``):
+    # a same-process gather copy of exactly these slices (same ids, pattern and pool shapes) ...
+    gather_ms_p50: Optional[float] = None
+    gather_ms_p99: Optional[float] = None
+    gather_gbps: Optional[float] = None
+    vs_gather: Optional[float] = None  # gbps / gather_gbps
+    # ... and a two-process ucp_get stream at the coalesced message size over buffers larger than the LLC
+    get_size: Optional[int] = None  # the measured message size used (largest <= mean descriptor bytes)
+    get_gbps: Optional[float] = None
+    vs_get: Optional[float] = None  # gbps / get_gbps
     repeats: int = 0
     verified: bool = False
     error: Optional[str] = None
@@ -81,6 +91,13 @@ class PointResult:
             self.gbps = self.bytes / (self.transfer_ms_p50 / 1e3) / 1e9
             self.gbps_mean = self.bytes / (float(np.mean(s.transfer_ms)) / 1e3) / 1e9
         return self
+
+    def set_gather(self, samples_ms: Sequence[float]) -> None:
+        """The gather ceiling's per-request times (ms) -> its p50/p99, GB/s and this point's ratio to it."""
+        self.gather_ms_p50, self.gather_ms_p99 = percentile(samples_ms, 50), percentile(samples_ms, 99)
+        if self.gather_ms_p50 and self.bytes:
+            self.gather_gbps = self.bytes / (self.gather_ms_p50 / 1e3) / 1e9
+            self.vs_gather = self.gbps / self.gather_gbps if self.gbps else None
 
     @property
     def ok(self) -> bool:

@@ -56,17 +56,31 @@ class BenchReport:
         }
 
 
-def perftest_sizes(slice_sizes: Sequence[int]) -> list[int]:
-    """Every power of two from the smallest to the largest slice (and the slices themselves):
-    coalesced descriptors are multiples of a slice, and each is compared with the
-    largest ucx_perftest message that is not longer."""
+def perftest_sizes(slice_sizes: Sequence[int], coalesced: Sequence[int] = ()) -> list[int]:
+    """Every power of two from the smallest to the largest slice, the slices themselves and the
+    points' coalesced message sizes: each point is compared with the largest measured message
+    that is not longer than its mean descriptor."""
     lo, hi = min(slice_sizes), max(slice_sizes)
-    sizes = set(slice_sizes)
+    sizes = set(slice_sizes) | set(coalesced)
     size = 1 << (lo - 1).bit_length()
     while size <= hi:
         sizes.add(size)
         size <<= 1
     return sorted(sizes)
+
+
+def annotate_get_ceiling(results: Sequence[PointResult]) -> None:
+    """Give every transfer point (not the ceilings themselves) the ucp-get-cold figure at its coalesced
+    message size: the largest measured message not longer than its mean descriptor (else the smallest)."""
+    gets = sorted((r for r in results if r.source == "ucp-get-cold" and r.ok and r.gbps), key=lambda r: r.slice_bytes)
+    if not gets:
+        return
+    for r in results:
+        if r.source in ("ucp-get-cold", "ucx-perftest", "memcpy") or not r.ok or not r.gbps or not r.descriptors:
+            continue
+        fitting = [g for g in gets if g.slice_bytes <= r.mean_descriptor_bytes] or gets[:1]
+        ref = fitting[-1]
+        r.get_size, r.get_gbps, r.vs_get = ref.slice_bytes, ref.gbps, r.gbps / ref.gbps
 
 
 def _no_progress(name: str, total: int) -> Callable[[PointResult], None]:
@@ -113,7 +127,7 @@ def _torch_threads(n: Optional[int] = None) -> int:
 
 def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
     from kvxfer.backends import available_backends, normalize_name
-    from kvxfer.bench.baselines import memcpy, mooncake_te, naive_nixl, ucx_perftest
+    from kvxfer.bench.baselines import memcpy, mooncake_te, naive_nixl, ucp_get_cold, ucx_perftest
     from kvxfer.bench.worker import run_in_worker, silence_limit
 
     started = time.monotonic()
@@ -144,7 +158,7 @@ def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
             report.results += run_in_worker("kvxfer.bench.baselines.naive_nixl:run", (cfg, points), points,
                                             naive_nixl.NAME, "baseline", progress(naive_nixl.NAME, len(points)), silence)
     if "ucx-perftest" in cfg.baselines:
-        sizes = perftest_sizes(cfg.slice_sizes)
+        sizes = perftest_sizes(cfg.slice_sizes, cfg.coalesced_sizes())
         on_point = progress("ucx-perftest", len(sizes))
         outcome = ucx_perftest.run(sizes, timeout_s=cfg.timeout_s)
         if isinstance(outcome, Unavailable):
@@ -153,6 +167,18 @@ def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
             for res in outcome:
                 on_point(res)
             report.results += outcome
+    if "ucp-get-cold" in cfg.baselines:
+        missing = ucp_get_cold.availability()
+        if missing:
+            report.unavailable.append(missing)
+        else:
+            sizes = cfg.coalesced_sizes()
+            llc = report.machine.get("llc_bytes")
+            region = cfg.get_region(llc, report.machine.get("memory_bytes"))
+            report.results += run_in_worker("kvxfer.bench.baselines.ucp_get_cold:run",
+                                            (sizes, region, max(cfg.timeout_s, 60.0), llc),
+                                            [Point(size, 1, "contiguous") for size in sizes], ucp_get_cold.NAME,
+                                            "baseline", progress(ucp_get_cold.NAME, len(sizes)), silence)
     if "mooncake" in cfg.baselines:
         missing = mooncake_te.availability(cfg)
         outcome = missing or mooncake_te.run(cfg, points, progress("mooncake", len(points)))
@@ -163,6 +189,7 @@ def _run(cfg: BenchConfig, command: str, progress: Progress) -> BenchReport:
 
     build = (reshard_build.measure_build(repeats=max(3, 2 * cfg.repeats)) if reshard_on
              else {"status": "not measured: --reshard off"})
+    annotate_get_ceiling(report.results)
     report.targets = targets.evaluate(report.results, build)
     report.machine["load_average_end"] = machine.load_average()
     report.runtime_s = time.monotonic() - started

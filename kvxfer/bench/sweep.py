@@ -23,6 +23,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
+from kvxfer.bench.ceiling import GatherCeiling
 from kvxfer.bench.config import RESHARD_SRC_TP, BenchConfig, Point
 from kvxfer.bench.results import PointResult
 from kvxfer.bench.source import SourceClient, agent_name, open_source, shard_backend
@@ -66,6 +67,7 @@ def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_poin
                                            num_heads_global=pool_cfg.num_heads, global_rank=100)
                 else:
                     decode = make_backend(pool_cfg, "decode", pool, agent_name=agent_name("dst", tag))
+                ceiling = GatherCeiling(pool_cfg, reshard)
             except Exception as exc:  # a size that cannot be set up fails its points, not the run
                 for point in group:
                     failed = _result(backend, point, source)
@@ -77,6 +79,11 @@ def run_backend(cfg: BenchConfig, backend: str, points: Iterable[Point], on_poin
             try:
                 for point in group:
                     res = measure_point(cfg, point, pool_cfg, source, metas, decode, pool, request_ids)
+                    if res.ok:  # the point's own ceiling, right after it, into the same destination pool
+                        times, why = ceiling.measure(cfg, point, pool)
+                        res.set_gather(times)
+                        if why:
+                            res.extra["gather_error"] = why
                     results.append(res)
                     if on_point:
                         on_point(res)

@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="interpreter that has mooncake installed (default: this one)")
     p.add_argument("--timeout", type=positive_seconds, default=60.0, help="per-transfer timeout, seconds")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the block id patterns and pool bytes")
+    p.add_argument("--get-region-mib", type=int_at_least(1), metavar="MIB",
+                   help="ucp-get-cold: bytes per side it cycles through (default: 2x the last-level cache, >= 256 MiB)")
+    p.add_argument("--note", metavar="TEXT", help="a sentence for the --markdown page (e.g. what else ran on the machine)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke sweep (one small size, 1 repeat)")
     p.add_argument("--json", type=writable_file, default="bench-results/bench.json", metavar="PATH",
                    help="write every figure here")
@@ -93,7 +96,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's config; a combination that cannot run raises ``UsageError`` (exit 2) before anything runs."""
     baselines = tuple(b for b in args.baselines if b != "none")
     common = dict(backends=args.backends or default_backends(), baselines=baselines, patterns=args.patterns,
-                  reshard="on" if args.reshard == "auto" else args.reshard, seed=args.seed, timeout_s=args.timeout, mooncake_python=args.mooncake_python)
+                  reshard="on" if args.reshard == "auto" else args.reshard, seed=args.seed, timeout_s=args.timeout,
+                  mooncake_python=args.mooncake_python)
+    if getattr(args, "get_region_mib", None):
+        common["get_region_bytes"] = args.get_region_mib * MiB
     try:
         if args.tiny:
             return tiny_config(**common)
@@ -118,6 +124,10 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
              "--reshard-sizes", _sizes(cfg.reshard_sizes), "--seed", str(cfg.seed)]
     if cfg.mooncake_python:
         parts += ["--mooncake-python", cfg.mooncake_python]
+    if cfg.get_region_bytes:
+        parts += ["--get-region-mib", str(cfg.get_region_bytes // MiB)]
+    if getattr(args, "note", None):
+        parts += ["--note", args.note]
     for flag in ("json", "plot", "markdown"):
         if getattr(args, flag, None):
             parts += [f"--{flag}", getattr(args, flag)]
@@ -171,5 +181,6 @@ def _write_outputs(args: argparse.Namespace, report: Any, command: str, console:
     if args.markdown:
         md = Path(args.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(markdown(report, _relative(plot_path, md), command, _relative(Path(args.json), md) if args.json else None))
+        md.write_text(markdown(report, _relative(plot_path, md), command, _relative(Path(args.json), md) if args.json else None,
+                               note=getattr(args, "note", None)))
         console.print(f"markdown: {md}")
