@@ -436,14 +436,14 @@ def test_vram_rejected_when_ucx_tls_has_no_cuda(monkeypatch):
 
 
 def test_idle_agent_does_not_spin_a_core():
-    """NIXL's wrapper runs its progress thread without a pause; kvxfer gives it one (1 ms)."""
+    """NIXL's wrapper runs its progress thread without a pause; kvxfer gives it one (2 ms: ~1.4% of a core)."""
     backend = NixlBackend("idle-cpu", torch.zeros(2, 2, 16, 4, 2, 8), 16)
     try:
         backend.export_meta()
         start = time.process_time()
         time.sleep(2.0)
         used = time.process_time() - start
-        assert used < 0.4, f"an idle NIXL backend used {used:.2f}s of CPU in 2s (a spinning progress thread)"
+        assert used < 0.1, f"an idle NIXL backend used {used:.2f}s of CPU in 2s (a spinning progress thread)"
     finally:
         backend.close()
 
