@@ -153,3 +153,20 @@ def test_oracle_copies_exactly_whatever_word_fits(shape, offset):
     finally:
         src.close()
         dst.close()
+
+
+def test_verified_meta_cache_never_lets_a_changed_field_through():
+    """A verified meta is remembered by its seal; a later one must match it field for field, type for type."""
+    src, dst, _, dst_pool = _pair()
+    meta = src.export_meta()
+    dst.begin_pull_blocks(meta, [1], [2], request_id=1).wait(5)  # verified and remembered
+    dst.begin_pull_blocks(json.loads(json.dumps(meta)), [3], [4], request_id=2).wait(5)  # same fields: cached
+    before = dst_pool.clone()
+    for change in ({"base_addr": meta["base_addr"] + 64}, {"base_addr": float(meta["base_addr"])},
+                   {"num_blocks": True} if meta["num_blocks"] == 1 else {"num_blocks": meta["num_blocks"] - 1}):
+        with pytest.raises(PeerMetadataError, match="integrity check"):
+            dst.begin_pull_blocks({**meta, **change}, [1], [5])
+    meta["base_addr"] += 64  # the caller's own dict changed after the first pull: still refused
+    with pytest.raises(PeerMetadataError, match="integrity check"):
+        dst.begin_pull_blocks(meta, [1], [5])
+    assert torch.equal(dst_pool.view(torch.uint8), before.view(torch.uint8))

@@ -18,12 +18,13 @@ here; a transport implements the few ``_``-prefixed hooks.
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, Hashable, Mapping, Optional, Sequence
 
@@ -360,6 +361,7 @@ class KVTransportBackend(ABC):
         self.ssm_layout = None if ssm_layout is None else SSMShardLayout.coerce(ssm_layout)
         self.ssm_state_kind = ssm_state_kind
         self._closed = False
+        self._verified = _VerifiedMetas()
         self._stats = TransferStats()
         self._request_counter = itertools.count()
         self._read_done: deque[RequestId] = deque()
@@ -585,16 +587,25 @@ class KVTransportBackend(ABC):
 
     # --- shared machinery -----------------------------------------------------------------
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        """Check one source record's seal and fields; only sealed fields are read."""
-        peer_meta = check_meta_seal(peer_meta, self._meta_key, allow_unauthenticated=self._allow_unauthenticated)
-        peer = parse_geometry_meta(peer_meta)
-        if peer_meta.get("backend") != self.name:
+        """Check one source record's seal and fields; only sealed fields are read.
+
+        A peer's meta is the same for every request, so a verified one is remembered
+        (``_VerifiedMetas``): a later meta whose sealed fields are identical, type for
+        type, skips the canonical JSON, hashing and parsing.
+        """
+        cached = self._verified.lookup(peer_meta)
+        if cached is not None:
+            return cached
+        sealed = check_meta_seal(peer_meta, self._meta_key, allow_unauthenticated=self._allow_unauthenticated)
+        peer = parse_geometry_meta(sealed)
+        if sealed.get("backend") != self.name:
             raise PeerMetadataError(
-                f"peer meta field 'backend' is {peer_meta.get('backend')!r}; this is the {self.name!r} backend, "
+                f"peer meta field 'backend' is {sealed.get('backend')!r}; this is the {self.name!r} backend, "
                 "and both sides must use the same one"
             )
-        if not isinstance(peer_meta.get("agent_name"), str) or not peer_meta["agent_name"]:
+        if not isinstance(sealed.get("agent_name"), str) or not sealed["agent_name"]:
             raise PeerMetadataError("peer meta field 'agent_name' must be a non-empty string")
+        self._verified.store(peer_meta, sealed, peer)
         return peer
 
     def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
@@ -653,6 +664,60 @@ class KVTransportBackend(ABC):
         """Register the staging region as a read destination (``supports_staging`` transports);
         ``_deregister`` releases it."""
         raise NotImplementedError(f"the {self.name} backend cannot read into a staging region")
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Equal and of the same types all the way down (``1 == 1.0 == True`` does not count)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _VerifiedMetas:
+    """Peer metas already verified and parsed, keyed by their seal (bounded, most recent kept)."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._entries: "OrderedDict[tuple, tuple[dict[str, Any], PeerGeometry]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(meta: Any) -> Optional[tuple]:
+        seal = meta.get("meta_seal") if isinstance(meta, Mapping) else None
+        if not isinstance(seal, Mapping):
+            return None
+        key = (seal.get("sha256"), seal.get("hmac"))
+        return key if all(isinstance(part, (str, type(None))) for part in key) else None
+
+    def lookup(self, meta: Any) -> Optional[PeerGeometry]:
+        key = self._key(meta)
+        if key is None:
+            return None
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+        if entry is None:
+            return None
+        sealed, peer = entry
+        missing = object()
+        if all(_identical(meta.get(name, missing), value) for name, value in sealed.items()):
+            return peer
+        return None
+
+    def store(self, meta: Any, sealed: dict[str, Any], peer: PeerGeometry) -> None:
+        key = self._key(meta)
+        if key is None:
+            return
+        with self._lock:
+            self._entries[key] = (copy.deepcopy(sealed), peer)  # the caller may mutate its meta later
+            while len(self._entries) > self.LIMIT:
+                self._entries.popitem(last=False)
 
 
 def _drain(queue: deque) -> list:
