@@ -112,6 +112,7 @@ class _Request:
     decode: Optional[bytes] = None
     descriptor: Optional[wire.Descriptor] = None
     source_pinned: bool = False            # the prefill may still hold pins for it
+    push_forwarded: bool = False           # push backends: the prefill was told to push (PushKV)
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
     pulled_blocks: int = 0
@@ -294,10 +295,16 @@ class Coordinator:
                 req.timings["handoff_s"] = time.monotonic() - req.timings.pop("_handoff_t0", time.monotonic())
         elif isinstance(msg, wire.ReadDone):
             self._read_done(msg.request_id)
+        elif isinstance(msg, wire.SendKV):
+            self._send_kv(eng, msg)
         elif isinstance(msg, wire.Finished):
             self._finish(msg.request_id, tokens=msg.tokens)
         elif isinstance(msg, wire.Failed):
-            self._finish(msg.request_id, error=msg.reason)
+            req = self.requests.get(msg.request_id)
+            if req is not None and req.push_forwarded and eng.zmq_id == req.prefill and req.stage != "done":
+                self._fail_request(req, msg.reason)  # a refused push: the decode's receives must be dropped too
+            else:
+                self._finish(msg.request_id, error=msg.reason)
         elif isinstance(msg, wire.Goodbye):
             self._remove(eng, f"{eng.reg.role} {eng.identity!r} left: {msg.reason or 'goodbye'}", confirmed=True)
 
@@ -308,7 +315,8 @@ class Coordinator:
         send: an insider must not release another reader's pins or forge a source.
         """
         role = eng.reg.role
-        if isinstance(msg, (wire.HandoffReady, wire.TransferReady, wire.ReadDone, wire.Finished, wire.Failed)):
+        if isinstance(msg, (wire.HandoffReady, wire.TransferReady, wire.ReadDone, wire.SendKV, wire.Finished,
+                            wire.Failed)):
             req = self.requests.get(msg.request_id)
             if req is None:
                 return None  # a late message about a request already gone: harmless, ignored by the handlers
@@ -332,7 +340,8 @@ class Coordinator:
                     return f"request {msg.request_id} is not on this engine"
             elif role != "decode" or req.decode != eng.zmq_id:
                 return f"request {msg.request_id} was not routed to this engine for decode"
-        elif isinstance(msg, (wire.Registered, wire.AddRequest, wire.PeerMeta, wire.StartDecode, wire.Release,
+        elif isinstance(msg, (wire.Registered, wire.AddRequest, wire.PeerMeta, wire.StartDecode, wire.PushKV,
+                              wire.Release,
                               wire.Abort, wire.Result, wire.Stats)):
             return "a coordinator-to-engine message sent to the coordinator"
         return None
@@ -411,6 +420,37 @@ class Coordinator:
             self.send(prefill.zmq_id, wire.Release([rid], "decode read done"))
         if req.stage == "done":
             self._forget(req)
+
+    def _send_kv(self, decode: _Engine, msg: wire.SendKV) -> None:
+        """Push backends: the decode posted its receives; tell the prefill to push (Megatron's SEND_KV).
+
+        The decode's meta must be the one it registered: an insider cannot point a push at
+        another rank. A refused ask fails the request at once; the prefill was never told to
+        push, so nothing reads its blocks and its pins are released too.
+        """
+        req = self.requests.get(msg.request_id)
+        if req is None or req.stage == "done":
+            return
+        why = None
+        if msg.decode_meta != list(decode.reg.transfer_meta):
+            why = f"decode {decode.identity!r} asked for a push with a meta that is not its registered one"
+        elif req.push_forwarded:
+            why = f"decode {decode.identity!r} asked twice for the push of request {req.rid}"
+        elif req.descriptor is None or msg.skip_blocks >= len(req.descriptor.block_ids):
+            why = (f"decode {decode.identity!r} asked to skip {msg.skip_blocks} blocks of a "
+                   f"{len(req.descriptor.block_ids) if req.descriptor else 0}-block request")
+        prefill = self.engines.get(req.prefill) if req.prefill else None
+        if why is None and (prefill is None or not prefill.alive):
+            why = "its prefill is gone"
+        if why is not None:
+            self._refuse(decode, msg, why)
+            self._fail_request(req, f"push refused: {why}")
+            if not req.push_forwarded:
+                self._read_done(req.rid)
+            return
+        req.push_forwarded = True
+        assert prefill is not None
+        self.send(prefill.zmq_id, wire.PushKV(req.rid, decode.identity, list(msg.decode_meta), msg.skip_blocks))
 
     # --- routing --------------------------------------------------------------------------
     def _alive(self, role: str) -> list[_Engine]:

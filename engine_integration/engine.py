@@ -102,6 +102,13 @@ class InferenceStateHandoffMixin:
         static meta, and its allocator bumps a block's counter whenever the block is freed
         or reallocated; a decode registers a small scratch vector and checks those counters
         after each pull. It costs one extra small read per request.
+
+        A push backend (``is_push``, e.g. ``nccl``) needs this process in the backend's
+        process group before this call (``engine_integration.worker`` joins it). It runs
+        Megatron's push order: the decode posts its receives, then asks its prefill to push
+        (``push_outbox`` / ``_request_push``), and the prefill pushes (``push_handoff``).
+        Reads are not verified there (the generation counters are read by a pull); the
+        fingerprint of the source block ids in each pushed message's header is checked instead.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -111,6 +118,8 @@ class InferenceStateHandoffMixin:
         cls = construct_kv_transfer_backend_class(backend)
         self._kv_backend = cls(identity, **self.context.backend_kwargs(), timeout_s=timeout_s)  # type: ignore[attr-defined]
         self.role, self.identity, self.backend_name = role, identity, cls.name
+        self.is_push = bool(cls.is_push)
+        verify_reads = verify_reads and not self.is_push
         generations_meta = None
         if verify_reads and role == PREFILL:
             self._generations = BlockGenerations(self._kv_backend)
@@ -123,12 +132,15 @@ class InferenceStateHandoffMixin:
         self._exported: dict[RequestId, HandoffDescriptor] = {}
         self.handoff_outbox: list[HandoffDescriptor] = []
         self.handoff_events: list[SinkEvent] = []
+        self.push_outbox: list[tuple[RequestId, int]] = []  #: push backends, decode: (request, skip_blocks) to push
         adapter = _EngineAdapter(self)  # type: ignore[arg-type]
         if role == PREFILL:
             self._handoff_source = HandoffSource(adapter, self._kv_backend, identity, generations=self._generations)
         else:
             self._handoff_sink = HandoffSink(adapter, self._kv_backend, self._lookup_peer_meta,
                                              queue_timeout_s=queue_timeout_s, checker=self._generation_checker)
+            if self.is_push:
+                self._handoff_sink.on_posted = self._request_push
 
     @property
     def transfer_meta(self) -> list[dict[str, Any]]:
@@ -146,6 +158,16 @@ class InferenceStateHandoffMixin:
         """Decode: queue a handed-off request (its source's meta must be added first or soon)."""
         self._require(DECODE)
         self._handoff_sink.submit(descriptor, max_new_tokens)  # type: ignore[union-attr]
+
+    def _request_push(self, request_id: RequestId, skip_blocks: int) -> None:
+        """Decode, push backends: our receives are posted; ask the prefill to push (Megatron's SEND_KV)."""
+        self.push_outbox.append((request_id, skip_blocks))
+
+    def push_handoff(self, request_id: RequestId, decode_metas: Sequence[dict[str, Any]], skip_blocks: int = 0) -> None:
+        """Prefill, push backends: push a pinned request to the decode ranks of ``decode_metas``
+        (the decode's registered transfer metas), which posted their receives first."""
+        self._require(PREFILL)
+        self._handoff_source.push(request_id, decode_metas, skip_blocks)  # type: ignore[union-attr]
 
     def release_handoff(self, request_id: RequestId) -> bool:
         """Prefill: the control plane says no read of this request can be in flight."""
@@ -232,6 +254,9 @@ class StateHandoffDynamicInferenceEngine(InferenceStateHandoffMixin, ReferenceDy
         if self._handoff_source is not None:
             for request_id, state in self._handoff_source.poll_transport():
                 self._on_source_released(request_id, state)
+            if self._handoff_source.is_push:
+                for request_id, reason in self._handoff_source.drain_push_failures():
+                    self._on_push_failed(request_id, reason)
 
     def _send_requests_to_coordinator(self, requests: list[InferenceRequest]) -> None:
         """Register external handoffs before publishing their source descriptors.
@@ -250,6 +275,9 @@ class StateHandoffDynamicInferenceEngine(InferenceStateHandoffMixin, ReferenceDy
 
     def _on_source_released(self, request_id: RequestId, state: KVPoll) -> None:
         """Hook: the source released a request's pins (``state`` says how it ended)."""
+
+    def _on_push_failed(self, request_id: RequestId, reason: str) -> None:
+        """Hook, push backends: a push of ours failed (its pins are already released)."""
 
     def _record_and_serialize_finished_request(self, request: InferenceRequest) -> Optional[dict[str, Any]]:
         """A prefill handoff is intermediate, not a ledger/stager completion."""
@@ -387,6 +415,13 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         """
         return self.transfer_meta
 
+    def _request_push(self, request_id: RequestId, skip_blocks: int) -> None:
+        """Push backends: our receives are posted; the coordinator forwards our meta to the prefill."""
+        self._send(wire.SendKV(request_id, self.transfer_meta, skip_blocks))  # type: ignore[arg-type]
+
+    def _on_push_failed(self, request_id: RequestId, reason: str) -> None:
+        self._send(wire.Failed(request_id, f"prefill {self.identity!r}: {reason}"[:wire.MAX_TEXT]))  # type: ignore[arg-type]
+
     def _notify_kv_read_done(self, request_id: RequestId) -> None:
         """Tell the native coordinator that decode no longer needs source storage."""
         self._send(wire.ReadDone(request_id))  # type: ignore[arg-type]
@@ -457,6 +492,8 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         sink = self._handoff_sink
         if sink is not None and (sink.num_transferring or sink.num_queued or sink.num_quarantined_blocks):
             return 0.001
+        if self._handoff_source is not None and self._handoff_source.pushes_in_flight:
+            return 0.001
         return self.heartbeat_interval_s
 
     def _poll_messages(self) -> int:
@@ -492,6 +529,14 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             self.add_peer_transfer_meta(msg.identity, msg.transfer_meta)
         elif isinstance(msg, wire.StartDecode):
             self.add_handoff(HandoffDescriptor.from_dict(wire.descriptor_dict(msg.descriptor)), msg.max_new_tokens)
+        elif isinstance(msg, wire.PushKV):
+            try:
+                self.push_handoff(msg.request_id, msg.decode_meta, msg.skip_blocks)
+            except (KVXferError, KeyError, ValueError, RuntimeError) as exc:
+                log.warning("prefill %r: refused the push of request %s to %r: %s", self.identity, msg.request_id,
+                            msg.decode_identity, exc)
+                self._send(wire.Failed(msg.request_id, (f"prefill {self.identity!r} refused the push to "  # type: ignore[arg-type]
+                                                        f"{msg.decode_identity!r}: {exc}")[:wire.MAX_TEXT]))
         elif isinstance(msg, wire.Release):
             for request_id in msg.request_ids:
                 self.release_handoff(request_id)

@@ -3,6 +3,13 @@
 ``DisaggCluster`` starts a coordinator and engine host processes on loopback and stops
 them (every wait bounded); with the in-process ``local`` transport the prefill and
 decode engines share one host process, with any other transport each gets its own.
+
+A push backend (``is_push``: ``nccl``) needs every engine in one ``torch.distributed``
+world. The launcher hosts its TCP store (a port of 127.0.0.1 the OS picks), fixes the
+ranks at launch (prefill 0, decode 1; world size = number of engines) and each engine
+host joins before it builds its backend: Gloo for host pools, ``cpu:gloo,cuda:nccl`` for
+GPU pools. The world cannot grow or heal, so restarting an engine (``start_engine``) is
+refused for push backends: restart the whole cluster instead.
 """
 
 from __future__ import annotations
@@ -64,7 +71,10 @@ class DisaggCluster:
         from kvxfer.backends import construct_kv_transfer_backend_class
 
         self.config = config
-        self.backend = construct_kv_transfer_backend_class(config.backend).name
+        cls = construct_kv_transfer_backend_class(config.backend)
+        self.backend = cls.name
+        self.is_push = bool(cls.is_push)
+        self._store: Any = None  # push backends: the process group's TCP store, hosted here
         self.coordinator: Any = None
         self.address = ""
         self.hosts: list[EngineHost] = []
@@ -86,12 +96,50 @@ class DisaggCluster:
             heartbeat_timeout_s=c.heartbeat_timeout_s, request_timeout_s=c.request_timeout_s, secret=c.secret,
             pin_grace_s=c.pin_grace_s))
         prefill, decode = self.spec("prefill", "prefill-0"), self.spec("decode", "decode-0")
+        if self.is_push:
+            prefill, decode = self._join_world([prefill, decode])
         groups = [[prefill, decode]] if self.backend in IN_PROCESS_BACKENDS else [[prefill], [decode]]
         self.hosts.extend(start_engine_hosts(groups, self.address))
         return self
 
+    def _join_world(self, specs: list[EngineSpec]) -> list[EngineSpec]:
+        """Push backends: host the world's TCP store; each spec gets its rank (fixed: the list's order)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        c = self.config
+        join_timeout_s = 60.0
+        self._store = dist.TCPStore("127.0.0.1", 0, len(specs), is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=join_timeout_s))
+        on_gpu = [s for s in specs if not s.device.startswith("cpu")]
+        group_backend = "cpu:gloo,cuda:nccl" if on_gpu else "gloo"
+        if on_gpu:  # NCCL refuses two ranks on one GPU: rank r's pool goes on cuda:r
+            import torch
+
+            from kvxfer.errors import BackendUnavailableError
+
+            if torch.cuda.device_count() < len(specs):
+                raise BackendUnavailableError(
+                    f"the {self.backend} backend puts each of the {len(specs)} engines on its own GPU (NCCL refuses "
+                    f"two ranks on one device), and this machine has {torch.cuda.device_count()}; run the pools in "
+                    "host memory over Gloo instead (ClusterConfig(device='cpu'), or CUDA_VISIBLE_DEVICES= for "
+                    "'kvxfer generate')")
+            specs = [replace(s, device=f"cuda:{rank}") for rank, s in enumerate(specs)]
+        world = {"host": "127.0.0.1", "port": int(self._store.port), "world_size": len(specs),
+                 "backend": group_backend, "join_timeout_s": join_timeout_s,
+                 "timeout_s": max(300.0, 2 * c.transfer_timeout_s)}
+        return [replace(s, process_group={**world, "rank": rank}) for rank, s in enumerate(specs)]
+
     def start_engine(self, spec: EngineSpec) -> EngineHost:
-        """Another engine host (e.g. a restarted decode); raises ``EngineStartError`` if refused."""
+        """Another engine host (e.g. a restarted decode); raises ``EngineStartError`` if refused.
+
+        Refused for push backends: their process group's world is fixed at launch."""
+        if self.is_push:
+            from engine_integration.worker import EngineStartError
+
+            raise EngineStartError(f"the {self.backend} backend's process group is fixed at launch: an engine "
+                                   "cannot join or rejoin it; restart the whole cluster")
         host = start_engine_host([spec], self.address)
         self.hosts.append(host)
         return host
@@ -133,6 +181,7 @@ class DisaggCluster:
         for host in self.hosts:
             host.stop()
         self.hosts = []
+        self._store = None
 
     def __enter__(self) -> "DisaggCluster":
         try:
@@ -169,6 +218,12 @@ def generate_colocated(prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
 def make_cluster(config: ClusterConfig = ClusterConfig()) -> Any:
     """A ``DisaggCluster`` (coordinator), or an ``EtcdDisaggCluster`` when ``config.control_plane`` is etcd."""
     if config.control_plane:
+        from kvxfer.backends import construct_kv_transfer_backend_class
+        from kvxfer.errors import BackendUnavailableError
+
+        if construct_kv_transfer_backend_class(config.backend).is_push:
+            raise BackendUnavailableError(f"the push backend {config.backend!r} runs with the embedded coordinator only, "
+                             "not on the etcd control plane (drop --control-plane, or choose a pull backend)")
         from engine_integration.etcd_launch import EtcdDisaggCluster
 
         return EtcdDisaggCluster(config)

@@ -99,6 +99,10 @@ class HandoffSink:
         #: returned reason fails the request instead (e.g. the etcd lease may have expired, so the
         #: source may already have freed the blocks: ``engine_integration.etcd_engine``)
         self.commit_guard: Optional[Callable[[], Optional[str]]] = None
+        #: push backends (``backend.is_push``): called as ``on_posted(request_id, skip_blocks)`` once a
+        #: request's receives are posted, to ask its prefill to push (Megatron's SEND_KV); ``skip_blocks``
+        #: is the cached prefix that is not received. The pull path never calls it.
+        self.on_posted: Optional[Callable[[RequestId, int], None]] = None
 
     # --- inputs -----------------------------------------------------------------------
     def submit(self, descriptor: HandoffDescriptor, max_new_tokens: int) -> None:
@@ -196,6 +200,8 @@ class HandoffSink:
             entry.state = KVPoll.Failed
             return [SinkEvent(d.request_id, KVPoll.Failed, True, reason=f"pull refused: {exc}")]
         self._transferring[d.request_id] = entry
+        if self.on_posted is not None and getattr(self.backend, "is_push", False):
+            self.on_posted(d.request_id, len(entry.cached))
         return []
 
     def _poll_transfers(self) -> list[SinkEvent]:

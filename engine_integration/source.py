@@ -15,6 +15,14 @@ counters of its blocks at pin time, so a reader can prove it read this request's
 even if a bug elsewhere freed a pinned block early. Verified reads deliver their
 read-done on the counters' registration, so the reports are then drained through
 ``generations``, which merges both registrations.
+
+A push backend (``backend.is_push``, e.g. ``nccl``) is driven in Megatron's order: the
+decode posts its receives and asks, and ``push`` sends the request's blocks (from the
+decode's cached prefix on). Then the pins go only when the send handle has finished
+(polled here) *and* the control plane's ``release`` came (the decode's read-done);
+whichever arrives second frees them. A push that fails frees them at once (the blocks
+were gathered into staging before anything was posted, so nothing reads them) and is
+reported by ``drain_push_failures``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any, Optional, Sequence
 from engine_integration.adapter import HandoffEngineAdapter
 from engine_integration.descriptor import HandoffDescriptor, RequestId
 from engine_integration.poll import KVPoll
+from kvxfer.errors import KVXferError
 
 _FINAL_HISTORY = 4096  # final states remembered, so late duplicate reports are recognised
 
@@ -34,6 +43,9 @@ _FINAL_HISTORY = 4096  # final states remembered, so late duplicate reports are 
 class _Export:
     descriptor: HandoffDescriptor
     state: KVPoll = KVPoll.WaitingForInput
+    push: Any = None             #: push backends: the send handle while it has not finished
+    pushed: bool = False         #: push backends: a push was started for this request
+    reader_done: bool = False    #: push backends: ``release`` came while the push was in flight
 
 
 class HandoffSource:
@@ -49,6 +61,8 @@ class HandoffSource:
         self.meta_index = meta_index
         self._live: dict[RequestId, _Export] = {}
         self._final: OrderedDict[RequestId, KVPoll] = OrderedDict()
+        self.is_push = bool(getattr(backend, "is_push", False))
+        self._push_failures: list[tuple[RequestId, str]] = []
 
     def export(self, request_id: RequestId, block_ids: Sequence[int], prompt: Sequence[int],
                resume_tokens: Sequence[int]) -> HandoffDescriptor:
@@ -68,11 +82,52 @@ class HandoffSource:
         self._live[request_id] = _Export(descriptor)
         return descriptor
 
+    def push(self, request_id: RequestId, decode_metas: Sequence[Any], skip_blocks: int = 0) -> None:
+        """Push backends: send the request's blocks from ``skip_blocks`` on to the decode ranks of
+        ``decode_metas`` (their registered transfer metas), which have posted their receives.
+
+        Raises (``KeyError``, ``ValueError``, the backend's ``KVXferError``) when the push is
+        refused before anything was posted; a refusal by the backend also releases the pins,
+        since nothing can read the blocks then.
+        """
+        from engine_integration.descriptor import split_transfer_meta
+
+        if not self.is_push:
+            raise RuntimeError(f"the {getattr(self.backend, 'name', '?')} backend pulls; nothing is pushed")
+        entry = self._live.get(request_id)
+        if entry is None:
+            raise KeyError(f"request {request_id!r} is not pinned here (released or unknown)")
+        if entry.pushed:
+            raise ValueError(f"request {request_id!r} was already pushed")
+        blocks = list(entry.descriptor.block_ids)
+        if not 0 <= skip_blocks < len(blocks):
+            raise ValueError(f"request {request_id!r}: cannot skip {skip_blocks} of its {len(blocks)} blocks")
+        entry.pushed = True
+        metas = [split_transfer_meta(m)[0] for m in decode_metas]
+        try:
+            entry.push = self.backend.begin_push_blocks({"tp_metas": metas}, blocks[skip_blocks:],
+                                                        request_id=request_id)
+        except KVXferError:
+            self.release(request_id, success=False)
+            raise
+        entry.state = KVPoll.Transferring
+
+    def drain_push_failures(self) -> list[tuple[RequestId, str]]:
+        """Push backends: ``(request id, reason)`` of pushes that failed since the last call."""
+        out, self._push_failures = self._push_failures, []
+        return out
+
     def release(self, request_id: RequestId, *, success: bool = True) -> bool:
-        """Unpin the request's blocks; True if this call released them (False: already released/unknown)."""
-        entry = self._live.pop(request_id, None)
+        """Unpin the request's blocks; True if this call released them (False: already released/unknown).
+
+        With a push still in flight the release is deferred until its handle finishes."""
+        entry = self._live.get(request_id)
         if entry is None:
             return False
+        if entry.push is not None:
+            entry.reader_done = True
+            return False
+        del self._live[request_id]
         self.adapter.unpin_blocks(entry.descriptor.block_ids)
         self._final[request_id] = KVPoll.Success if success else KVPoll.Failed
         while len(self._final) > _FINAL_HISTORY:
@@ -81,6 +136,8 @@ class HandoffSource:
 
     def poll_transport(self) -> list[tuple[RequestId, KVPoll]]:
         """Apply the transport's read-done and read-failed reports; returns what was released."""
+        if self.is_push:
+            return self._poll_pushes()
         released = []
         for request_id in self._reports.drain_read_done():
             if self.release(request_id, success=True):
@@ -90,10 +147,37 @@ class HandoffSource:
                 released.append((failure.request_id, KVPoll.Failed))
         return released
 
+    def _poll_pushes(self) -> list[tuple[RequestId, KVPoll]]:
+        """Push backends: poll the send handles; a finished one frees its pins once the reader is done too."""
+        self._reports.drain_read_done()  # the same completions, reported per request: the handles say it
+        self._reports.drain_read_failed()
+        released = []
+        for request_id, entry in list(self._live.items()):
+            if entry.push is None:
+                continue
+            try:
+                if not entry.push.poll():
+                    continue
+            except KVXferError as exc:
+                entry.push = None
+                self._push_failures.append((request_id, f"push to the decode failed: {exc}"))
+                if self.release(request_id, success=False):
+                    released.append((request_id, KVPoll.Failed))
+                continue
+            entry.push = None
+            if entry.reader_done and self.release(request_id, success=True):
+                released.append((request_id, KVPoll.Success))
+        return released
+
     def state(self, request_id: RequestId) -> Optional[KVPoll]:
         if request_id in self._live:
             return self._live[request_id].state
         return self._final.get(request_id)
+
+    @property
+    def pushes_in_flight(self) -> int:
+        """Push backends: send handles not yet finished."""
+        return sum(1 for e in self._live.values() if e.push is not None)
 
     @property
     def in_flight(self) -> list[RequestId]:

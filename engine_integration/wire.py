@@ -108,6 +108,16 @@ class ReadDone(Msg, frozen=True, tag="read_done"):
     request_id: RequestId
 
 
+class SendKV(Msg, frozen=True, tag="send_kv"):
+    """Decode, push backends only: our receives for this request are posted; push to us.
+
+    ``decode_meta`` is this decode's registered transfer meta (one sealed entry per rank; the
+    coordinator refuses any other), ``skip_blocks`` the cached prefix it does not receive."""
+    request_id: RequestId
+    decode_meta: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=MAX_METAS)]
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)] = 0
+
+
 class Finished(Msg, frozen=True, tag="finished"):
     request_id: RequestId
     tokens: Annotated[list[Token], msgspec.Meta(max_length=MAX_TOKENS)]
@@ -155,6 +165,14 @@ class StartDecode(Msg, frozen=True, tag="start_decode"):
                              "resume tokens")
 
 
+class PushKV(Msg, frozen=True, tag="push_kv"):
+    """To a prefill, push backends only: push the request's blocks from ``skip_blocks`` on to this decode."""
+    request_id: RequestId
+    decode_identity: Name
+    decode_meta: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=MAX_METAS)]
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)] = 0
+
+
 class Release(Msg, frozen=True, tag="release"):
     """To a prefill: no reader can still read these requests' blocks."""
     request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_BATCH)]
@@ -199,8 +217,8 @@ class Stats(Msg, frozen=True, tag="stats"):
     connections: Count = 0     #: control connections open now
 
 
-AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, Finished, Failed, Goodbye,
-               Registered, AddRequest, PeerMeta, StartDecode, Release, Abort, Shutdown,
+AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, SendKV, Finished, Failed, Goodbye,
+               Registered, AddRequest, PeerMeta, StartDecode, PushKV, Release, Abort, Shutdown,
                Submit, Result, StatsRequest, Stats]
 
 _ENCODER = msgspec.json.Encoder()

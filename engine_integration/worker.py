@@ -35,6 +35,9 @@ class EngineSpec:
     insecure: bool = False
     control_plane: Optional[str] = None       #: ``etcd://...``: register there instead of with a coordinator
     etcd_password_file: Optional[str] = None  #: the etcd user's password (a 0600 file; the path travels on the pipe)
+    #: push backends: the ``torch.distributed`` world this engine joins before it builds its backend,
+    #: ``kvxfer.harness.child.GroupSpec`` fields plus ``rank`` (fixed at launch; see ``launch.DisaggCluster``)
+    process_group: Optional[dict[str, Any]] = None
 
 
 def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
@@ -91,7 +94,14 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: i
 
     torch.set_num_threads(1)  # tiny model; and the same math in every process
     engines: list[Any] = []
+    group = next((s.process_group for s in specs if s.process_group), None)
     try:
+        if group is not None:  # a push backend: the world must exist before the backend is built
+            from kvxfer.harness.child import GroupSpec, join_group
+
+            fields = dict(group)
+            rank = int(fields.pop("rank"))
+            join_group(GroupSpec(**fields), rank)
         for spec in specs:
             engines.append(build_engine(spec, coordinator_address))
     except Exception as exc:  # reported to the launcher, which raises it with this reason
@@ -110,7 +120,7 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: i
     finally:
         for engine in engines:
             engine.disconnect(engine.shutdown_reason or "stopping")
-    return 0
+    return 0  # a push backend's process group is not destroyed: a receive still posted would block that
 
 
 def spec_from_dict(d: dict[str, Any]) -> EngineSpec:

@@ -17,9 +17,9 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from kvxfer.cli.errors import UsageError
 
-#: Commands whose harness drives a push backend as well as pulls (both processes join a
-#: torch.distributed group). The others (soak, generate) drive pulls only.
-PUSH_COMMANDS = frozenset({"loopback", "bench"})
+#: Commands whose harness drives a push backend as well as pulls (the processes join a
+#: torch.distributed group). The other (soak) drives pulls only.
+PUSH_COMMANDS = frozenset({"loopback", "bench", "generate"})
 
 #: The subcommand whose arguments are being parsed (its parser sets it), so that one
 #: ``--backend`` type can tell a command that drives pushes from one that does not.
@@ -124,8 +124,8 @@ def executable_file(text: str) -> str:
 def check_backend(name: str, *, must_run: bool = True, allow_push: Optional[bool] = None) -> str:
     """``name`` normalised, if it is a registered backend (and, with ``must_run``, can run here).
 
-    Loopback and bench drive push backends too (``PUSH_COMMANDS``); soak and generate
-    drive one-sided pulls, so there a push backend is refused by name rather than
+    Loopback, bench and generate drive push backends too (``PUSH_COMMANDS``); soak
+    drives one-sided pulls, so there a push backend is refused by name rather than
     failing half-way through a run. ``allow_push`` None: decided by the command being parsed."""
     if allow_push is None:
         allow_push = _parsing_command.get() in PUSH_COMMANDS
@@ -150,8 +150,8 @@ def check_backend(name: str, *, must_run: bool = True, allow_push: Optional[bool
         pulls = ", ".join(sorted(n for n, i in infos.items() if not i.is_push))
         command = f"'kvxfer {_parsing_command.get()}'" if _parsing_command.get() else "this command"
         raise argparse.ArgumentTypeError(f"backend {key!r} is a push backend, and {command} drives pulls only "
-                                         f"(choose one of: {pulls}; 'kvxfer loopback' and 'kvxfer bench' "
-                                         f"run {key!r})")
+                                         f"(choose one of: {pulls}; 'kvxfer loopback', 'kvxfer bench' and "
+                                         f"'kvxfer generate' run {key!r})")
     if must_run and info is not None and not info.available:
         raise argparse.ArgumentTypeError(f"backend {key!r} cannot run here: {info.reason} "
                                          "(fix that, or choose another backend; see 'kvxfer info')")
