@@ -51,14 +51,12 @@ from typing import Any, Optional
 
 import zmq
 
+from engine_integration.fleet_rules import GEOMETRY_FIELDS, process_gone
 from engine_integration import wire
 from engine_integration.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES, ServerChannel,
                                         resolve_secret)
 
 log = logging.getLogger("kvxfer.engine.coordinator")
-
-GEOMETRY_FIELDS = ("schema_version", "backend", "dtype", "element_size", "tokens_per_block", "heads_per_partition",
-                   "head_dim", "num_outer", "bytes_per_slice")
 
 
 @dataclass(frozen=True)
@@ -116,21 +114,6 @@ class _Request:
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
     pulled_blocks: int = 0
-
-
-def _process_gone(pid: int) -> bool:
-    """True when ``pid`` has exited (a zombie counts as exited: it runs nothing)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _tokens_per_block(reg: wire.Register) -> Optional[int]:
@@ -253,7 +236,7 @@ class Coordinator:
         for fd in self.channel.events():
             eng = self.engines.get(self._fd_owner.pop(fd, b""))
             if eng is not None and eng.alive:
-                gone = eng.reg.host == self.host and _process_gone(eng.reg.pid)
+                gone = eng.reg.host == self.host and process_gone(eng.reg.pid)
                 self._remove(eng, f"{eng.reg.role} {eng.identity!r} closed its connection to the coordinator"
                              + (f" (pid {eng.reg.pid} exited)" if gone else ""), confirmed=gone)
 
@@ -353,7 +336,7 @@ class Coordinator:
         for other in list(self.engines.values()):
             if other.alive and other.identity == reg.identity:
                 self._remove(other, f"{other.reg.role} {other.identity!r} was replaced by a new incarnation",
-                             confirmed=other.reg.host != reg.host or _process_gone(other.reg.pid))
+                             confirmed=other.reg.host != reg.host or process_gone(other.reg.pid))
         for dead in list(self.dead):  # a restart on another host is the only news we get of the old one
             if dead.identity == reg.identity and dead.reg.host != self.host:
                 self._confirm_death(dead, "its identity registered again")
@@ -594,7 +577,7 @@ class Coordinator:
         for eng in list(self.engines.values()):
             if not eng.alive:
                 continue
-            gone = eng.reg.host == self.host and _process_gone(eng.reg.pid)
+            gone = eng.reg.host == self.host and process_gone(eng.reg.pid)
             if gone:
                 self._remove(eng, f"{eng.reg.role} {eng.identity!r} (pid {eng.reg.pid}) exited", confirmed=True)
             elif now - eng.last_seen > self.config.heartbeat_timeout_s:
@@ -603,7 +586,7 @@ class Coordinator:
                              confirmed=False)
         grace = self.config.pin_grace_s
         for eng in list(self.dead):
-            if eng.reg.host == self.host and _process_gone(eng.reg.pid):
+            if eng.reg.host == self.host and process_gone(eng.reg.pid):
                 self._confirm_death(eng, "its process exited")
             elif grace is not None and now - eng.removed_at > grace:
                 self._presume_dead(eng)

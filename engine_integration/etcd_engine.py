@@ -45,6 +45,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from engine_integration.fleet_rules import GEOMETRY_FIELDS, process_gone
 from engine_integration.control_plane import ControlPlaneError, FleetView, HandoffState, InstanceRecord
 from engine_integration.control_plane.etcd import EtcdControlPlane, LeaseGone
 from engine_integration.control_plane.records import RecordRefused
@@ -57,23 +58,6 @@ from engine_integration.reference.engine import InferenceRequest
 from engine_integration.sink import SinkEvent
 
 log = logging.getLogger("kvxfer.engine.etcd")
-
-GEOMETRY_FIELDS = ("schema_version", "backend", "dtype", "element_size", "tokens_per_block", "heads_per_partition",
-                   "head_dim", "num_outer", "bytes_per_slice")   # as engine_integration.coordinator (no zmq here)
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def tokens_per_block(record: InstanceRecord) -> Optional[int]:
@@ -369,7 +353,7 @@ class EtcdDisaggEngine(StateHandoffDynamicInferenceEngine):
         if now is not None and now.incarnation != incarnation:
             return True   # the same name registered again: the old process is gone
         seen = self._seen.get((reader, incarnation))
-        return seen is not None and seen.host == socket.gethostname() and _process_gone(seen.pid)
+        return seen is not None and seen.host == socket.gethostname() and process_gone(seen.pid)
 
     @staticmethod
     def _client_of(claim: Optional[_Claimed], pub: Any) -> tuple[str, int]:
