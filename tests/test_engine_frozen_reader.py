@@ -121,13 +121,10 @@ from engine_integration.client import CoordinatorClient  # noqa: E402
 from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process  # noqa: E402
 from engine_integration.launch import generate_colocated  # noqa: E402
 from engine_integration.worker import EngineSpec, build_engine, start_engine_host  # noqa: E402
-from kvxfer.backends import available_backends  # noqa: E402
 
 torch.set_num_threads(1)
 
-_AVAILABLE = {info.name for info in available_backends() if info.available}
-BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name not in _AVAILABLE, reason=f"{name} not available here"))
-            for name in ("nixl", "ucx")]
+BACKENDS = ["nixl", "ucx"]  # not installed here: the test fails with the backend's own install hint
 
 
 class FrozenDecode:
@@ -163,6 +160,16 @@ class FrozenDecode:
     def state(self) -> str:
         with open(f"/proc/{self.proc.pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0]
+
+    def stopped_state(self, timeout_s: float = 5.0) -> str:
+        """The state once the SIGSTOP it sends itself right after reporting "posted" has landed
+        (under load the report can arrive first), or the last state seen."""
+        deadline = time.monotonic() + timeout_s
+        state = self.state()
+        while state != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+            state = self.state()
+        return state
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -222,9 +229,9 @@ def test_frozen_decode_fails_its_torn_read_check_after_its_pins_were_freed_and_r
         # 1. request A is prefilled, pinned and routed to the decode, which posts its read and freezes
         cid_a = client.submit(PROMPT_A, MAX_NEW)
         posted = frozen.expect("posted", 30)
-        frozen_at = time.monotonic()
         assert posted["verified"], "the decode's pull must be torn-read checked (generations in the descriptor)"
-        assert frozen.state() == "T"
+        assert frozen.stopped_state() == "T"
+        frozen_at = time.monotonic()
         with pump.lock:
             [rid_a] = source.in_flight
             blocks_a = list(source._live[rid_a].descriptor.block_ids)
