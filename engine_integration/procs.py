@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Optional, Sequence
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 _READY_FDS: dict[int, int] = {}  # child pid -> our end of its ready pipe
@@ -39,14 +39,19 @@ def spawn(module: str, payload: Any, *, start_timeout_s: float = 60.0) -> tuple[
     return proc, wait_ready(proc, module, start_timeout_s)
 
 
-def launch(module: str, payload: Any) -> subprocess.Popen:
-    """Start ``module`` without waiting (start several, then ``wait_ready`` on each)."""
-    env = dict(os.environ)
+def launch(module: str, payload: Any, *, prefix: Sequence[str] = (),
+           extra_env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+    """Start ``module`` without waiting (start several, then ``wait_ready`` on each).
+
+    ``prefix`` runs it under another command (e.g. ``ip netns exec NS``: the tests'
+    stand-in for another host); ``extra_env`` is added to our environment.
+    """
+    env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [env.get("PYTHONPATH")])])
     read_fd, write_fd = os.pipe()
     payload_read, payload_write = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, str(payload_read), str(write_fd)],
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", module, str(payload_read), str(write_fd)],
                                 stdin=subprocess.DEVNULL, stdout=2, pass_fds=(payload_read, write_fd), env=env)
     except BaseException:
         os.close(read_fd)

