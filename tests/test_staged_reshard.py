@@ -15,7 +15,8 @@ import torch
 
 from kvxfer.errors import LayoutError
 from kvxfer.plan.reshard import for_dst, plan_kv_reshard
-from kvxfer.plan.staged_reshard import apply_placement, plan_staged_kv, staging_pays
+from kvxfer.backends.staged import apply_placement
+from kvxfer.plan.staged_reshard import plan_staged_kv, staging_pays
 from reshard_support import POOL_BLOCKS, apply_copy_plan, kv_backend, kv_layouts, kv_shard, random_tensor, same_bytes
 
 TOKENS, HEAD_DIM = 3, 5

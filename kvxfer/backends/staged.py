@@ -15,11 +15,12 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvxfer.backends.base import PullRequest, TransferHandle, TransferState
 from kvxfer.errors import TransferError
-from kvxfer.plan.staged_reshard import StagedChunk, apply_placement
+from kvxfer.plan.staged_reshard import Placement, StagedChunk
 
 if TYPE_CHECKING:
     from kvxfer.backends.base import KVTransportBackend
@@ -99,3 +100,17 @@ class StagedHandle(TransferHandle):
             else:
                 arena.quarantine(posted.chunk.staging_bytes)
         return True  # the pool is written only by placements, which run after a completed read
+
+
+def apply_placement(staging: torch.Tensor, pool: torch.Tensor, placement: Placement) -> None:
+    """Copy one transfer's heads from the staged bytes into the pool (on the pool's device)."""
+    t = placement.transfer
+    _, _, _, tokens, _, head_dim = pool.shape
+    n = placement.dst_ids.size
+    count = 2 * t.num_layers * n * tokens * placement.src_heads_local * head_dim
+    size = pool.element_size()
+    staged = (staging[placement.staging_offset:placement.staging_offset + count * size]
+              .view(pool.dtype).view(2, t.num_layers, n, tokens, placement.src_heads_local, head_dim))
+    ids = torch.from_numpy(np.ascontiguousarray(placement.dst_ids)).to(pool.device)
+    # index_copy_ into the strided view writes the pool itself (faster than an advanced-index assignment)
+    pool[:, t.dst_layers, :, :, t.dst_heads].index_copy_(2, ids, staged[:, :, :, :, t.src_heads])

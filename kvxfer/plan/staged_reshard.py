@@ -14,8 +14,8 @@ heads too when it needs only some of them (TP 1 -> 2 reads twice the bytes), whi
 is still far cheaper than thousands of 1 KiB reads.
 
 Pure planning: byte offsets and tensor index ranges, no transport and no tensors
-(``apply_placement`` is the one torch operation, kept here beside the layout it
-reads). Staging is bounded: a request is split into chunks of blocks that fit
+(the placement itself, one torch operation, is ``kvxfer.backends.staged.apply_placement``).
+Staging is bounded: a request is split into chunks of blocks that fit
 ``max_staging_bytes``.
 """
 
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvxfer.errors import LayoutError
 from kvxfer.plan.descriptors import CopyPlan, block_runs, coalesce
@@ -119,17 +118,3 @@ def _chunk(src: BufferGeometry, transfers: Sequence[KVReshardTransfer], s_ids: n
     s, d, ln = coalesce(*(np.concatenate(x).astype(_I64, copy=False) for x in (src_off, dst_off, lens)))
     raw = int(sum(2 * t.num_layers for t in transfers) * n * (src.tokens_per_block or 1))
     return StagedChunk(CopyPlan(s, d, ln, raw_descriptors=raw), offset, tuple(placements))
-
-
-def apply_placement(staging: torch.Tensor, pool: torch.Tensor, placement: Placement) -> None:
-    """Copy one transfer's heads from the staged bytes into the pool (on the pool's device)."""
-    t = placement.transfer
-    _, _, _, tokens, _, head_dim = pool.shape
-    n = placement.dst_ids.size
-    count = 2 * t.num_layers * n * tokens * placement.src_heads_local * head_dim
-    size = pool.element_size()
-    staged = (staging[placement.staging_offset:placement.staging_offset + count * size]
-              .view(pool.dtype).view(2, t.num_layers, n, tokens, placement.src_heads_local, head_dim))
-    ids = torch.from_numpy(np.ascontiguousarray(placement.dst_ids)).to(pool.device)
-    # index_copy_ into the strided view writes the pool itself (faster than an advanced-index assignment)
-    pool[:, t.dst_layers, :, :, t.dst_heads].index_copy_(2, ids, staged[:, :, :, :, t.src_heads])
