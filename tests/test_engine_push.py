@@ -219,7 +219,7 @@ def test_gpu_pools_need_one_gpu_per_engine():
     from kvxfer.errors import BackendUnavailableError
 
     if torch.cuda.device_count() >= 2:
-        pytest.skip("enough GPUs here: the launch would go ahead")
+        pytest.skip("this machine has a GPU per engine: the refusal of a GPU launch short of GPUs cannot happen here")
     with pytest.raises(BackendUnavailableError, match="its own GPU"):
         with DisaggCluster(ClusterConfig(backend="nccl", device="cuda")):
             pass
