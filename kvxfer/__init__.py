@@ -20,6 +20,7 @@ from kvxfer.errors import (
     GeometryError,
     KVXferError,
     PeerMetadataError,
+    TransferCancelledError,
     TransferError,
     TransferTimeoutError,
 )
@@ -50,6 +51,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError", "BlockIdError", "BufferGeometry", "GeometryError", "KVTransportBackend",
     "KVXferError", "PeerMetadataError", "TransferError", "TransferHandle", "TransferState",
-    "TransferStartError", "TransferTimeoutError", "available_backends", "compute_buffer_geometry", "construct_kv_transfer_backend_class",
+    "TransferStartError", "TransferCancelledError", "TransferTimeoutError", "available_backends", "compute_buffer_geometry", "construct_kv_transfer_backend_class",
     "default_backend_name", "export_geometry_meta", "parse_geometry_meta", "register_backend",
 ]

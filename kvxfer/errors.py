@@ -37,11 +37,30 @@ class BackendClosedError(KVXferError, RuntimeError):
 
 
 class TransferError(KVXferError, RuntimeError):
-    """A transfer failed; the handle's ``storage_safe`` says if its blocks may be reused."""
+    """A transfer failed and no byte of it can land any more: its destination may be reused.
+
+    That is the promise of every ``TransferError`` a handle raises *except* a
+    ``TransferTimeoutError`` (docs/api.md, "Failures and storage"). Callers such as
+    Megatron free the destination on any exception that is not a ``TimeoutError``.
+    """
 
 
 class TransferTimeoutError(TransferError, TimeoutError):
-    """A transfer did not complete within its timeout."""
+    """The transfer is not known to be over: part of it may still land.
+
+    Raised by a handle that timed out, or failed, while some read could not be
+    proven cancelled (``storage_safe`` is False): keep the destination blocks
+    quarantined until ``handle.storage_safe`` turns True. Being a ``TimeoutError``
+    is the point: callers read it as "a transfer may still be active".
+    """
+
+
+class TransferCancelledError(TransferError):
+    """The transfer did not complete within its timeout and was cancelled: no byte can land.
+
+    What a timed-out handle raises once its cancellation is proven (``storage_safe``
+    True): not a ``TimeoutError``, so a caller that frees on anything else frees.
+    """
 
 
 class AuthenticationError(KVXferError):

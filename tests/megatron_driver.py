@@ -258,6 +258,23 @@ def decode_import(rank: Rank, case: Case, kv_meta: dict[str, Any], src_block_ids
     return handles
 
 
+def wait_for_transfer_handles(*handles: Any) -> bool:
+    """Megatron's ``_wait_for_transfer_handles``, behaviour for behaviour: ``wait()`` on each
+    handle; a ``TimeoutError`` means one may still be active (False: the destination stays
+    quarantined); any other exception means finished, and Megatron then frees the storage."""
+    safe_to_release = True
+    for handle in handles:
+        if handle is None:
+            continue
+        try:
+            handle.wait()
+        except TimeoutError:
+            safe_to_release = False
+        except Exception:
+            pass
+    return safe_to_release
+
+
 def poll_all(handles: list[Any], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(h.poll() for h in handles):

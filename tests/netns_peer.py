@@ -34,6 +34,7 @@ def serve(role: str, socket_path: str, backend_name: str) -> None:
     backend = cls(f"netns-{role}", pool, NUM_BLOCKS, timeout_s=5.0)
     expected = source_pool() if role == "decode" else None
     handles: dict[Any, Any] = {}
+    failed: dict[Any, Any] = {}
     with Listener(socket_path, family="AF_UNIX", authkey=AUTHKEY) as listener, listener.accept() as conn:
         conn.send(("ready", backend.export_meta() if role == "prefill" else None))
         while True:
@@ -60,13 +61,29 @@ def serve(role: str, socket_path: str, backend_name: str) -> None:
                 try:
                     handle.wait()
                 except KVXferError as exc:
-                    deadline = time.monotonic() + 10
-                    while not handle.storage_safe and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    conn.send(("failed", type(exc).__name__, str(exc), time.monotonic() - start, handle.storage_safe))
+                    failed[rid] = (handle, dst)
+                    conn.send(("failed", type(exc).__name__, str(exc), time.monotonic() - start, handle.storage_safe,
+                               isinstance(exc, TimeoutError)))
                     continue
                 exact = torch.equal(pool[:, :, dst], expected[:, :, src])
                 conn.send(("done", exact, handle.elapsed_s))
+            elif command == "settle":
+                # A failed pull: once storage_safe, no byte may land any more, and wait() must no
+                # longer raise a TimeoutError (Megatron's waiter then frees the blocks).
+                rid, timeout_s = args
+                handle, dst = failed.pop(rid)
+                start = time.monotonic()
+                while not handle.storage_safe and time.monotonic() - start < timeout_s:
+                    time.sleep(0.05)
+                settled_after = time.monotonic() - start
+                before = pool[:, :, dst].clone()
+                time.sleep(1.0)
+                try:
+                    handle.wait()
+                    frees = True
+                except Exception as exc:  # noqa: BLE001 - Megatron's reading of it
+                    frees = not isinstance(exc, TimeoutError)
+                conn.send((handle.storage_safe, settled_after, torch.equal(before, pool[:, :, dst]), frees))
 
 
 if __name__ == "__main__":

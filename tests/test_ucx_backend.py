@@ -297,6 +297,38 @@ def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.Mon
         src.stop()
 
 
+def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21: close() once hung in ucp_worker_destroy after a notice stall (3 of 6 runs). Here,
+    20 times: a pull to a SIGSTOPped source times out, its read-failed notice cannot leave (the new
+    endpoint's wireup needs the stopped source), and the backend is closed at once. Every close
+    must return within the teardown bound and leave no UCX object behind."""
+    from kvxfer.backends.ucx import backend as ucx_backend
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setattr(ucx_backend, "_CANCEL_GRACE_S", 0.1)
+    src = Source("tcp", seed=12)
+    closes = []
+    try:
+        for run in range(20):
+            dst = Mode("tcp").decode(timeout_s=0.2, name=f"stall-close-{run}")
+            os.kill(src.pid, signal.SIGSTOP)
+            try:
+                handle = dst.begin_pull_blocks(src.meta, [run % NUM_BLOCKS], [0], request_id=f"stalled-{run}")
+                with pytest.raises(TransferError):
+                    handle.wait()
+                started = time.monotonic()
+                dst.close()
+                closes.append(time.monotonic() - started)
+            finally:
+                os.kill(src.pid, signal.SIGCONT)
+    finally:
+        src.stop()
+    hung = sum(took > _ucp.WORKER_DESTROY_TIMEOUT_S for took in closes)
+    print(f"20 closes after a notice stall: {hung} over the bound; slowest {max(closes):.2f}s")
+    assert hung == 0 and max(closes) < _ucp.WORKER_DESTROY_TIMEOUT_S
+    assert _ucp.live_objects() == {}
+
+
 # --- validation ------------------------------------------------------------------------------
 def test_bad_input_rejected_before_posting(mode: Mode, source: Source) -> None:
     with mode.decode() as dst:

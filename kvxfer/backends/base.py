@@ -14,6 +14,12 @@ they hold everything this rank needs, and only then posts, returning one handle.
 Everything that is the same for every transport (geometry, peer-meta parsing,
 block-id checks, planning, bounds, the handle's state machine and timeouts) lives
 here; a transport implements the few ``_``-prefixed hooks.
+
+The failure rule every handle keeps (``TransferHandle``; docs/api.md): a handle
+raises a ``TimeoutError`` (``TransferTimeoutError``) whenever a byte of it may still
+land in the destination, and any other ``TransferError`` only once none can. Callers
+free the destination on the second, so a transport that cannot prove a read over
+must say so (``_abort``/``_settle`` return False) rather than guess.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import copy
 import enum
 import itertools
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -38,6 +45,7 @@ from kvxfer.errors import (
     KVXferError,
     LayoutError,
     PeerMetadataError,
+    TransferCancelledError,
     TransferError,
     TransferTimeoutError,
 )
@@ -54,12 +62,14 @@ from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.peer_records import is_whole_request, transfer_peer_records
 from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull, reshard_transfers_for_pull
-from kvxfer.plan.staged_reshard import DEFAULT_STAGING_BYTES, StagedChunk, plan_staged_kv, staging_pays
+from kvxfer.plan.staged_reshard import StagedChunk, plan_staged_kv, staging_pays
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.backends.stats import TransferStats
 from kvxfer.security.meta_seal import (
     HOST_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta, unauthenticated_metas_allowed_by_env,
 )
+
+logger = logging.getLogger("kvxfer.backends")
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 
@@ -100,9 +110,21 @@ class TransferHandle(ABC):
     """One pull, as seen by the decode side.
 
     ``poll()`` drives it without blocking; ``wait()`` blocks. A handle that fails
-    (transport error or timeout) is final: its error is raised by every later
-    ``poll``/``wait``, and ``storage_safe`` says whether the destination blocks can
-    be reused (True only once no byte can still land in them).
+    (transport error or timeout) is final, and ``storage_safe`` says whether the
+    destination blocks can be reused: True only once no byte can still land in them.
+
+    The failure contract, as callers read it (Megatron frees the destination on any
+    exception that is not a ``TimeoutError``; docs/api.md): a failed handle raises
+
+    - ``TransferTimeoutError`` (a ``TimeoutError``) while ``storage_safe`` is False,
+      whatever the cause: some read may still land, keep the blocks quarantined;
+    - once ``storage_safe`` is True, the failure itself (a plain ``TransferError``),
+      or ``TransferCancelledError`` for a timeout whose cancellation is proven.
+
+    So the class raised follows the storage, not the cause: a handle that timed out
+    with a read still posted raises ``TransferTimeoutError`` until the transport
+    proves that read over (it completed late, failed, or its source died), then a
+    plain error. ``error`` is the cause, as first seen.
     """
 
     def __init__(self, request_id: RequestId, timeout_s: float) -> None:
@@ -113,7 +135,9 @@ class TransferHandle(ABC):
         self._state = TransferState.PROC
         self._error: Optional[TransferError] = None
         self._storage_safe = False
-        self._lock = threading.Lock()
+        # Re-entrant: raising reads ``storage_safe``, which may settle the transport under the same lock.
+        self._lock = threading.RLock()
+        self._raised: dict[bool, TransferError] = {}  # the error as raised, per storage state
         self._stats: Optional[TransferStats] = None  # set by the backend that posted it
         self._num_bytes = 0
 
@@ -123,30 +147,47 @@ class TransferHandle(ABC):
 
     @property
     def error(self) -> Optional[TransferError]:
+        """The cause of the failure, as first seen (what is *raised* depends on ``storage_safe``)."""
         return self._error
 
     @property
     def storage_safe(self) -> bool:
-        """True once no byte of this transfer can still land in the destination."""
-        return self._state is TransferState.DONE or self._storage_safe
+        """True once no byte of this transfer can still land in the destination.
+
+        A failed handle whose transport could not prove that at once is checked
+        again on every read of this property (``_settle``), so it turns True as soon
+        as the late read ends, fails, or its source is gone.
+        """
+        if self._state is TransferState.DONE:
+            return True
+        if self._state is TransferState.PROC:
+            return False
+        if not self._storage_safe:
+            with self._lock:
+                if not self._storage_safe and self._settle_safely():
+                    self._storage_safe = True
+                    if self._stats is not None:
+                        self._stats.unsafe(-1)
+                    self._on_settled()
+        return self._storage_safe
 
     @property
     def elapsed_s(self) -> float:
         return (self.finished_at or time.monotonic()) - self.started_at
 
     def poll(self) -> bool:
-        """True when complete, False while in flight; raises ``TransferError`` on failure."""
+        """True when complete, False while in flight; raises on failure (see the class docstring)."""
         with self._lock:
             if self._state is TransferState.PROC:
                 self._advance()
             if self._state is TransferState.ERR:
-                assert self._error is not None
-                raise self._error
+                raise self._failure_to_raise()
             return self._state is TransferState.DONE
 
     def wait(self, timeout_s: Optional[float] = None) -> None:
-        """Block until done. Past ``timeout_s`` (default: the handle's own timeout)
-        the transfer is aborted and ``TransferTimeoutError`` raised."""
+        """Block until done. Past ``timeout_s`` (default: the handle's own timeout) the
+        transfer is aborted and the failure raised: ``TransferTimeoutError`` while a read
+        may still land, ``TransferCancelledError`` once the cancellation is proven."""
         deadline = self.started_at + self.timeout_s if timeout_s is None else time.monotonic() + timeout_s
         pause = 1e-5
         while not self.poll():
@@ -160,17 +201,32 @@ class TransferHandle(ABC):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
+    def _failure_to_raise(self) -> TransferError:
+        """The failure in the class the storage calls for (made once per storage state)."""
+        safe = self.storage_safe
+        raised = self._raised.get(safe)
+        if raised is None:
+            raised = self._raised[safe] = failure_for_caller(self._error, safe)
+        return raised
+
     def _count_in(self, stats: TransferStats, num_bytes: int) -> None:
         """Attach the posting backend's counters; a handle already finished is counted now."""
         self._stats, self._num_bytes = stats, num_bytes
         if self._state is TransferState.DONE:
             stats.completed(num_bytes)
+        elif self._state is TransferState.ERR and not self._storage_safe:
+            stats.unsafe(+1)
 
     def _advance(self) -> None:
         try:
             done = self._progress()
         except TransferError as exc:
             self._fail(exc)
+            return
+        except Exception as exc:  # any other error still ends the handle: never PROC past its timeout
+            failure = TransferError(f"request {self.request_id!r}: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            self._fail(failure)
             return
         if done:
             self._state = TransferState.DONE
@@ -191,9 +247,26 @@ class TransferHandle(ABC):
         if self._stats is not None:
             self._stats.failed(timed_out=isinstance(error, TransferTimeoutError))
         try:
-            self._storage_safe = self._abort()
+            try:
+                self._storage_safe = bool(self._abort())
+            except Exception:  # an abort that breaks proves nothing: the storage stays unsafe
+                logger.exception("request %r: aborting the transfer failed; its destination stays quarantined",
+                                 self.request_id)
+                self._storage_safe = False
         finally:
-            self._on_failed(error)
+            if not self._storage_safe and self._stats is not None:
+                self._stats.unsafe(+1)
+            try:
+                self._on_failed(error)
+            except Exception:  # telling the source is best effort; the handle's failure stands
+                logger.exception("request %r: reporting the failure failed", self.request_id)
+
+    def _settle_safely(self) -> bool:
+        try:
+            return bool(self._settle())
+        except Exception:
+            logger.exception("request %r: checking whether the failed transfer is over failed", self.request_id)
+            return False
 
     # --- transport hooks ------------------------------------------------------------------
     @abstractmethod
@@ -201,14 +274,43 @@ class TransferHandle(ABC):
         """Advance the transport; True when every byte has landed. Raise ``TransferError`` on failure."""
 
     def _abort(self) -> bool:
-        """Cancel and release what is in flight; return True if no byte can still land."""
+        """Cancel and release what is in flight; return True only if no byte can still land."""
         return True
+
+    def _settle(self) -> bool:
+        """After a failure that ``_abort`` could not prove safe: True once no byte can land now."""
+        return False
+
+    def _on_settled(self) -> None:
+        """Called once when a failed handle's storage turns safe after ``_abort`` (e.g. tell the source)."""
 
     def _on_done(self) -> None:
         """Called once on success (e.g. tell the source its blocks are free)."""
 
     def _on_failed(self, error: TransferError) -> None:
         """Called once on failure (e.g. tell the source the request failed)."""
+
+
+def failure_for_caller(error: Optional[TransferError], storage_safe: bool) -> TransferError:
+    """``error`` in the class that tells a caller whether the destination may be reused.
+
+    Unsafe storage is always a ``TransferTimeoutError`` (a ``TimeoutError``: "may
+    still be active"); safe storage never is (a timeout whose cancellation is proven
+    becomes ``TransferCancelledError``). Any other safe failure is raised as it is.
+    """
+    if error is None:
+        error = TransferError("transfer failed")
+    if storage_safe:
+        if not isinstance(error, TransferTimeoutError):
+            return error
+        raised: TransferError = TransferCancelledError(
+            f"{error}; it was cancelled and no byte of it can land any more (storage_safe=True)")
+    else:
+        raised = TransferTimeoutError(
+            f"{error}; part of it may still land (storage_safe=False): keep the destination blocks "
+            "quarantined until handle.storage_safe is True")
+    raised.__cause__ = error
+    return raised
 
 
 class CompletedHandle(TransferHandle):
@@ -224,7 +326,11 @@ class CompletedHandle(TransferHandle):
 
 
 class GroupHandle(TransferHandle):
-    """One request pulled from several peers: done when every part is, failed when any fails."""
+    """One request pulled from several peers: done when every part is, failed when any fails.
+
+    Its storage is safe only when every part's is: a part that failed while another is
+    still reading makes the group raise ``TransferTimeoutError`` until that one is over.
+    """
 
     def __init__(self, request_id: RequestId, parts: Sequence[TransferHandle], timeout_s: float) -> None:
         super().__init__(request_id, timeout_s)
@@ -235,6 +341,9 @@ class GroupHandle(TransferHandle):
 
     def _abort(self) -> bool:
         return abort_parts(self.parts, f"request {self.request_id!r}: aborted with its group")
+
+    def _settle(self) -> bool:
+        return all(part.storage_safe for part in self.parts)
 
 
 def abort_parts(parts: Sequence[Optional[TransferHandle]], reason: str) -> bool:
@@ -261,6 +370,9 @@ class PullRequest:
     plan: CopyPlan
     request_id: RequestId
     notify: bool = True  # send the source a read-done when the read completes
+    #: Tell the source when this read fails. False for a read that is part of a larger pull whose
+    #: handle tells the source itself, once (the chunks of a staged reshard).
+    report_failure: bool = True
     #: A staged reshard (``kvxfer.backends.staged``): chunks read into staging, then placed; ``plan`` is unused.
     staged: tuple[StagedChunk, ...] = ()
     #: Absolute address the plan's destination offsets are from, when not our pool (a staging range).
@@ -327,7 +439,7 @@ class KVTransportBackend(ABC):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         meta_key: Optional[bytes] = None,
         allow_unauthenticated_metas: Optional[bool] = None,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_bytes: Optional[int] = None,
         _parent: Optional["KVTransportBackend"] = None,
     ) -> None:
         ok, why = self.availability()
@@ -344,6 +456,10 @@ class KVTransportBackend(ABC):
         self._allow_unauthenticated = (unauthenticated_metas_allowed_by_env() if allow_unauthenticated_metas is None
                                        else bool(allow_unauthenticated_metas))
         self._parent = _parent  # the registration whose transport agent a sibling shares
+        if staging_bytes is None:  # Megatron passes no kvxfer arguments: the environment sizes it
+            from kvxfer.backends.staging import staging_bytes_from_env
+
+            staging_bytes = staging_bytes_from_env()
         if not isinstance(staging_bytes, int) or staging_bytes < 0:
             raise ValueError(f"staging_bytes must be an int >= 0 (0 disables staged reshard), got {staging_bytes!r}")
         self.staging_bytes = staging_bytes
@@ -362,6 +478,7 @@ class KVTransportBackend(ABC):
         self.ssm_state_kind = ssm_state_kind
         self._closed = False
         self._verified = _VerifiedMetas()
+        self._warned_unauthenticated = False
         self._stats = TransferStats()
         self._request_counter = itertools.count()
         self._read_done: deque[RequestId] = deque()
@@ -411,10 +528,16 @@ class KVTransportBackend(ABC):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
         else:
             label = request_id
+        if self._arena is not None and self._arena.quarantined:
+            self._arena.reclaim()  # staging behind reads that have ended since comes back (and tells their sources)
         pulls = self.plan_request(peer_meta, src_block_ids, dst_block_ids, label, notify)
         total = sum(p.total_bytes for p in pulls if p is not None)
         self._stats.started(total, sum(p.num_descriptors for p in pulls if p is not None))
-        handle = self._post_pulls(pulls, label)
+        try:
+            handle = self._post_pulls(pulls, label)
+        except BaseException:
+            self._stats.failed(timed_out=False)  # counted as started above: never left "in flight"
+            raise
         handle._count_in(self._stats, total)
         return handle
 
@@ -454,6 +577,12 @@ class KVTransportBackend(ABC):
             return []
         transfers = reshard_transfers_for_pull(self, peer)
         if not transfers or not staging_pays(transfers, peer.geometry, self.geometry):
+            return []
+        if self._arena is not None and self._arena.quarantined > self.staging_bytes // 2:
+            # Reads that could not be stopped hold most of the region (a stalled source): read
+            # directly into the pool instead of waiting for staging that may not come back soon.
+            logger.warning("%s %r: %d B of staging quarantined behind reads that may still land; resharding "
+                           "without staging", self.name, self.agent_name, self._arena.quarantined)
             return []
         # Chunks of a quarter of the region: two pulls can each keep two chunks posted (pipelining).
         chunks = plan_staged_kv(peer.geometry, self.geometry, transfers, src_ids, dst_ids, self.staging_bytes // 4)
@@ -548,6 +677,8 @@ class KVTransportBackend(ABC):
         and the staging region (capacity, bytes in use, bytes quarantined)."""
         out = self._stats.snapshot()
         arena = self._arena
+        if arena is not None:
+            arena.reclaim()  # ranges whose late reads have ended since are free again
         out["staging_capacity"] = arena.capacity if arena is not None else 0
         out["staging_in_use"] = arena.in_use if arena is not None else 0
         out["staging_quarantined"] = arena.quarantined if arena is not None else 0
@@ -597,6 +728,13 @@ class KVTransportBackend(ABC):
         if cached is not None:
             return cached
         sealed = check_meta_seal(peer_meta, self._meta_key, allow_unauthenticated=self._allow_unauthenticated)
+        if self._meta_key is None and not self._warned_unauthenticated:
+            self._warned_unauthenticated = True
+            logger.warning(
+                "%s %r: peer metas are UNAUTHENTICATED (no KVXFER_SECRET_FILE): %s; a meta decides where this "
+                "process reads from, so set KVXFER_SECRET_FILE to the cluster secret", self.name, self.agent_name,
+                "metas from any host are accepted" if self._allow_unauthenticated else
+                "only metas sealed on this host are accepted, and any process of this host can make one")
         peer = parse_geometry_meta(sealed)
         if sealed.get("backend") != self.name:
             raise PeerMetadataError(
@@ -659,6 +797,16 @@ class KVTransportBackend(ABC):
 
     def _collect_notifications(self) -> None:
         """Move transport notifications into ``_read_done`` / ``_read_failed``."""
+
+    def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
+                       failure: Optional[str] = None) -> None:
+        """Tell the source of one record that ``request_id`` is over: read-done, or read-failed
+        (``failure``, the reason) with none of its reads still in flight.
+
+        For handles whose reads do not report themselves: a staged pull (one notice for all
+        its chunk reads), a verified pull whose check could not start. A plain read tells its
+        source itself.
+        """
 
     def _register_staging(self, tensor: torch.Tensor) -> None:
         """Register the staging region as a read destination (``supports_staging`` transports);

@@ -6,19 +6,25 @@ backend's staging region instead of the pool) and places each chunk's heads into
 pool with one tensor copy on the pool's device. The pool is only ever written by those
 placements, after a chunk's read completed, so a failed or aborted pull leaves the pool
 untouched past its last completed chunk: ``storage_safe`` is always True, and a staging
-range whose read could not be stopped is quarantined instead.
+range whose read could not be stopped is quarantined instead, until that read is over
+(``StagingArena.reclaim``), so no other pull is ever handed a range a late byte can hit.
+
+The source hears of the pull once, from this handle, never from its chunk reads: read-done
+when the last chunk is placed, or read-failed once none of its chunk reads can still move
+(their quarantined ranges reclaimed). A chunk read cannot carry the read-done: one that
+completes after the pull failed would tell the source "done" beside the "failed".
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
-from kvxfer.backends.base import PullRequest, TransferHandle, TransferState
+from kvxfer.backends.base import PullRequest, TransferHandle, TransferStartError, TransferState
 from kvxfer.errors import TransferError
 from kvxfer.plan.staged_reshard import Placement, StagedChunk
 
@@ -50,6 +56,8 @@ class StagedHandle(TransferHandle):
         self._chunks = list(pull.staged)
         self._next = 0
         self._posted: collections.deque[_Posted] = collections.deque()
+        self._reads_left = 0  # after a failure: chunk reads still moving (their ranges quarantined)
+        self._failure_reason: Optional[str] = None
 
     def _progress(self) -> bool:
         while True:
@@ -67,11 +75,16 @@ class StagedHandle(TransferHandle):
         offset = arena.allocate(chunk.staging_bytes)
         if offset is None:
             return False
-        last = self._next == len(self._chunks) - 1
-        sub = dataclasses.replace(self._pull, plan=chunk.read, staged=(), notify=self._pull.notify and last,
+        sub = dataclasses.replace(self._pull, plan=chunk.read, staged=(), notify=False, report_failure=False,
                                   local_base=arena.base + offset)
         try:
             part = self._backend._post_read(sub)
+        except TransferStartError as exc:  # part of the read may be moving into that range
+            if exc.storage_safe:
+                arena.release(offset, chunk.staging_bytes)
+            else:
+                self._quarantine(offset, chunk.staging_bytes, exc.cleanup_handles)
+            raise
         except BaseException:
             arena.release(offset, chunk.staging_bytes)
             raise
@@ -92,14 +105,38 @@ class StagedHandle(TransferHandle):
         arena = self._backend._staging_arena()
         while self._posted:
             posted = self._posted.popleft()
-            with posted.part._lock:
-                if posted.part.state is TransferState.PROC:
-                    posted.part._fail(TransferError(f"request {self.request_id!r}: aborted with its staged pull"))
-            if posted.part.storage_safe:
+            part = posted.part
+            with part._lock:
+                if part.state is TransferState.PROC:
+                    part._fail(TransferError(f"request {self.request_id!r}: aborted with its staged pull"))
+            if part.storage_safe:
                 arena.release(posted.offset, posted.chunk.staging_bytes)
             else:
-                arena.quarantine(posted.chunk.staging_bytes)
+                self._quarantine(posted.offset, posted.chunk.staging_bytes, [part])
         return True  # the pool is written only by placements, which run after a completed read
+
+    def _quarantine(self, offset: int, nbytes: int, parts: Sequence[TransferHandle]) -> None:
+        """Keep a range whose read may still land out of use; the source hears once all are over."""
+        self._reads_left += 1
+        self._backend._staging_arena().quarantine(
+            offset, nbytes, read_over=lambda: all(p.storage_safe for p in parts), on_reclaimed=self._one_read_over)
+
+    def _one_read_over(self) -> None:
+        self._reads_left -= 1
+        if self._reads_left == 0 and self._failure_reason is not None:
+            self._tell_source()
+
+    def _on_failed(self, error: TransferError) -> None:
+        self._failure_reason = str(error)
+        if self._reads_left == 0:
+            self._tell_source()
+
+    def _on_done(self) -> None:
+        if self._pull.notify:
+            self._backend._notify_source(self._pull.peer_meta, self.request_id)
+
+    def _tell_source(self) -> None:
+        self._backend._notify_source(self._pull.peer_meta, self.request_id, failure=self._failure_reason or "")
 
 
 def apply_placement(staging: torch.Tensor, pool: torch.Tensor, placement: Placement) -> None:

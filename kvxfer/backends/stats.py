@@ -26,6 +26,9 @@ class TransferStats:
     read_failed_received: int = 0
     notices_dropped: int = 0  # read-done/failed reports dropped because nobody drained them
     notices_undelivered: int = 0  # reports to a source given up on (unreachable too long, or too many kept)
+    #: Failed transfers whose destination may still be written (a read that could not be proven
+    #: over yet): their blocks must stay quarantined. A gauge: it drops as they settle.
+    storage_unsafe: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -47,6 +50,10 @@ class TransferStats:
         with self._lock:
             self.transfers_failed += 1
             self.timeouts += int(timed_out)
+
+    def unsafe(self, delta: int) -> None:
+        with self._lock:
+            self.storage_unsafe += delta
 
     def notified(self, done: int, failed: int) -> None:
         with self._lock:

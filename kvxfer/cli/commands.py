@@ -19,6 +19,7 @@ from rich.table import Table
 
 import kvxfer
 from kvxfer.cli.errors import RunFailed, UsageError
+from kvxfer.errors import KVXferError
 from kvxfer.harness.progress import DelayedProgress
 
 console = Console()
@@ -57,12 +58,48 @@ def run_info(args: argparse.Namespace) -> int:
         name = f"{info.name} (default)" if info.name == default else info.name
         table.add_row(name, "yes" if info.available else "no", info.reason)
     console.print(table)
+    console.print(staging_line(), highlight=False)
+    console.print(meta_auth_line(), highlight=False)
     cuda, cuda_line = cuda_summary()
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  {cuda_line}")
     for name, details in transport_probes().items():
         console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={_probe_value(k, v, cuda)}" for k, v in details.items()))
     console.print(control_plane_line(getattr(args, "control_plane", None)), highlight=False)
     return 0
+
+
+def staging_line() -> str:
+    """How much memory each backend holds for resharding, and how to change it."""
+    from kvxfer.backends import available_backends, construct_kv_transfer_backend_class
+    from kvxfer.backends.staging import STAGING_ENV, staging_bytes_from_env
+
+    try:
+        size = staging_bytes_from_env()
+    except KVXferError as exc:
+        return f"staging: {exc}"
+    staged = [info.name for info in available_backends() if info.available
+              and getattr(construct_kv_transfer_backend_class(info.name), "supports_staging", False)]
+    held = "none (staged reshard disabled)" if size == 0 else f"{size / (1 << 20):g} MiB"
+    return (f"staging: {held} per {'/'.join(staged) or 'staging-capable'} registration, allocated on its first "
+            f"TP-resharding pull ({STAGING_ENV}; 0 disables); nccl keeps its own buffers per push "
+            "(idle ones up to 1 GiB per device)")
+
+
+def meta_auth_line() -> str:
+    """Whether peer metas are authenticated here (they carry the key to a rank's memory)."""
+    from kvxfer.security.meta_seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
+
+    try:
+        key = meta_key_from_env()
+    except KVXferError as exc:
+        return f"metas: {exc}"
+    if key is not None:
+        return "metas: signed and checked with the cluster key (KVXFER_SECRET_FILE)"
+    if unauthenticated_metas_allowed_by_env():
+        return ("metas: UNAUTHENTICATED, from any host (KVXFER_ALLOW_UNAUTHENTICATED_METAS is set): anyone who can "
+                "hand this process a meta can point its reads anywhere the source registered; set KVXFER_SECRET_FILE")
+    return ("metas: UNAUTHENTICATED (no KVXFER_SECRET_FILE): only metas sealed on this host are accepted, and a "
+            "process of this host can forge one; set KVXFER_SECRET_FILE to the cluster secret")
 
 
 def control_plane_line(url: Optional[str]) -> str:

@@ -34,7 +34,8 @@ from kvxfer.plan.reshard_descriptors import kv_pieces
 
 #: A head fragment at least this long is read directly: its descriptors are already large.
 DIRECT_FRAGMENT_BYTES = 16 * 1024
-#: Default bound on the staging region of one backend.
+#: Default bound on the staging region of one backend (``KVXFER_STAGING_BYTES`` overrides it:
+#: ``kvxfer.backends.staging.staging_bytes_from_env``).
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
 _I64 = np.int64

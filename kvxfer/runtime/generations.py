@@ -19,7 +19,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, abort_parts
+from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, TransferState, abort_parts
+from kvxfer.plan.peer_records import transfer_peer_records
 from kvxfer.plan.descriptors import IdList
 from kvxfer.errors import BlockIdError, TornReadError
 
@@ -83,8 +84,11 @@ class GenerationChecker:
         expected = np.asarray(expected_generations, dtype=np.int64)
         if expected.shape != (len(src_block_ids),):
             raise BlockIdError(f"{expected.size} expected generations for {len(src_block_ids)} blocks")
+        # The counters' meta is checked now, before any byte moves: refused later, the data read
+        # would have run for nothing and the check could never be made.
+        self.registration.parse_peer_meta(peer_generations_meta)
         data = self.kv.begin_pull_blocks(peer_kv_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
-        return VerifiedPull(self, data, peer_generations_meta, np.asarray(src_block_ids), np.asarray(dst_block_ids),
+        return VerifiedPull(self, peer_kv_meta, data, peer_generations_meta, np.asarray(src_block_ids), np.asarray(dst_block_ids),
                             expected, request_id)
 
     def close(self) -> None:
@@ -94,10 +98,12 @@ class GenerationChecker:
 class VerifiedPull(TransferHandle):
     """Data read, then the counters read (carrying the read-done), then the comparison."""
 
-    def __init__(self, checker: GenerationChecker, data: TransferHandle, generations_meta: Mapping[str, Any],
+    def __init__(self, checker: GenerationChecker, kv_meta: Mapping[str, Any], data: TransferHandle,
+                 generations_meta: Mapping[str, Any],
                  src_ids: np.ndarray, dst_ids: np.ndarray, expected: np.ndarray, request_id: RequestId) -> None:
         super().__init__(request_id, data.timeout_s)
         self._checker = checker
+        self._kv_meta = kv_meta
         self._data = data
         self._generations_meta = generations_meta
         self._src_ids, self._dst_ids, self._expected = src_ids, dst_ids, expected
@@ -125,3 +131,14 @@ class VerifiedPull(TransferHandle):
 
     def _abort(self) -> bool:
         return abort_parts([self._data, self._counters], f"request {self.request_id!r}: verified pull aborted")
+
+    def _settle(self) -> bool:
+        return all(part.storage_safe for part in (self._data, self._counters) if part is not None)
+
+    def _on_failed(self, error: Exception) -> None:
+        # The data read carries no read-done (the counters read does). If it completed and the
+        # counters read never started, no transport tells the source: we do, or its pins would
+        # wait for the grace.
+        if self._counters is None and self._data.state is TransferState.DONE:
+            for meta, _ in transfer_peer_records(self._kv_meta, []):
+                self._checker.kv._notify_source(meta, self.request_id, failure=str(error))

@@ -34,6 +34,8 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "read_done_received": ("kvxfer_read_done_received", "Read-done notifications received as a source", False),
     "read_failed_received": ("kvxfer_read_failed_received", "Read-failure reports received as a source", False),
     "in_flight": ("kvxfer_transfers_in_flight", "Pulls posted and not yet finished", True),
+    "storage_unsafe": ("kvxfer_transfers_storage_unsafe",
+                       "Failed pulls whose destination may still be written (blocks quarantined)", True),
 }
 LABELS = ("backend", "agent")
 

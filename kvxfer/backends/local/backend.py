@@ -144,6 +144,16 @@ class LocalBackend(KVTransportBackend):
                 source._reads_in_flight.append((event, pull.request_id))
         return LocalHandle(pull.request_id, self.timeout_s, source, event)
 
+    def _notify_source(self, peer_meta: Any, request_id: RequestId, failure: Optional[str] = None) -> None:
+        with _LIVE_LOCK:
+            source = _LIVE.get(peer_meta.get("local_buffer_id")) if peer_meta.get("pid") == os.getpid() else None
+        if source is None:
+            return
+        if failure is None:
+            source._deliver_read_done(request_id)
+        else:
+            source._report_failed(request_id, failure)
+
     def _collect_notifications(self) -> None:
         """Source side: reads of our blocks whose copies have landed are done."""
         with self._reads_lock:

@@ -35,11 +35,21 @@ Descriptors: prepared lists, indexed per request
 
 Timeouts and storage safety
     NIXL has no transfer timeout: the handle's (``timeout_s``, default 30 s) is
-    ours. On failure the xfer handle is released (NIXL cancels what it can). If
-    the release is refused because the read is still in flight, ``storage_safe``
-    stays False and the release is retried whenever ``storage_safe`` is read, the
-    backend posts again, drains, or closes; the failure notification to the
-    source is sent only after a successful release.
+    ours. NIXL cannot cancel a READ that is still moving: releasing the xfer
+    handle of an active READ "succeeds", yet UCX keeps writing (measured over TCP
+    with a SIGSTOPped source: 5.4 M of 7.9 M elements of the destination
+    overwritten after the source resumed, 3 s after the release). So an xfer is
+    released only once NIXL reports it over: ``DONE``, ``ERR``, or a remote
+    disconnect (measured: a killed source ends its READs with
+    ``NIXL_ERR_REMOTE_DISCONNECT`` within 0.05 s and nothing lands after). A
+    handle that failed or timed out while its READ was still ``PROC`` keeps
+    ``storage_safe`` False (it raises ``TransferTimeoutError``) and is checked
+    again whenever ``storage_safe`` is read, the backend posts, drains or closes;
+    the failure notification to the source is sent once it is over. For the same
+    reason a peer with READs still open is never removed from the agent (after
+    ``invalidateRemoteMD`` NIXL can no longer say whether they ended, and they do
+    not stop: measured), and a backend closed with such READs keeps its
+    registration and memory until they end (``parked_registrations()``).
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ from kvxfer.plan.descriptors import CopyPlan
 from kvxfer.errors import BackendUnavailableError, GeometryError, PeerMetadataError, TransferError
 from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
 
-__all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info",
+__all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info", "parked_registrations",
            "nixl_transport_probe", "slice_indices"]
 
 logger = logging.getLogger("kvxfer.backends.nixl")
@@ -90,6 +100,24 @@ NIXL_META_VERSION = 1
 #: memory than it saves time; such pools post Nx3 rows instead.
 MAX_PREPPED_ENTRIES = 1 << 22
 _MEM_TYPES = ("DRAM", "VRAM")
+#: How long ``close()`` waits for READs that failed while active to end before parking the registration.
+CLOSE_SETTLE_S = 1.0
+#: Closed registrations kept (memory registered, tensor referenced) until their last active READ ends.
+_PARKED: "set[NixlBackend]" = set()
+_PARKED_LOCK = threading.Lock()
+
+
+def parked_registrations() -> int:
+    """Closed nixl registrations still kept because a READ into them may land; checks them first."""
+    with _PARKED_LOCK:
+        parked = list(_PARKED)
+    for backend in parked:
+        if backend._settle_unsettled() == 0:
+            with _PARKED_LOCK:
+                _PARKED.discard(backend)
+            backend._release_registration()
+    with _PARKED_LOCK:
+        return len(_PARKED)
 
 
 def nixl_transport_probe() -> dict[str, Any]:
@@ -311,6 +339,8 @@ class _AgentShare:
         self._remote_md: dict[str, bytes] = {}
         self._remote_instance: dict[str, str] = {}
         self._remote_dlists: dict[tuple, Any] = {}
+        self._open_reads: dict[str, int] = {}  # peer name -> READs posted and not yet released
+        self._forget_later: set[str] = set()  # peers to remove once their open READs end
 
     @classmethod
     def acquire(cls, name: str) -> "_AgentShare":
@@ -377,9 +407,15 @@ class _AgentShare:
                         "another agent; give every process a unique agent_name"
                     )
                 return  # loopback: our own agent already knows its registrations
-            if self._remote_md.get(peer.name) == peer.metadata:
+            if self._remote_md.get(peer.name) == peer.metadata and peer.name not in self._forget_later:
                 return
-            if self._remote_instance.get(peer.name, peer.instance) != peer.instance:
+            if self._remote_instance.get(peer.name, peer.instance) != peer.instance or peer.name in self._forget_later:
+                if self._open_reads.get(peer.name):
+                    raise TransferError(
+                        f"peer {peer.name!r} was restarted (or dropped) while {self._open_reads[peer.name]} READ(s) "
+                        "from its previous agent may still land; nothing was posted: retry once they have ended "
+                        "(they end when that process resumes or exits)"
+                    )
                 self._forget(peer.name)
             try:
                 loaded = self.agent.add_remote_agent(peer.metadata)
@@ -423,10 +459,29 @@ class _AgentShare:
             return handle
 
     def forget(self, name: str) -> None:
+        """Remove a peer, or, while READs from it are open, as soon as they end."""
         with self.lock:
-            self._forget(name)
+            if self._open_reads.get(name):
+                self._forget_later.add(name)
+            else:
+                self._forget(name)
+
+    def read_opened(self, name: str) -> None:
+        with self.lock:
+            self._open_reads[name] = self._open_reads.get(name, 0) + 1
+
+    def read_closed(self, name: str) -> None:
+        with self.lock:
+            left = self._open_reads.get(name, 0) - 1
+            if left > 0:
+                self._open_reads[name] = left
+                return
+            self._open_reads.pop(name, None)
+            if name in self._forget_later:
+                self._forget(name)
 
     def _forget(self, name: str) -> None:
+        self._forget_later.discard(name)
         for key in [k for k in self._remote_dlists if k[0] == name]:
             try:
                 self._remote_dlists.pop(key).release()
@@ -463,16 +518,17 @@ class NixlHandle(TransferHandle):
     ``path`` is ``"prepped"`` (indices into prepared lists) or ``"rows"`` (Nx3
     descriptor lists); ``num_descriptors``/``raw_descriptors`` are the coalesced
     and naive row counts; ``build_s`` the time spent building the request.
+    The xfer is released only once NIXL reports it over (module docstring).
     """
 
     def __init__(self, request_id: RequestId, timeout_s: float, backend: "NixlBackend", xfer: Any,
-                 peer: NixlPeer, posted: str, *, path: str, num_descriptors: int,
-                 raw_descriptors: int, total_bytes: int, build_s: float) -> None:
+                 peer: NixlPeer, *, path: str, num_descriptors: int,
+                 raw_descriptors: int, total_bytes: int, build_s: float, report_failure: bool = True) -> None:
         super().__init__(request_id, timeout_s)
+        self._report_failure = report_failure
         self._backend = backend
         self._xfer = xfer
         self._peer = peer
-        self._posted = posted  # "DONE" | "PROC" | "ERR", as transfer() returned
         self._released = False
         self._read_completed = False
         self._failure_reason: Optional[str] = None
@@ -483,26 +539,23 @@ class NixlHandle(TransferHandle):
         self.total_bytes = total_bytes
         self.build_s = build_s
 
-    @property
-    def storage_safe(self) -> bool:
-        if self._state is TransferState.ERR and not self._storage_safe:
-            self._retry_release()
-        return super().storage_safe
-
-    def _state_now(self) -> str:
-        if self._posted == "ERR":
-            return "ERR"
+    def _xfer_state(self) -> str:
+        """``DONE``, ``PROC``, ``ERR`` (over: failed, nothing of it moves any more) or ``UNKNOWN``."""
         if self._released:
             return "DONE" if self._read_completed else "ERR"
         share = self._backend._share
         with share.lock:
+            if share.agent is None:
+                return "UNKNOWN"
             try:
                 return share.agent.check_xfer_state(self._xfer)
-            except Exception:
-                return "ERR"
+            except Exception as exc:
+                # A remote disconnect ends the READ (measured: nothing lands after it). Anything else
+                # (e.g. NOT_FOUND after the peer was invalidated) says nothing about whether it moves.
+                return "ERR" if type(exc).__name__ == "nixlRemoteDisconnectError" else "UNKNOWN"
 
     def _progress(self) -> bool:
-        state = self._state_now()
+        state = self._xfer_state()
         if state == "DONE":
             self._read_completed = True
             self._release()
@@ -515,6 +568,7 @@ class NixlHandle(TransferHandle):
         return False
 
     def _release(self) -> bool:
+        """Free the xfer handle; only ever called once NIXL reports the READ over."""
         if self._released:
             return True
         share = self._backend._share
@@ -522,37 +576,41 @@ class NixlHandle(TransferHandle):
             try:
                 share.agent.release_xfer_handle(self._xfer)
             except Exception:
-                return False  # still in flight and not cancellable: keep it, retry later
+                return False  # kept; retried when storage_safe is next read
         self._released = True
         # The binding's xfer handle keeps the native agent alive (its fds and threads):
         # a handle kept by the caller after close() must not keep it too.
         self._xfer = None
         self._backend._in_flight.discard(self)
+        share.read_closed(self._peer.name)
         return True
 
     def _abort(self) -> bool:
+        """Safe only if the READ is over (then released); an active READ is never released."""
+        state = self._xfer_state()
+        if state not in ("DONE", "ERR"):
+            return False
         # A read that completed right at the deadline has already sent its done notification.
-        self._read_completed = self._state_now() == "DONE"
+        self._read_completed = state == "DONE"
         return self._release()
+
+    def _settle(self) -> bool:
+        return self._abort()
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
         if self._released:
             self._notify_failed()
         else:
-            error.args = (f"{error}; NIXL could not cancel the READ yet, so storage_safe stays False "
-                          "(and the source is not told) until it is released",)
-            self._backend._unreleased.add(self)
+            self._backend._unsettled.add(self)
 
-    def _retry_release(self) -> None:
-        if self._release():
-            self._storage_safe = True
-            self._backend._unreleased.discard(self)
-            self._notify_failed()
+    def _on_settled(self) -> None:
+        self._backend._unsettled.discard(self)
+        self._notify_failed()
 
     def _notify_failed(self) -> None:
         """Tell the source, once no byte of the read can still move."""
-        if self._read_completed or self._failure_sent:
+        if self._read_completed or self._failure_sent or not self._report_failure:
             return
         self._failure_sent = True
         message = notify.encode("failed", self.request_id, self._peer.buffer_id, self._failure_reason or "")
@@ -597,7 +655,7 @@ class NixlBackend(KVTransportBackend):
         if not ok:
             raise BackendUnavailableError(f"[nixl] cannot move {self.mem_type} memory with this UCX setup: {why}")
         self._in_flight: set[NixlHandle] = set()
-        self._unreleased: set[NixlHandle] = set()
+        self._unsettled: set[NixlHandle] = set()  # failed while their READ was active: not yet released
         self._local_dlist: Any = None
         # A sibling (``new_registered_buffer``) shares its parent's agent whatever it is called.
         parent = self._parent
@@ -627,8 +685,21 @@ class NixlBackend(KVTransportBackend):
             with handle._lock:
                 if handle.state is TransferState.PROC:
                     handle._fail(TransferError(f"request {handle.request_id!r}: backend closed while in flight"))
-        for handle in list(self._unreleased):
-            handle._retry_release()
+        deadline = time.monotonic() + CLOSE_SETTLE_S
+        while self._settle_unsettled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._unsettled:
+            # Deregistering (or letting the caller free the tensor) while a READ still writes into
+            # it would hand those bytes to whoever gets the memory next: keep it all until they end.
+            self._parked_arena = self._arena
+            with _PARKED_LOCK:
+                _PARKED.add(self)
+            logger.error("kvxfer nixl: %r closed with %d READ(s) that may still land (a stalled source?); its "
+                         "registration and memory are kept until they end", self.agent_name, len(self._unsettled))
+            return
+        self._release_registration()
+
+    def _release_registration(self) -> None:
         share = self._share
         with share.lock:
             if self._local_dlist is not None:
@@ -647,6 +718,13 @@ class NixlBackend(KVTransportBackend):
                 logger.warning(f"kvxfer nixl: deregistering {self.agent_name!r} failed: {exc}")
         share.remove_registration(self.buffer_id)
         share.release()
+        self._parked_arena = None
+
+    def _settle_unsettled(self) -> int:
+        """Check the READs that failed while active; release those now over. Returns how many are left."""
+        for handle in list(self._unsettled):
+            _ = handle.storage_safe  # settles (releases, tells the source) once NIXL says it is over
+        return len(self._unsettled)
 
     def _transport_meta(self) -> dict[str, Any]:
         share = self._share
@@ -670,7 +748,9 @@ class NixlBackend(KVTransportBackend):
     def drop_peer(self, agent_name: str) -> None:
         """Forget a peer (e.g. known dead): its agent, connection and prepared lists.
 
-        Reads still in flight to it fail. A later pull from it loads it again.
+        A peer with READs still open is removed only once they have ended (NIXL
+        cannot stop them, and could no longer report them after the removal).
+        A later pull from it loads it again.
         """
         self._check_open()
         self._share.forget(agent_name)
@@ -682,14 +762,14 @@ class NixlBackend(KVTransportBackend):
 
     # --- pulls ---------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:
-        self._retry_unreleased()
+        self._settle_unsettled()
         peer = parse_nixl_peer(pull.peer_meta)
         share = self._share
         share.ensure_remote(peer)
         plan = pull.plan
         # ``notify=False`` (a caller whose later read carries the read-done): an empty
         # message makes NIXL send no notification at all. Failures are still reported.
-        wants_done = getattr(pull, "notify", True)
+        wants_done = pull.notify
         message = notify.encode("done", pull.request_id, peer.buffer_id) if wants_done else b""
         if plan.num_descriptors == 0:
             if message:
@@ -698,32 +778,34 @@ class NixlBackend(KVTransportBackend):
         started = time.perf_counter()
         with share.lock:
             xfer, path = self._make_xfer(pull, peer, message)
-            build_s = time.perf_counter() - started
+            handle = NixlHandle(
+                pull.request_id, self.timeout_s, self, xfer, peer, path=path,
+                num_descriptors=plan.num_descriptors, raw_descriptors=plan.raw_descriptors,
+                total_bytes=plan.total_bytes, build_s=time.perf_counter() - started,
+                report_failure=pull.report_failure,
+            )
+            share.read_opened(peer.name)  # from here the handle owns the xfer; its release closes it
+            self._in_flight.add(handle)
             try:
-                posted = share.agent.transfer(xfer)
+                share.agent.transfer(xfer)
             except Exception as exc:
-                # NIXL may have posted part of the READ before failing: only a successful
-                # release proves that no byte can still land in our blocks.
-                try:
-                    share.agent.release_xfer_handle(xfer)
-                    released = True
-                except Exception:
-                    released = False
+                # NIXL may have posted part of the READ before failing, and releasing an active READ
+                # does not stop it: the handle finds out whether it is over, and keeps it until it is.
+                with handle._lock:
+                    handle._fail(TransferError(
+                        f"request {pull.request_id!r}: NIXL failed to start the READ from {peer.name!r} "
+                        f"({type(exc).__name__}: {exc})"))
                 if type(exc).__name__ == "nixlRemoteDisconnectError":
                     share.forget(peer.name)  # a dead peer is not kept: a restart is loaded afresh
+                safe = handle.storage_safe
                 raise TransferStartError(
                     f"request {pull.request_id!r}: NIXL failed to start the READ from {peer.name!r} "
                     f"({type(exc).__name__}: {exc}); part of it may have run; "
-                    + ("it was released, no byte can still land" if released else
-                       "releasing it failed too: quarantine the destination blocks"),
-                    storage_safe=released,
+                    + ("it is over, no byte can still land" if safe else
+                       "it may still be moving: quarantine the destination blocks until the handle in "
+                       "cleanup_handles is storage_safe"),
+                    storage_safe=safe, cleanup_handles=[handle],
                 ) from exc
-        handle = NixlHandle(
-            pull.request_id, self.timeout_s, self, xfer, peer, posted, path=path,
-            num_descriptors=plan.num_descriptors, raw_descriptors=plan.raw_descriptors,
-            total_bytes=plan.total_bytes, build_s=build_s,
-        )
-        self._in_flight.add(handle)
         return handle
 
     def _make_xfer(self, pull: PullRequest, peer: NixlPeer, message: bytes) -> tuple[Any, str]:
@@ -758,10 +840,15 @@ class NixlBackend(KVTransportBackend):
             self._local_dlist = self._share.agent.prep_xfer_dlist("", slice_rows(self.geometry), self.mem_type)
         return self._local_dlist
 
-    def _retry_unreleased(self) -> None:
-        for handle in list(self._unreleased):
-            handle._retry_release()
+    def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
+                       failure: Optional[str] = None) -> None:
+        peer = parse_nixl_peer(peer_meta)
+        message = (notify.encode("done", request_id, peer.buffer_id) if failure is None else
+                   notify.encode("failed", request_id, peer.buffer_id, failure))
+        self._share.send(peer.name, message)
 
     def _collect_notifications(self) -> None:
-        self._retry_unreleased()
+        self._settle_unsettled()
         self._share.collect_notifications()
+        if _PARKED:
+            parked_registrations()

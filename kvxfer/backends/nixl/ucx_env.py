@@ -20,28 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-# UCX_TLS aliases, expanded to the transport names they stand for (UCX docs, "UCX_TLS").
-_ALIASES: dict[str, frozenset[str]] = {
-    "all": frozenset({"*"}),
-    "sm": frozenset({"posix", "sysv", "cma", "knem", "xpmem"}),
-    "shm": frozenset({"posix", "sysv", "cma", "knem", "xpmem"}),
-    "mm": frozenset({"posix", "sysv", "xpmem"}),
-    "ib": frozenset({"rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5"}),
-    "rc": frozenset({"rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5"}),
-    "rc_x": frozenset({"rc_mlx5", "ud_mlx5"}),
-    "rc_v": frozenset({"rc_verbs", "ud_verbs"}),
-    "ud": frozenset({"ud_verbs", "ud_mlx5"}),
-    "ud_x": frozenset({"ud_mlx5"}),
-    "ud_v": frozenset({"ud_verbs"}),
-    "dc": frozenset({"dc_mlx5"}),
-    "dc_x": frozenset({"dc_mlx5"}),
-    "cuda": frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"}),
-}
-#: Transports that can reach host memory in another process (``self`` cannot).
-HOST_TRANSPORTS = frozenset({"tcp", "posix", "sysv", "cma", "knem", "xpmem", "rc_verbs", "rc_mlx5",
-                             "ud_verbs", "ud_mlx5", "dc_mlx5", "srd", "efa"})
-#: Without one of these UCX cannot even recognise a CUDA pointer, let alone move it.
-CUDA_TRANSPORTS = frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"})
+from kvxfer.backends.ucx_tls import CUDA_TRANSPORTS, HOST_TRANSPORTS, UcxTls, parse_ucx_tls
+
 # Built into libuct itself; everything else is a loadable module (libuct_<name>.so).
 _BUILTIN_TRANSPORTS = ("self", "tcp", "posix", "sysv")
 
@@ -67,9 +47,7 @@ class NixlTransportInfo:
 
     def permits(self, transport: str) -> bool:
         """Whether UCX_TLS lets UCX use ``transport``."""
-        if transport in self.excluded:
-            return False
-        return "*" in self.allowed or transport in self.allowed
+        return UcxTls(self.ucx_tls, self.allowed, self.excluded).permits(transport)
 
     def usable_for(self, mem_type: str) -> tuple[bool, str]:
         """``(True, "")`` if some permitted transport can move ``mem_type`` ("DRAM"/"VRAM"), else why not."""
@@ -103,28 +81,6 @@ class NixlTransportInfo:
         return f"UCX_TLS={tls}; UCX transports available: {modules}; RDMA devices: {rdma}"
 
 
-def _expand(names: list[str]) -> frozenset[str]:
-    out: set[str] = set()
-    for name in names:
-        out |= _ALIASES.get(name, frozenset({name}))
-    return frozenset(out)
-
-
-def _parse_tls(value: Optional[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """UCX_TLS -> (allowed, excluded). ``^a,b`` means everything except a and b."""
-    if value is None:
-        return frozenset({"*"}), frozenset()
-    if not value.strip():
-        return frozenset(), frozenset()  # set but empty: UCX then fails to create any transport
-    value = value.strip()
-    negate = value.startswith("^")
-    names = [n.strip().lower() for n in value.lstrip("^").split(",") if n.strip()]
-    names = [n.removeprefix("\\") for n in names]  # "\rc" means "exactly rc", no alias expansion
-    if negate:
-        return frozenset({"*"}), _expand(names)
-    return _expand(names), frozenset()
-
-
 def _nixl_libs_dir() -> tuple[Optional[str], Optional[Path]]:
     """The installed nixl flavour (nixl_cu13, nixl_cu12...) and its bundled-libraries folder."""
     for flavour in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
@@ -148,7 +104,8 @@ def nixl_transport_info(environ: Optional[Mapping[str, str]] = None) -> NixlTran
     rdma_root = Path("/sys/class/infiniband")
     rdma = tuple(sorted(p.name for p in rdma_root.iterdir())) if rdma_root.is_dir() else ()
     tls = env.get("UCX_TLS")
-    allowed, excluded = _parse_tls(tls)
+    parsed = parse_ucx_tls(tls)
+    allowed, excluded = parsed.allowed, parsed.excluded
     return NixlTransportInfo(
         nixl_package=flavour, ucx_tls=tls, allowed=allowed, excluded=excluded,
         ucx_net_devices=env.get("UCX_NET_DEVICES"), ucx_modules=modules, rdma_devices=rdma,

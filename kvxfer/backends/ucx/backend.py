@@ -45,7 +45,7 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
-from kvxfer.backends.ucx.same_host import SourceWatch, own_identity
+from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
@@ -81,13 +81,19 @@ class _Peer:
 
     def __init__(self, backend: "UcxBackend", address: bytes, watch: Optional[SourceWatch] = None) -> None:
         self.address = address
-        self.watch = watch  # a source on this host, watched by pidfd (then no UCX peer failure mode)
-        error_handling = backend.peer_error_handling if backend.peer_error_handling is not None else watch is None
+        # A source on this host, watched by pidfd. It skips UCX's peer failure mode only where UCX may
+        # use shared memory or CMA at all: that mode is what makes a force-close complete pending gets,
+        # and without shared memory the same-host path would buy nothing for giving it up.
+        self.watch = watch
+        self._exit_seen = False
+        error_handling = (backend.peer_error_handling if backend.peer_error_handling is not None
+                          else watch is None or not shared_memory_permitted())
         self.path = "peer-error-mode" if error_handling else "same-host"
         self.endpoint = _ucp.Endpoint(backend._worker, address, backend._on_endpoint_error,
                                       peer_error_handling=error_handling)
         self.rkeys: dict[bytes, _ucp.RemoteKey] = {}
         self.batches: set[_ucp.GetBatch] = set()  # posted, not yet released
+        self.abandoned = False  # closed with gets that can never complete (kept until close())
 
     def rkey(self, packed: bytes) -> _ucp.RemoteKey:
         key = self.rkeys.get(packed)
@@ -101,20 +107,50 @@ class _Peer:
 
     @property
     def source_exited(self) -> bool:
-        return self.watch is not None and self.watch.exited()
+        """The pidfd saw the source exit (sticky: once seen, always True)."""
+        if not self._exit_seen and self.watch is not None and self.watch.exited():
+            self._exit_seen = True
+        return self._exit_seen
+
+    @property
+    def gets_cannot_land(self) -> bool:
+        """No get on this endpoint can write any more: it is closed and its source process is gone.
+
+        Without UCX's peer failure mode a force-close does not complete pending gets (measured over
+        tcp: they stay pending for good), so their completion cannot be what proves it.
+        """
+        return self.endpoint.handle is None and self.source_exited
 
     def close(self) -> bool:
-        """Force-close the endpoint (completing its gets), then destroy the rkeys. True when fully closed."""
+        """Force-close the endpoint (completing its gets), then destroy the rkeys. True when fully closed.
+
+        The pidfd stays open while a get is pending: it is what can still prove the source gone.
+        """
         self.endpoint.close()
+        if any(not batch.done for batch in self.batches):
+            if not self.gets_cannot_land:
+                return False
+            # Gets that will never complete (see gets_cannot_land): their requests, rkeys and
+            # counters stay allocated until the worker goes (``abandon``, at close()).
+            self.abandoned = True
         if self.watch is not None:
             self.watch.close()
             self.watch = None
-        if any(not batch.done for batch in self.batches):
-            return False
+        if not self.abandoned:
+            for key in self.rkeys.values():
+                key.close()
+            self.rkeys.clear()
+        return True
+
+    def abandon(self) -> None:
+        """Worker closing: free what pending gets still hold (UCX releases a request freed before it
+        completed when it does) and the rkeys, before the worker is destroyed."""
+        for batch in self.batches:
+            batch.abandon()
+        self.batches.clear()
         for key in self.rkeys.values():
             key.close()
         self.rkeys.clear()
-        return True
 
 
 @dataclass
@@ -142,20 +178,15 @@ class UcxHandle(TransferHandle):
     """One pull: a batch of gets on one endpoint."""
 
     def __init__(self, request_id: RequestId, timeout_s: float, backend: "UcxBackend", peer: _Peer,
-                 batch: _ucp.GetBatch, notify: bool = True) -> None:
+                 batch: _ucp.GetBatch, notify: bool = True, report_failure: bool = True) -> None:
         super().__init__(request_id, timeout_s)
         self._notify_done = notify
+        self._report_failure = report_failure
         self._backend = backend
         self._peer = peer
         self._batch = batch
         self._failure_reason: Optional[str] = None
         self._failure_sent = False
-
-    @property
-    def storage_safe(self) -> bool:
-        if self._state is TransferState.ERR and not self._storage_safe:
-            return self._batch.done  # every get has completed or been cancelled: nothing can land now
-        return super().storage_safe
 
     @property
     def path(self) -> str:
@@ -168,8 +199,10 @@ class UcxHandle(TransferHandle):
             self._backend._worker.progress()
         if not batch.done:
             if self._peer.source_exited:
-                raise TransferError(f"request {self.request_id!r}: the source process (pid {self._peer.watch.pid}) "
-                                    "exited during the read")
+                raise TransferError(f"request {self.request_id!r}: the source process exited during the read")
+            if self._peer.endpoint.error is not None:
+                raise TransferError(f"request {self.request_id!r}: the endpoint to the source failed "
+                                    f"({_ucp.status_string(self._peer.endpoint.error)}) during the read")
             return False
         if not _ucp.is_ok(batch.status):
             raise TransferError(
@@ -191,7 +224,13 @@ class UcxHandle(TransferHandle):
         if batch.done:
             self._backend._release_batch(self._peer, batch)
             return True
-        return False
+        return self._peer.gets_cannot_land or self._backend._worker_closed
+
+    def _settle(self) -> bool:
+        # batch done: every get completed or was cancelled (the progress thread releases it and
+        # tells the source); or the endpoint is closed and the source gone, or the whole worker
+        # destroyed (close()): none can complete.
+        return self._batch.done or self._peer.gets_cannot_land or self._backend._worker_closed
 
     def _wait_batch(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -214,7 +253,7 @@ class UcxHandle(TransferHandle):
             self._backend._defer(self)  # sent by the progress thread once every get has completed
 
     def _send_failure(self) -> None:
-        if self._failure_sent:
+        if self._failure_sent or not self._report_failure:
             return
         self._failure_sent = True
         # Sent even if the endpoint failed: a cut link looks like a dead source, and the
@@ -234,13 +273,14 @@ class UcxBackend(KVTransportBackend):
         """Same arguments as every backend, plus ``peer_error_handling``.
 
         ``None`` (default) chooses per source: one on this host (same boot id and
-        network namespace, its pid alive with the start time its meta names) gets an
-        endpoint without UCX's peer failure mode, so UCX may use CMA/shared memory
-        (zero-copy gets, no source CPU), and is watched through a pidfd, which fails
-        its pulls the moment it exits (``kvxfer.backends.ucx.same_host``); any other
+        network namespace, its pid alive with the start time its meta names), where
+        ``UCX_TLS`` permits shared memory or CMA, gets an endpoint without UCX's peer
+        failure mode, so UCX may use them (zero-copy gets, no source CPU); any other
         source gets ``UCP_ERR_HANDLING_MODE_PEER``. ``True``/``False`` force one mode
-        for every source (``False`` without a pidfd: a dead source is then caught by
-        the failed read or the timeout). A handle's ``path`` says which was taken.
+        for every source. Every source of this host is watched through a pidfd
+        whatever the mode (``kvxfer.backends.ucx.same_host``): its exit fails its
+        pulls at once and proves their gets can no longer land. A handle's ``path``
+        says which mode was taken.
         """
         self.peer_error_handling = None if peer_error_handling is None else bool(peer_error_handling)
         super().__init__(*args, **kwargs)
@@ -266,6 +306,7 @@ class UcxBackend(KVTransportBackend):
         self._state_lock = threading.Lock()
         self._peers: dict[bytes, _Peer] = {}
         self._retired: list[_Peer] = []  # dropped from the cache, endpoint still to close
+        self._abandoned: list[_Peer] = []  # closed, with gets that can never complete: freed at close()
         self._live: set[UcxHandle] = set()
         self._deferred: list[UcxHandle] = []  # failed, gets not all completed yet
         self._sends: list[_Send] = []  # AM requests in flight
@@ -274,6 +315,7 @@ class UcxBackend(KVTransportBackend):
         self.notices_dropped = 0  # notices given up on (too old, or too many kept)
         self._notices: deque[bytes] = deque()
         self._staging_region: Optional[_ucp.MemoryRegion] = None
+        self._worker_closed = False  # after close(): no get of ours can write any more
         self._context = _ucp.Context()
         try:
             self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
@@ -322,8 +364,8 @@ class UcxBackend(KVTransportBackend):
             batch = _ucp.GetBatch(peer.endpoint, rkey, local_base, pull.peer.geometry.buf_ptr,
                                   plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
             peer.batches.add(batch)
-            # ``notify`` (read-done on completion) is a newer PullRequest field; absent means True.
-            handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=getattr(pull, "notify", True))
+            handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=pull.notify,
+                               report_failure=pull.report_failure)
             self._live.add(handle)
         self._worker.signal(only_if_idle=True)
         return handle
@@ -336,8 +378,10 @@ class UcxBackend(KVTransportBackend):
             self._drop_peer(peer)
             peer = None
         if peer is None:
-            auto = self.peer_error_handling is None and meta is not None
-            peer = self._peers[address] = _Peer(self, address, SourceWatch.for_meta(meta) if auto else None)
+            # A source of this host is watched by pidfd whatever the mode: its death then ends
+            # the reads at once and proves that none of them can still land.
+            watch = SourceWatch.for_meta(meta) if meta is not None else None
+            peer = self._peers[address] = _Peer(self, address, watch)
         return peer
 
     def _drop_peer(self, peer: _Peer) -> None:
@@ -370,10 +414,20 @@ class UcxBackend(KVTransportBackend):
     # --- notices ----------------------------------------------------------------------------
     def _notify(self, peer: _Peer, message: dict[str, Any]) -> None:
         """Send a notice to ``peer``'s source; one that cannot leave now is kept and retried."""
+        self._notify_address(peer.address, message, peer)
+
+    def _notify_address(self, address: bytes, message: dict[str, Any], peer: Optional[_Peer] = None) -> None:
         what = f"read-{message['kind']} of request {message['id']!r}"
         notice = _Notice(json.dumps(message, separators=(",", ":")).encode(), what, time.monotonic())
         with self._worker.lock:
-            self._post_notice(peer.address, notice, peer)
+            self._post_notice(address, notice, peer)
+
+    def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
+                       failure: Optional[str] = None) -> None:
+        message: dict[str, Any] = {"kind": "done", "id": request_id}
+        if failure is not None:
+            message = {"kind": "failed", "id": request_id, "reason": failure}
+        self._notify_address(_unb64(peer_meta, "ucx_worker_address"), message)
 
     def _post_notice(self, address: bytes, notice: _Notice, peer: Optional[_Peer] = None) -> None:
         """Worker lock held. On ``peer``'s endpoint if still usable, else on the cached (or a new) one."""
@@ -476,12 +530,18 @@ class UcxBackend(KVTransportBackend):
             if handle._batch.done:
                 self._release_batch(handle._peer, handle._batch)
                 handle._send_failure()
-            else:
+            elif not handle._peer.gets_cannot_land:  # else its source is gone: nobody to tell
                 waiting.append(handle)
         self._deferred = waiting
         if self._outbox:
             self._retry_notices()
-        self._retired = [peer for peer in self._retired if not peer.close()]
+        still = []
+        for peer in self._retired:
+            if not peer.close():
+                still.append(peer)
+            elif peer.abandoned:
+                self._abandoned.append(peer)
+        self._retired = still
 
     def _complete_landed(self) -> None:
         """Progress thread, worker lock released: finish handles whose gets have all landed.
@@ -514,8 +574,9 @@ class UcxBackend(KVTransportBackend):
             time.sleep(0.0005)
         self._worker.stop_progress_thread()
         with self._worker.lock:
-            for send in self._sends:
-                self._worker.wait_request(send.request, time.monotonic())  # frees it if complete
+            for send in self._sends:  # notices still leaving (e.g. to a stalled source): not waited for
+                self._worker.wait_request(send.request, time.monotonic(), give_up=True)
+            self._sends = []
             if self._outbox_size:
                 logger.warning("ucx %r: closed with %d notices still undelivered (their sources unreachable)",
                                self.agent_name, self._outbox_size)
@@ -529,15 +590,23 @@ class UcxBackend(KVTransportBackend):
             for handle in self._deferred:
                 if handle._batch.done:
                     self._release_batch(handle._peer, handle._batch)
-            for peer in self._retired:
-                peer.close()
+            # Whatever gets are still pending (a source that never answered, or one gone for
+            # good) are freed with the worker; their counters stay referenced until it is gone.
+            leftovers = [peer for peer in self._retired if not peer.close() or peer.abandoned] + self._abandoned
+            for peer in leftovers:
+                peer.abandon()
             self._retired.clear()
+            self._abandoned = []
         self._region.close()
         if self._staging_region is not None:
             self._staging_region.close()
             self._staging_region = None
-        self._worker.close()
-        self._context.close()
+        if self._worker.close():
+            self._worker_closed = True
+            del leftovers  # now that no completion can run any more
+            self._context.close()
+        else:  # its teardown hung: it may still complete gets, so they stay unsafe; nothing more is freed
+            self._hung_teardown = leftovers
 
     def disconnect(self, peer_meta: Optional[Mapping[str, Any]] = None) -> None:
         """Close the cached endpoint to one source (or to all): e.g. a prefill instance went away.

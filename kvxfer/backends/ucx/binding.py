@@ -45,6 +45,8 @@ _load_error: Optional[str] = None
 
 # Callback targets, keyed by the integer that travels as the C callback's ``arg``.
 _WORKERS: dict[int, "Worker"] = {}
+#: The longest ``Worker.close`` waits for ``ucp_worker_destroy``.
+WORKER_DESTROY_TIMEOUT_S = 5.0
 _ENDPOINTS: dict[int, "Endpoint"] = {}
 _KEYS = itertools.count(1)
 
@@ -303,29 +305,52 @@ class Worker:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = WORKER_DESTROY_TIMEOUT_S) -> bool:
+        """Destroy the worker; False if ``ucp_worker_destroy`` did not return within ``timeout_s``.
+
+        Seen once (3 of 6 closes after a notice stall, never reproduced since pending notice
+        sends are freed before it): ``ucp_worker_destroy`` not returning. close() must not hang
+        its caller, so the destroy runs on a thread of its own; one that does not come back is
+        logged and left (the worker stays counted in ``live_objects()``).
+        """
         self.stop_progress_thread()
         with self.lock:
-            if self.handle is not None:
-                _lib.ucp_worker_destroy(self.handle)
-                self.handle = None
-                _count("worker", -1)
-        _WORKERS.pop(self.key, None)
+            handle, self.handle = self.handle, None
+        if handle is None:
+            _WORKERS.pop(self.key, None)
+            return True
+        destroyed = threading.Event()
 
-    def wait_request(self, request: Any, deadline: float) -> int:
+        def destroy() -> None:
+            with self.lock:
+                _lib.ucp_worker_destroy(handle)
+            destroyed.set()
+
+        threading.Thread(target=destroy, name="kvxfer-ucx-worker-destroy", daemon=True).start()
+        if not destroyed.wait(timeout_s):
+            logger.error("ucx: ucp_worker_destroy did not return within %.1fs; the worker is abandoned (its "
+                         "memory and sockets stay until the process exits)", timeout_s)
+            return False
+        _count("worker", -1)
+        _WORKERS.pop(self.key, None)  # kept until now: UCX may call our callbacks while it tears down
+        return True
+
+    def wait_request(self, request: Any, deadline: float, *, give_up: bool = False) -> int:
         """Progress until ``request`` (a non-NULL, non-error pointer) completes; free it; its status.
 
-        Returns ``UCS_ERR_TIMED_OUT`` (and leaves it counted) if the deadline passes first.
+        Returns ``UCS_ERR_TIMED_OUT`` if the deadline passes first, leaving it counted, or, with
+        ``give_up``, released anyway (UCX frees a request released early when it completes:
+        for requests whose completion nothing waits for, e.g. at close).
         """
         lib = _lib
         while True:
             with self.lock:
                 lib.ucp_worker_progress(self.handle)
                 status = lib.ucp_request_check_status(request)
-                if status != lib.UCS_INPROGRESS:
+                if status != lib.UCS_INPROGRESS or (give_up and time.monotonic() > deadline):
                     lib.ucp_request_free(request)
                     _count("request", -1)
-                    return int(status)
+                    return int(status) if status != lib.UCS_INPROGRESS else int(lib.UCS_ERR_TIMED_OUT)
             if time.monotonic() > deadline:
                 return int(lib.UCS_ERR_TIMED_OUT)
             time.sleep(0.0002)
@@ -406,7 +431,7 @@ class Endpoint:
             if pending:
                 _count("request", 1)
         if pending:
-            self.worker.wait_request(ptr, time.monotonic() + timeout_s)
+            self.worker.wait_request(ptr, time.monotonic() + timeout_s, give_up=True)
         _ENDPOINTS.pop(self.key, None)
 
 
@@ -475,6 +500,20 @@ class GetBatch:
             if self.released:
                 return 0
             return int(_lib.kvx_cancel_pending(self.worker.handle, self.requests, self.n))
+
+    def abandon(self) -> None:
+        """Free the requests of gets that will never complete (the worker is about to be destroyed).
+
+        UCX frees a request released before completion when it completes; this object (its
+        counter, which the completion callback writes) must outlive the worker.
+        """
+        with self.worker.lock:
+            if self.released:
+                return
+            freed = int(_lib.kvx_free_requests(self.requests, self.n))
+            _count("request", -freed)
+            self.released = True
+            self.worker.inflight -= 1
 
     def release(self) -> None:
         with self.worker.lock:

@@ -16,6 +16,7 @@ import os
 import select
 from typing import Any, Mapping, Optional
 
+from kvxfer.backends.ucx_tls import SHARED_MEMORY_TRANSPORTS, parse_ucx_tls
 from kvxfer.security.meta_seal import HOST_FIELD, host_identity
 
 logger = logging.getLogger("kvxfer.backends.ucx")
@@ -32,6 +33,12 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
     fields = stat[stat.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
     return int(fields[19])
+
+
+def shared_memory_permitted() -> bool:
+    """Whether ``UCX_TLS`` lets UCX move bytes between processes of this host without the network stack."""
+    tls = parse_ucx_tls(os.environ.get("UCX_TLS"))
+    return any(tls.permits(t) for t in SHARED_MEMORY_TRANSPORTS)
 
 
 def own_identity() -> dict[str, int]:
