@@ -93,6 +93,7 @@ class _Load:
     lease: Optional[TransferHandle] = None
     slot: Optional[int] = None
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for "where did the time go"
     bytes: int = 0
     descriptors: int = 0
 
@@ -230,6 +231,7 @@ class Receiver:
             load.bytes += after["bytes_requested"] - before["bytes_requested"]
             load.descriptors += after["descriptors_posted"] - before["descriptors_posted"]
             load.data.append(handle)
+        load.marks["data_posted"] = self._clock()
         self._advance_data(load)
 
     def _advance_data(self, load: _Load) -> None:
@@ -258,6 +260,7 @@ class Receiver:
                 self._free_slots.append(slot)
             return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
         load.slot = slot
+        load.marks["lease_posted"] = self._clock()
         self._advance_lease(load)
 
     def _advance_lease(self, load: _Load) -> None:
@@ -290,8 +293,9 @@ class Receiver:
         self.counters["bytes"] += load.bytes
         self.counters["descriptors"] += load.descriptors
         self.interval_handoff_s.append(elapsed)
+        phases = {f"{name}_s": at - load.started for name, at in load.marks.items()}
         self.recent.append({"request_id": load.spec.request_id, "handoff_s": elapsed, "bytes": load.bytes,
-                            "descriptors": load.descriptors, "blocks": len(load.spec.local_block_ids)})
+                            "descriptors": load.descriptors, "blocks": len(load.spec.local_block_ids), **phases})
         if load.spec.awaiting:
             self._finished.add(load.spec.request_id)
 
