@@ -128,16 +128,14 @@ class Receiver:
         if spec.request_id in self._loads:
             logger.warning("kvxfer vllm: request %s is already loading; duplicate ignored", spec.request_id)
             return
-        self._loads[spec.request_id] = _Load(spec, self._clock())
+        load = self._loads[spec.request_id] = _Load(spec, self._clock())
+        self._step(load)  # post now: the read overlaps the rest of the engine step
+
 
     def collect(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` since the last call (failed ones are in both)."""
         for load in list(self._loads.values()):
-            try:
-                self._advance(load)
-            except Exception as exc:  # never let one request's surprise break the engine's step
-                logger.exception("kvxfer vllm: request %s: unexpected failure", load.spec.request_id)
-                self._fail(load, f"unexpected {type(exc).__name__}: {exc}")
+            self._step(load)
         for request_id, (load, reason) in list(self._quarantined.items()):
             if all(h.storage_safe for h in load.data):
                 del self._quarantined[request_id]
@@ -148,6 +146,14 @@ class Receiver:
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
         return finished, failed
+
+    def _step(self, load: _Load) -> None:
+        try:
+            self._advance(load)
+        except Exception as exc:  # never let one request's surprise break the engine's step
+            logger.exception("kvxfer vllm: request %s: unexpected failure", load.spec.request_id)
+            safe = abort_parts(load.data, f"request {load.spec.request_id!r}: unexpected failure")
+            self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe)
 
     @property
     def in_flight(self) -> int:
