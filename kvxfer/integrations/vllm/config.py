@@ -41,6 +41,10 @@ class KvxferConfig:
     pin_grace_s: float = 120.0
     #: Exported requests a producer can hold pinned at once (one 8-byte lease slot each).
     lease_slots: int = 16384
+    #: Per engine step, how long the decode worker polls reads in flight before returning, so a
+    #: read that lands in microseconds (shared memory, RDMA) finishes in the step that posted it
+    #: instead of the next one. 0 turns it off.
+    completion_spin_us: int = 200
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "KvxferConfig":
@@ -70,6 +74,10 @@ class KvxferConfig:
         if isinstance(self.lease_slots, bool) or not isinstance(self.lease_slots, int) or not 16 <= self.lease_slots <= 1 << 24:
             raise ConnectorConfigError(f"kv_connector_extra_config 'lease_slots' must be an int in [16, 2**24], "
                                        f"got {self.lease_slots!r}")
+        if isinstance(self.completion_spin_us, bool) or not isinstance(self.completion_spin_us, int) \
+                or not 0 <= self.completion_spin_us <= 100_000:
+            raise ConnectorConfigError(f"kv_connector_extra_config 'completion_spin_us' must be an int in [0, 100000], "
+                                       f"got {self.completion_spin_us!r}")
         for name in ("kv_ip", "advertise_host"):
             value = getattr(self, name)
             if value is None and name == "advertise_host":

@@ -101,7 +101,7 @@ class _Load:
 class Receiver:
     def __init__(self, *, tp_rank: int, backend_name: str, layout: EngineLayout, regions: Sequence[Any],
                  scratch_backend: Any, scratch: torch.Tensor, handshakes: HandshakeCache,
-                 cluster_key: Optional[bytes], handshake_timeout_s: float,
+                 cluster_key: Optional[bytes], handshake_timeout_s: float, spin_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._tp_rank = tp_rank
         self._backend_name = backend_name
@@ -113,6 +113,7 @@ class Receiver:
         self._handshakes = handshakes
         self._cluster_key = cluster_key
         self._handshake_timeout_s = handshake_timeout_s
+        self._spin_s = spin_s
         self._clock = clock
         self._loads: dict[str, _Load] = {}
         self._quarantined: dict[str, tuple[_Load, str]] = {}
@@ -136,6 +137,7 @@ class Receiver:
         """``(finished_recving, failed_recving)`` since the last call (failed ones are in both)."""
         for load in list(self._loads.values()):
             self._step(load)
+        self._spin()
         for request_id, (load, reason) in list(self._quarantined.items()):
             if all(h.storage_safe for h in load.data):
                 del self._quarantined[request_id]
@@ -146,6 +148,19 @@ class Receiver:
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
         return finished, failed
+
+    def _spin(self) -> None:
+        """Reads on shared memory or RDMA finish in microseconds, an engine step takes a millisecond:
+        poll the reads in flight for up to ``spin_s`` so a load can finish in the step that posted it."""
+        if self._spin_s <= 0:
+            return
+        deadline = time.perf_counter() + self._spin_s
+        while time.perf_counter() < deadline:
+            moving = [load for load in self._loads.values() if load.data or load.lease is not None]
+            if not moving:
+                return
+            for load in moving:
+                self._step(load)
 
     def _step(self, load: _Load) -> None:
         try:

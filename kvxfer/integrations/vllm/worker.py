@@ -71,6 +71,7 @@ class KvxferWorker:
         self.handshakes: Optional[HandshakeCache] = None
         self.layout: Optional[EngineLayout] = None
         self._handshake_payload: Optional[str] = None
+        self._last_counters: dict[str, int] = {}
 
     # --- start-up --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -104,7 +105,8 @@ class KvxferWorker:
             self.receiver = Receiver(tp_rank=self.tp_rank, backend_name=self.cfg.backend_name, layout=self.layout,
                                      regions=self.backends, scratch_backend=self.scratch_backend, scratch=scratch,
                                      handshakes=self.handshakes, cluster_key=self.cluster_key,
-                                     handshake_timeout_s=self.cfg.handshake_timeout_s)
+                                     handshake_timeout_s=self.cfg.handshake_timeout_s,
+                                     spin_s=self.cfg.completion_spin_us / 1e6)
         total = sum(r.view.numel() * r.view.element_size() for r in regions)
         logger.info("kvxfer vllm: registered %d KV region(s) (%d layers, %.1f MiB, %d blocks) with the %s backend "
                     "as %r", len(regions), sum(len(r.layers) for r in regions), total / 2**20, num_blocks,
@@ -147,15 +149,9 @@ class KvxferWorker:
 
     def interval_stats(self) -> Optional[dict[str, Any]]:
         """What changed since the last call, for vLLM's stats pipeline (None when nothing did)."""
-        data: dict[str, Any] = {}
-        for part in (self.sender, self.receiver):
-            if part is None:
-                continue
-            for name, value in part.counters.items():
-                last = getattr(self, "_last_counters", {}).get(name, 0)
-                data[name] = value - last
-        self._last_counters = {**(self.sender.counters if self.sender else {}),
-                               **(self.receiver.counters if self.receiver else {})}
+        now = {**(self.sender.counters if self.sender else {}), **(self.receiver.counters if self.receiver else {})}
+        data: dict[str, Any] = {name: value - self._last_counters.get(name, 0) for name, value in now.items()}
+        self._last_counters = now
         data["handoff_s"] = []
         if self.receiver is not None:
             data["handoff_s"], self.receiver.interval_handoff_s = self.receiver.interval_handoff_s, []
