@@ -116,6 +116,7 @@ def run_target(name: str, model: str, prompts: list[list[int]], side_port: int) 
         out = decode.generate([{"prompt": p, "max_tokens": 4, "params": o["params"]}
                                for p, o in zip(prompts, tickets["outputs"])], timeout_s=600)
         equal = sum(o["tokens"] == r for o, r in zip(out["outputs"], reference))
+        phases = _kvxfer_phases(timing.get("recent", []), len(handoffs))
         return {
             "target": name, "connector": connector, "extra": extra, "prompts": len(prompts),
             "handoffs_timed": len(handoffs),
@@ -125,9 +126,23 @@ def run_target(name: str, model: str, prompts: list[list[int]], side_port: int) 
             "bytes_per_handoff": (timing["bench_bytes"] - before["bench_bytes"]) / n,
             "descriptors_per_handoff": (timing["bench_descriptors"] - before["bench_descriptors"]) / n,
             "tokens_equal": equal, "tokens_total": len(prompts),
-            "decode_prompt_tokens": after["prompt_tokens"],
+            "decode_prompt_tokens": after["prompt_tokens"], "kvxfer_phases_p50_ms": phases,
             "startup_s": [prefill.startup_s, decode.startup_s], "reference": reference,
         }
+
+
+def _kvxfer_phases(recent: list[dict[str, Any]], count: int) -> Optional[dict[str, float]]:
+    """KvxferConnector only: where a timed handoff's time went (p50 ms from the step's metadata):
+    reads posted (ticket, handshake, planning), lease read posted (data landed), done."""
+    timed = [r for r in recent if "handoff_s" in r][-count:] if count else []
+    if not timed:
+        return None
+    out = {}
+    for key, name in (("data_posted_s", "data_posted"), ("lease_posted_s", "lease_posted"), ("handoff_s", "done")):
+        values = [r[key] for r in timed if key in r]
+        if values:
+            out[name] = 1000 * statistics.median(values)
+    return out
 
 
 def run_vllm_bench(args: argparse.Namespace, progress=print) -> dict[str, Any]:
