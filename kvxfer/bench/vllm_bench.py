@@ -38,14 +38,17 @@ TARGET_RATIO = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=int, default=40, help="prompts per connector")
-    parser.add_argument("--min-tokens", type=int, default=64, help="shortest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="longest prompt, tokens")
+    from kvxfer.cli.args import int_at_least, writable_file
+
+    parser.add_argument("--prompts", type=int_at_least(1), default=40, help="prompts per connector")
+    parser.add_argument("--min-tokens", type=int_at_least(1), default=64, help="shortest prompt, tokens")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=1024, help="longest prompt, tokens")
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help=f"comma-separated, from {','.join(TARGETS)}")
     parser.add_argument("--model", help="a local model directory (default: a tiny random Llama made in a temp dir)")
-    parser.add_argument("--json", default="bench-results/vllm-bench.json", help="where to write the report")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=writable_file, default="bench-results/vllm-bench.json",
+                        help="where to write the report")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts")
 
 
 def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
