@@ -1,17 +1,23 @@
 # The two commands of the README's quick start, and their shared install step.
 VENV ?= .venv
 STAMP := $(VENV)/.kvxfer-installed
+# the vLLM environment tools/bootstrap.sh builds beside it (docs/vllm.md)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 
 .PHONY: loopback test info
 
 $(STAMP): pyproject.toml setup.py tools/bootstrap.sh
-	bash tools/bootstrap.sh $(VENV)
+	KVXFER_SKIP_VLLM=1 bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh
+	KVXFER_VLLM_ONLY=1 KVXFER_VLLM_VENV=$(VLLM_VENV) bash tools/bootstrap.sh $(VENV)
 
 loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes, on the default backend
 	$(VENV)/bin/kvxfer loopback
 
-test: $(STAMP)  ## the whole test suite
+test: $(STAMP) $(VLLM_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV))
 	$(VENV)/bin/python -m pytest
 
 info: $(STAMP)

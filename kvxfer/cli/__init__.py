@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate`` and ``bench`` (see ``kvxfer --help``).
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench`` and ``bench-vllm`` (see ``kvxfer --help``).
 
 Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = _subparser(sub, "bench", "sweep backends and baselines (two processes, every transfer verified)")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=lambda args: bench.run_command(args, commands.console))
+
+    from kvxfer.bench import vllm_bench  # noqa: PLC0415 - imports no vLLM itself
+
+    vllm_parser = _subparser(sub, "bench-vllm", "vLLM P/D through KvxferConnector (nixl, ucx) and vLLM's NixlConnector")
+    vllm_bench.add_arguments(vllm_parser)
+    vllm_parser.set_defaults(func=lambda args: vllm_bench.run_command(args, commands.console))
     return parser
 
 

@@ -1,0 +1,158 @@
+"""``KvxferConnector``: the class vLLM instantiates, once per role, forwarding to the role's half.
+
+vLLM builds the connector twice: in the scheduler process (``KVConnectorRole.SCHEDULER``) and
+in every worker (``KVConnectorRole.WORKER``), with ``(vllm_config, role, kv_cache_config)``.
+This facade checks the configuration, then forwards each hook to ``KvxferScheduler`` or
+``KvxferWorker``; the two halves talk only through ``KvxferConnectorMetadata`` (down, each
+step) and ``get_transfer_results`` (up), as vLLM's own connectors do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
+from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
+from kvxfer.integrations.vllm.scheduler import KvxferScheduler
+from kvxfer.integrations.vllm.stats import KvxferStats
+from kvxfer.integrations.vllm.worker import KvxferWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+    """Refuse, at start-up and naming the setting, what this connector does not move."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ConnectorConfigError("KvxferConnector supports pipeline_parallel_size 1 only")
+    if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
+        raise ConnectorConfigError("KvxferConnector does not support decode/prefill context parallelism")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConnectorConfigError(
+            f"KvxferConnector moves models with one KV cache group (full attention); this model has {len(groups)} "
+            "(sliding window, hybrid or Mamba layers)"
+        )
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    """kvxfer as a vLLM V1 KV connector (``docs/vllm.md``)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_cfg = vllm_config.kv_transfer_config
+        assert kv_cfg is not None and kv_cfg.engine_id is not None
+        check_supported(vllm_config, kv_cache_config)
+        self.kvxfer_config = KvxferConfig.from_extra_config(kv_cfg.kv_connector_extra_config)
+        self.engine_id: str = kv_cfg.engine_id
+        self.connector_scheduler: Optional[KvxferScheduler] = None
+        self.connector_worker: Optional[KvxferWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvxferScheduler(vllm_config, self.engine_id, self.kvxfer_config)
+        else:
+            self.connector_worker = KvxferWorker(vllm_config, self.engine_id, kv_cache_config, self.kvxfer_config)
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output.finished_sending)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.set_handshake_metadata(metadata)
+
+    # ---- worker side --------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        assert self.connector_worker is not None
+        return self.connector_worker.handshake_metadata()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvxferConnectorMetadata)
+        self.connector_worker.start_load(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous (between steps): nothing per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing is pushed: the decode reads the producer's blocks where they are."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.connector_worker is not None
+        sent, received, failed = self.connector_worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Failures are reported per request (``failed_recving``), not per block: a load is verified whole."""
+        return set()
+
+    def get_kv_connector_stats(self) -> Optional[KvxferStats]:
+        if self.connector_worker is None:
+            return None
+        data = self.connector_worker.interval_stats()
+        return None if data is None else KvxferStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KvxferStats]:
+        return KvxferStats(data=dict(data or {}))
+
+    def kvxfer_stats(self) -> dict[str, Any]:
+        """Cumulative counters of this worker (``llm.collective_rpc`` can call it)."""
+        assert self.connector_worker is not None
+        return self.connector_worker.stats()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()

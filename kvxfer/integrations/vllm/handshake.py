@@ -1,0 +1,145 @@
+"""The handshake document a producer serves: its ranks' metas, layout and ticket key, sealed.
+
+Built by the producer's scheduler from what each worker reported (``get_handshake_metadata``
+-> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
+field (``parse_handshake``), and compared with the decode's own layout
+(``check_compatible``): equal tensor parallelism, block size, model and per-block layout,
+or a refusal that names both sides' layouts. Pure, apart from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from kvxfer.errors import LayoutError, PeerMetadataError
+from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
+
+HANDSHAKE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One instance's KV layout as it matters for moving whole blocks."""
+
+    model: Mapping[str, Any]  # name, dtype, layers, kv heads, head size
+    tp_size: int
+    pp_size: int
+    block_size: int
+    regions: tuple[Mapping[str, Any], ...]  # kv_buffers.layout_signature()["regions"]
+
+    def describe(self) -> str:
+        heads = self.model.get("num_kv_heads")
+        per_rank = heads // self.tp_size if isinstance(heads, int) and self.tp_size else "?"
+        shapes = ", ".join(str(tuple(r.get("layer_shape", ()))) for r in self.regions) or "none"
+        return (f"TP {self.tp_size} x PP {self.pp_size}, {heads} KV heads ({per_rank} per rank), block_size "
+                f"{self.block_size}, per-layer KV {shapes} {self.model.get('kv_dtype')}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": dict(self.model), "tp_size": self.tp_size, "pp_size": self.pp_size,
+                "block_size": self.block_size, "regions": [dict(r) for r in self.regions]}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "EngineLayout":
+        if not isinstance(d, Mapping) or not isinstance(d.get("model"), Mapping) or not isinstance(d.get("regions"), list):
+            raise PeerMetadataError("handshake field 'layout' is malformed")
+        ints = {}
+        for name in ("tp_size", "pp_size", "block_size"):
+            value = d.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 20:
+                raise PeerMetadataError(f"handshake layout field {name!r} must be a positive int, got {value!r:.40}")
+            ints[name] = value
+        return cls(model=dict(d["model"]), regions=tuple(r if isinstance(r, Mapping) else {} for r in d["regions"]),
+                   **ints)
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """A producer's checked handshake."""
+
+    engine_id: str
+    instance: str
+    backend: str
+    layout: EngineLayout
+    rank_kv_metas: tuple[tuple[dict[str, Any], ...], ...]  # per TP rank, one meta per KV region
+    rank_lease_metas: tuple[dict[str, Any], ...]
+    ticket_key: Optional[bytes]  # only without a cluster secret
+
+
+def build_handshake(*, engine_id: str, instance: str, backend: str, layout: EngineLayout,
+                    ranks: Mapping[int, Mapping[str, Any]], ticket_key: Optional[bytes],
+                    cluster_key: Optional[bytes]) -> bytes:
+    """The sealed document (JSON bytes). ``ranks[tp_rank] = {"kv": [meta...], "lease": meta}``."""
+    if sorted(ranks) != list(range(layout.tp_size)):
+        raise LayoutError(f"handshake metadata came from TP ranks {sorted(ranks)}, expected 0..{layout.tp_size - 1}")
+    doc: dict[str, Any] = {
+        "kvxfer_vllm_handshake": HANDSHAKE_VERSION,
+        "engine_id": engine_id,
+        "instance": instance,
+        "backend": backend,
+        "layout": layout.to_dict(),
+        "ranks": [{"kv": list(ranks[r]["kv"]), "lease": ranks[r]["lease"]} for r in range(layout.tp_size)],
+        HOST_FIELD: host_identity(),
+    }
+    if ticket_key is not None:
+        doc["ticket_key"] = ticket_key.hex()
+    return json.dumps(seal_meta(doc, cluster_key), separators=(",", ":")).encode()
+
+
+def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthenticated: bool = False) -> Handshake:
+    """Check the seal (signature with a key; same host without) and every field."""
+    sealed = check_meta_seal(doc, cluster_key, allow_unauthenticated=allow_unauthenticated)
+    if sealed.get("kvxfer_vllm_handshake") != HANDSHAKE_VERSION:
+        raise PeerMetadataError(f"handshake version {sealed.get('kvxfer_vllm_handshake')!r:.20}, this kvxfer speaks "
+                                f"{HANDSHAKE_VERSION}: run the same kvxfer on both sides")
+    for name in ("engine_id", "instance", "backend"):
+        if not isinstance(sealed.get(name), str) or not sealed[name]:
+            raise PeerMetadataError(f"handshake field {name!r} must be a non-empty string")
+    layout = EngineLayout.from_dict(sealed.get("layout"))
+    ranks = sealed.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != layout.tp_size:
+        raise PeerMetadataError(f"handshake field 'ranks' must list {layout.tp_size} TP ranks")
+    kv, lease = [], []
+    for rank in ranks:
+        if not isinstance(rank, Mapping) or not isinstance(rank.get("kv"), list) or not isinstance(rank.get("lease"), dict):
+            raise PeerMetadataError("handshake field 'ranks' is malformed")
+        if len(rank["kv"]) != len(layout.regions) or not all(isinstance(m, dict) for m in rank["kv"]):
+            raise PeerMetadataError("handshake rank metas do not match its layout's regions")
+        kv.append(tuple(rank["kv"]))
+        lease.append(rank["lease"])
+    key = sealed.get("ticket_key")
+    ticket_key = None
+    if key is not None:
+        try:
+            ticket_key = bytes.fromhex(key)
+        except (TypeError, ValueError):
+            raise PeerMetadataError("handshake field 'ticket_key' is not hex") from None
+        if len(ticket_key) < 16:
+            raise PeerMetadataError("handshake field 'ticket_key' is too short")
+    return Handshake(sealed["engine_id"], sealed["instance"], sealed["backend"], layout, tuple(kv), tuple(lease),
+                     ticket_key)
+
+
+def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake) -> None:
+    """``LayoutError`` naming both layouts unless whole blocks can be read byte for byte."""
+    if remote.backend != local_backend:
+        raise LayoutError(f"prefill engine {remote.engine_id!r} moves KV with kvxfer backend {remote.backend!r}, this "
+                          f"decode with {local_backend!r}: set the same kv_connector_extra_config 'backend' on both")
+    theirs = remote.layout
+    problems = []
+    if theirs.model != local.model:
+        problems.append("model")
+    if theirs.tp_size != local.tp_size or theirs.pp_size != local.pp_size:
+        problems.append("tensor/pipeline parallelism (KvxferConnector reads whole blocks between equal layouts; "
+                        "resharding across TP sizes is not supported in vLLM)")
+    if theirs.block_size != local.block_size:
+        problems.append("block_size")
+    if not problems and [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
+        problems.append("per-layer KV layout")
+    if problems:
+        raise LayoutError(
+            f"prefill engine {remote.engine_id!r} cannot hand KV to this decode: different {', '.join(problems)}. "
+            f"prefill: {theirs.describe()} (model {dict(theirs.model)}); decode: {local.describe()} "
+            f"(model {dict(local.model)}). Run both with the same model, dtype, tensor_parallel_size and block_size"
+        )

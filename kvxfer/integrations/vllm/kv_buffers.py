@@ -1,0 +1,102 @@
+"""vLLM's per-layer KV tensors -> the fewest contiguous buffers kvxfer can register.
+
+``register_kv_caches`` receives one tensor per attention layer. On vLLM's CPU platform
+(0.32.0) each is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and all layers
+are views of one allocation, layer after layer (``KVCacheTensor.layer_stride``); on GPUs
+flash attention uses ``[2, num_blocks, block_size, heads, head_size]`` per layer, and
+allocations may be per layer. Nothing here assumes one of these: the blocks axis of each
+tensor is the one axis of size ``num_blocks`` (after vLLM's logical-to-kernel block split),
+everything after it is one block's slice, everything before it the outer index. Layers
+that tile one storage evenly become *one* view ``[num_layers * outer, num_blocks, slice]``,
+hence one registration and one descriptor run per block range for all layers; layers that
+do not are grouped by storage, one registration each.
+
+Whole blocks are read, so the layout inside a block (NHD, HND, K and V interleaved) does
+not matter as long as both sides have the same one; ``layout_signature`` is what the
+handshake compares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from kvxfer.errors import GeometryError
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One contiguous buffer covering ``layers`` (in order), viewed as ``[outer, blocks, slice]``."""
+
+    layers: tuple[str, ...]
+    view: torch.Tensor
+    layer_shape: tuple[int, ...]
+    blocks_axis: int
+
+    @property
+    def signature(self) -> dict:
+        return {"layers": len(self.layers), "layer_shape": list(self.layer_shape), "blocks_axis": self.blocks_axis,
+                "dtype": str(self.view.dtype).removeprefix("torch.")}
+
+
+def _blocks_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
+    axes = [i for i, size in enumerate(tensor.shape) if size == num_blocks]
+    if len(axes) != 1:
+        raise GeometryError(
+            f"KV cache tensor {name!r} of shape {tuple(tensor.shape)} has {len(axes)} axes of size "
+            f"num_blocks={num_blocks}; KvxferConnector needs exactly one (set num_gpu_blocks_override "
+            "to a value no other dimension has)"
+        )
+    return axes[0]
+
+
+def kv_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[KVRegion]:
+    """Group vLLM's layer tensors into registrable regions (see the module docstring)."""
+    if not kv_caches:
+        raise GeometryError("vLLM handed the connector no KV cache tensors")
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    shapes = set()
+    for name, tensor in kv_caches.items():
+        if not tensor.is_contiguous():
+            raise GeometryError(
+                f"KV cache tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not "
+                "contiguous; KvxferConnector reads whole blocks of contiguous per-layer tensors"
+            )
+        shapes.add((tuple(tensor.shape), tensor.dtype))
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((name, tensor))
+    if len(shapes) != 1:
+        raise GeometryError(f"KV cache layers have different shapes/dtypes {sorted(map(str, shapes))}; "
+                            "KvxferConnector supports one uniform attention group")
+    (shape, dtype), = shapes
+    regions = []
+    for members in by_storage.values():
+        members.sort(key=lambda item: item[1].data_ptr())
+        regions.extend(_tile(members, shape, num_blocks))
+    regions.sort(key=lambda r: r.layers[0])
+    return regions
+
+
+def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], num_blocks: int) -> list[KVRegion]:
+    """One region for layers evenly spaced back to back in one storage; else one per layer."""
+    first_name, first = members[0]
+    axis = _blocks_axis(first_name, first, num_blocks)
+    layer_bytes = first.numel() * first.element_size()
+    back_to_back = all(t.data_ptr() - first.data_ptr() == i * layer_bytes for i, (_, t) in enumerate(members))
+    outer = math.prod(shape[:axis])
+    slice_elems = math.prod(shape[axis + 1:])
+    groups = [members] if back_to_back else [[m] for m in members]
+    out = []
+    for group in groups:
+        base = group[0][1]
+        view = torch.empty(0, dtype=base.dtype, device=base.device)
+        view.set_(base.untyped_storage(), base.storage_offset(), (len(group) * outer, num_blocks, slice_elems))
+        out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis))
+    return out
+
+
+def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:
+    """What both sides must agree on for whole-block reads to be byte-exact."""
+    return {"block_size": block_size, "regions": [r.signature for r in regions]}

@@ -1,0 +1,350 @@
+"""Decode worker: one load per request, from ticket to verified blocks, and what is reported.
+
+A load goes: check the ticket's schema (scheduler already checked the prompt digest) ->
+the producer's handshake (cached per engine, fetched on a background thread) -> the ticket's
+signature, instance and the two layouts -> one ``begin_pull_blocks`` per KV region (one on
+vLLM's CPU layout) with the producer's block ids from the ticket and the blocks vLLM
+allocated here, no read-done -> once every byte landed, one 8-byte read of the lease slot
+that carries the read-done -> ``lease_holds`` -> reported in ``finished_recving``.
+
+Failures (``failed_recving``, which vLLM handles per ``kv_load_failure_policy``) are reported
+only when no byte can still land in the request's blocks: every handle ``storage_safe``.
+Until then the load is *quarantined*: not reported, so vLLM keeps the blocks allocated to
+the request (THE RULE, docs/reliability.md). Refusals happen before anything is posted.
+Every wait is bounded: handshakes by ``handshake_timeout_s``, transfers by the backend's
+``timeout_s`` (``transfer_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from kvxfer.backends.base import TransferHandle, TransferStartError, abort_parts
+from kvxfer.errors import KVXferError, TransferError
+from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible, parse_handshake
+from kvxfer.integrations.vllm.leases import lease_holds
+from kvxfer.integrations.vllm.metadata import LoadSpec
+from kvxfer.integrations.vllm.side_channel import fetch_handshake
+from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
+
+logger = logging.getLogger("kvxfer.integrations.vllm")
+
+_UNREAD = -(1 << 62)  # a scratch slot's value before the lease lands: never "holds"
+_RETRY_FAILED_HANDSHAKE_S = 2.0
+RECENT = 4096  # handoff records kept for stats()
+
+
+class HandshakeCache:
+    """Producers' handshakes by ``(engine_id, host, port)``: fetched once, off the engine's thread."""
+
+    def __init__(self, timeout_s: float, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> None:
+        self._timeout_s = timeout_s
+        self._key = cluster_key
+        self._allow = allow_unauthenticated
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-vllm-handshake")
+        self._entries: dict[tuple, tuple[Future, float]] = {}
+        self.fetches = 0
+
+    def get(self, engine_id: str, host: str, port: int) -> Optional[Handshake]:
+        """The handshake, None while it is being fetched; raises what the fetch or check raised."""
+        key = (engine_id, host, port)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0].done() and entry[0].exception() is not None \
+                and time.monotonic() - entry[1] > _RETRY_FAILED_HANDSHAKE_S:
+            entry = None  # a failed fetch is retried for later requests
+        if entry is None:
+            self.fetches += 1
+            entry = self._entries[key] = (self._pool.submit(self._fetch, engine_id, host, port), time.monotonic())
+        future = entry[0]
+        if not future.done():
+            return None
+        return future.result()
+
+    def _fetch(self, engine_id: str, host: str, port: int) -> Handshake:
+        handshake = parse_handshake(fetch_handshake(host, port, self._timeout_s), self._key,
+                                    allow_unauthenticated=self._allow)
+        if handshake.engine_id != engine_id:
+            raise KVXferError(f"{host}:{port} serves prefill engine {handshake.engine_id!r}, the ticket names "
+                              f"{engine_id!r}: the proxy paired the ticket with the wrong address")
+        return handshake
+
+    def invalidate(self, engine_id: str, host: str, port: int) -> None:
+        self._entries.pop((engine_id, host, port), None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    started: float
+    ticket: Optional[Ticket] = None
+    handshake: Optional[Handshake] = None
+    refetched: bool = False
+    data: list[TransferHandle] = field(default_factory=list)
+    lease: Optional[TransferHandle] = None
+    slot: Optional[int] = None
+    failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for "where did the time go"
+    bytes: int = 0
+    descriptors: int = 0
+
+
+class Receiver:
+    def __init__(self, *, tp_rank: int, backend_name: str, layout: EngineLayout, regions: Sequence[Any],
+                 scratch_backend: Any, scratch: torch.Tensor, handshakes: HandshakeCache,
+                 cluster_key: Optional[bytes], handshake_timeout_s: float, spin_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._tp_rank = tp_rank
+        self._backend_name = backend_name
+        self._layout = layout
+        self._regions = list(regions)
+        self._scratch_backend = scratch_backend
+        self._scratch = scratch
+        self._free_slots = list(range(scratch.numel() - 1, -1, -1))
+        self._handshakes = handshakes
+        self._cluster_key = cluster_key
+        self._handshake_timeout_s = handshake_timeout_s
+        self._spin_s = spin_s
+        self._clock = clock
+        self._loads: dict[str, _Load] = {}
+        self._quarantined: dict[str, tuple[_Load, str]] = {}
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "bytes": 0, "descriptors": 0,
+                         "quarantined": 0}
+        self.interval_handoff_s: list[float] = []
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+
+    # --- the step's entry points ---------------------------------------------------------
+    def submit(self, spec: LoadSpec) -> None:
+        if spec.request_id in self._loads:
+            logger.warning("kvxfer vllm: request %s is already loading; duplicate ignored", spec.request_id)
+            return
+        load = self._loads[spec.request_id] = _Load(spec, self._clock())
+        self._step(load)  # post now: the read overlaps the rest of the engine step
+
+
+    def collect(self) -> tuple[set[str], set[str]]:
+        """``(finished_recving, failed_recving)`` since the last call (failed ones are in both)."""
+        for load in list(self._loads.values()):
+            self._step(load)
+        self._spin()
+        for request_id, (load, reason) in list(self._quarantined.items()):
+            if all(h.storage_safe for h in load.data):
+                del self._quarantined[request_id]
+                self.counters["quarantined"] -= 1
+                logger.warning("kvxfer vllm: request %s: no byte can land any more; reporting its failure now",
+                               request_id)
+                self._report_failed(load, reason)
+        finished, failed = self._finished, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def _spin(self) -> None:
+        """Reads on shared memory or RDMA finish in microseconds, an engine step takes a millisecond:
+        poll the reads in flight for up to ``spin_s`` so a load can finish in the step that posted it."""
+        if self._spin_s <= 0:
+            return
+        deadline = time.perf_counter() + self._spin_s
+        while time.perf_counter() < deadline:
+            moving = [load for load in self._loads.values() if load.data or load.lease is not None]
+            if not moving:
+                return
+            for load in moving:
+                self._step(load)
+
+    def _step(self, load: _Load) -> None:
+        try:
+            self._advance(load)
+        except Exception as exc:  # never let one request's surprise break the engine's step
+            logger.exception("kvxfer vllm: request %s: unexpected failure", load.spec.request_id)
+            safe = abort_parts(load.data, f"request {load.spec.request_id!r}: unexpected failure")
+            self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._loads) + len(self._quarantined)
+
+    # --- the state machine --------------------------------------------------------------------
+    def _advance(self, load: _Load) -> None:
+        spec = load.spec
+        if load.lease is not None:
+            return self._advance_lease(load)
+        if load.data:
+            return self._advance_data(load)
+        if spec.refusal:
+            return self._refuse(load, spec.refusal)
+        if load.ticket is None:
+            try:
+                load.ticket = parse_ticket(spec.params)
+            except KVXferError as exc:
+                return self._refuse(load, str(exc))
+        ticket = load.ticket
+        if load.handshake is None:
+            try:
+                load.handshake = self._handshakes.get(ticket.engine_id, ticket.host, ticket.port)
+            except Exception as exc:
+                return self._refuse(load, f"handshake with prefill engine {ticket.engine_id!r} at "
+                                          f"{ticket.host}:{ticket.port} failed: {exc}")
+            if load.handshake is None:
+                if self._clock() - load.started > 2 * self._handshake_timeout_s + 1:
+                    return self._refuse(load, f"no handshake from prefill engine {ticket.engine_id!r} in time")
+                return None
+        handshake = load.handshake
+        if ticket.instance != handshake.instance:
+            if not load.refetched:  # the producer restarted since we cached it: ask again once
+                load.refetched, load.handshake = True, None
+                self._handshakes.invalidate(ticket.engine_id, ticket.host, ticket.port)
+                return None
+            return self._refuse(load, f"kv_transfer_params name prefill instance {ticket.instance!r} but "
+                                      f"{ticket.host}:{ticket.port} now runs {handshake.instance!r} (restarted): "
+                                      "the blocks are gone")
+        key = ticket_key(self._cluster_key, handshake.ticket_key)
+        try:
+            if key is None:
+                raise KVXferError("this decode has KVXFER_SECRET_FILE set but the prefill does not: configure the "
+                                  "same cluster secret on both")
+            ticket.verify(key)
+            if ticket.backend != self._backend_name:
+                raise KVXferError(f"the ticket was made for backend {ticket.backend!r}, this decode uses "
+                                  f"{self._backend_name!r}")
+        except KVXferError as exc:
+            return self._refuse(load, str(exc))
+        try:
+            check_compatible(self._layout, self._backend_name, handshake)
+        except KVXferError as exc:
+            load.failing = str(exc)
+            self.counters["refused"] += 1
+            return self._post_lease(load)  # a verified ticket: let the producer free its blocks now
+        local = list(spec.local_block_ids)
+        remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
+        if len(remote) < len(local):
+            return self._refuse(load, f"the ticket names {len(ticket.block_ids)} blocks, the request needs blocks "
+                                      f"{spec.first_block}..{spec.first_block + len(local) - 1}")
+        if not local:
+            return self._post_lease(load)
+        self._post_data(load, remote, local)
+
+    def _post_data(self, load: _Load, remote: list[int], local: list[int]) -> None:
+        ticket, handshake = load.ticket, load.handshake
+        assert ticket is not None and handshake is not None
+        metas = handshake.rank_kv_metas[self._tp_rank]
+        for backend, meta in zip(self._regions, metas):
+            before = backend.stats()
+            try:
+                handle = backend.begin_pull_blocks(meta, remote, local, request_id=ticket.request_id, notify=False)
+            except KVXferError as exc:
+                posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
+                safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
+                if not load.data and not isinstance(exc, TransferStartError):
+                    return self._refuse(load, f"{exc}")
+                return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
+            after = backend.stats()
+            load.bytes += after["bytes_requested"] - before["bytes_requested"]
+            load.descriptors += after["descriptors_posted"] - before["descriptors_posted"]
+            load.data.append(handle)
+        load.marks["data_posted"] = self._clock()
+        self._advance_data(load)
+
+    def _advance_data(self, load: _Load) -> None:
+        try:
+            done = all([h.poll() for h in load.data])
+        except TransferError as exc:
+            safe = abort_parts(load.data, f"request {load.spec.request_id!r}: a sibling region failed")
+            return self._fail_or_quarantine(load, str(exc), safe)
+        if done:
+            self._post_lease(load)
+
+    def _post_lease(self, load: _Load) -> None:
+        ticket, handshake = load.ticket, load.handshake
+        assert ticket is not None and handshake is not None
+        if not self._free_slots:
+            return None  # every scratch slot is in use: try again next step (bounded by the loads in flight)
+        slot = self._free_slots.pop()
+        self._scratch[slot] = _UNREAD
+        try:
+            load.lease = self._scratch_backend.begin_pull_blocks(
+                handshake.rank_lease_metas[self._tp_rank], [ticket.slot], [slot], request_id=ticket.request_id)
+        except KVXferError as exc:
+            if isinstance(exc, TransferStartError) and not exc.storage_safe:
+                pass  # the scratch slot stays out of use: a byte may still land there
+            else:
+                self._free_slots.append(slot)
+            return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
+        load.slot = slot
+        load.marks["lease_posted"] = self._clock()
+        self._advance_lease(load)
+
+    def _advance_lease(self, load: _Load) -> None:
+        assert load.lease is not None and load.ticket is not None
+        try:
+            if not load.lease.poll():
+                return None
+        except TransferError as exc:
+            if load.lease.storage_safe:
+                self._free_slots.append(load.slot)
+            return self._finish_failed(load, load.failing or f"reading the lease of the prefill's blocks failed: {exc}")
+        seen = int(self._scratch[load.slot])
+        self._free_slots.append(load.slot)
+        if load.failing:
+            return self._finish_failed(load, load.failing)
+        if not lease_holds(seen, load.ticket.lease):
+            return self._finish_failed(
+                load, f"the prefill released request {load.ticket.request_id!r}'s blocks before the read completed "
+                      f"(lease {load.ticket.lease}, slot now {seen}: pin_grace_s passed, or a restart); the pulled "
+                      "bytes are discarded")
+        self._succeed(load)
+
+    # --- outcomes -----------------------------------------------------------------------------
+    def _succeed(self, load: _Load) -> None:
+        del self._loads[load.spec.request_id]
+        if not load.spec.local_block_ids:
+            return  # release only: nothing was awaited
+        elapsed = self._clock() - load.started
+        self.counters["handoffs"] += 1
+        self.counters["bytes"] += load.bytes
+        self.counters["descriptors"] += load.descriptors
+        self.interval_handoff_s.append(elapsed)
+        phases = {f"{name}_s": at - load.started for name, at in load.marks.items()}
+        self.recent.append({"request_id": load.spec.request_id, "handoff_s": elapsed, "bytes": load.bytes,
+                            "descriptors": load.descriptors, "blocks": len(load.spec.local_block_ids), **phases})
+        if load.spec.awaiting:
+            self._finished.add(load.spec.request_id)
+
+    def _refuse(self, load: _Load, reason: str) -> None:
+        """Nothing was posted: safe to report at once."""
+        self.counters["refused"] += 1
+        self._finish_failed(load, reason)
+
+    def _fail_or_quarantine(self, load: _Load, reason: str, storage_safe: bool) -> None:
+        if storage_safe:
+            return self._finish_failed(load, reason)
+        self._loads.pop(load.spec.request_id, None)
+        self._quarantined[load.spec.request_id] = (load, reason)
+        self.counters["quarantined"] += 1
+        logger.error("kvxfer vllm: request %s: %s; a byte may still land in its %d blocks, so they stay held (not "
+                     "reported to vLLM) until the transport proves otherwise", load.spec.request_id, reason,
+                     len(load.spec.local_block_ids))
+
+    def _finish_failed(self, load: _Load, reason: str) -> None:
+        self._loads.pop(load.spec.request_id, None)
+        self._report_failed(load, reason)
+
+    def _report_failed(self, load: _Load, reason: str) -> None:
+        if not load.spec.awaiting:
+            logger.info("kvxfer vllm: releasing request %s at its prefill failed: %s", load.spec.request_id, reason)
+            return
+        self.counters["handoff_failures"] += 1
+        logger.error("kvxfer vllm: request %s: KV load failed: %s", load.spec.request_id, reason)
+        self.recent.append({"request_id": load.spec.request_id, "failed": reason})
+        self._finished.add(load.spec.request_id)
+        self._failed.add(load.spec.request_id)

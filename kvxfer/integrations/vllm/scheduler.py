@@ -1,0 +1,206 @@
+"""The connector's scheduler role: what to load, what to keep pinned, and the signed tickets.
+
+Decode side (``kv_consumer``/``kv_both``): a request whose ``kv_transfer_params`` say
+``do_remote_prefill`` loads its prompt's KV asynchronously (``get_num_new_matched_tokens``
+returns the tokens beyond the local prefix-cache hit, ``True``); after vLLM allocated its
+blocks (``update_state_after_alloc``) the blocks past the hit become one ``LoadSpec``
+(prefix-cache hits pull only the missing blocks). The scheduler never decides to recompute:
+a bad ticket still becomes a load, which the worker refuses before any byte moves, so vLLM's
+``kv_load_failure_policy`` applies to it like to any failed load.
+
+Producer side (``kv_producer``/``kv_both``): ``request_finished`` of a request with
+``do_remote_decode`` keeps its blocks (``delay_free``) and returns the ticket: NixlConnector's
+fields plus kvxfer's signed lease. The blocks go back to vLLM when the worker reports the
+request in ``finished_sending`` (read-done, read-failed, or the lease grace), never on a
+bare timer. It also serves the handshake on ``kv_ip:kv_port``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+from kvxfer.errors import KVXferError
+from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
+from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
+from kvxfer.integrations.vllm.leases import LeaseSlots
+from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHandshakeMetadata, LoadSpec,
+                                               SendSpec)
+from kvxfer.integrations.vllm.side_channel import HandshakeListener, local_only_policy
+from kvxfer.integrations.vllm.tickets import parse_ticket, prompt_digest, sign_ticket, ticket_key
+from kvxfer.security.meta_seal import meta_key_from_env
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvxfer.integrations.vllm")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KvxferScheduler:
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, cfg: KvxferConfig) -> None:
+        kv_cfg = vllm_config.kv_transfer_config
+        parallel = vllm_config.parallel_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = bool(kv_cfg.is_kv_producer)
+        self.is_consumer = bool(kv_cfg.is_kv_consumer)
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.instance = uuid.uuid4().hex
+        self.cluster_key = meta_key_from_env()
+        self._instance_key = None if self.cluster_key is not None else os.urandom(32)
+        self._ticket_key = ticket_key(self.cluster_key, self._instance_key)
+        base_port = int(kv_cfg.kv_port)
+        self.port = base_port + parallel.data_parallel_index if base_port else 0
+        self.listener: Optional[HandshakeListener] = None
+        self._slots = LeaseSlots(cfg.lease_slots)
+        self._slot_of: dict[str, int] = {}
+        self._local_computed: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+        self._sends: list[SendSpec] = []
+        self.exports_refused = 0
+
+    # --- producer: the handshake listener ------------------------------------------------
+    def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if not self.is_producer or self.listener is not None:
+            return
+        import json
+
+        ranks: dict[int, Any] = {}
+        layout: Optional[EngineLayout] = None
+        for tp_rank, item in metadata.items():
+            if not isinstance(item, KvxferHandshakeMetadata):
+                raise ConnectorConfigError(f"KvxferConnector got handshake metadata of type {type(item).__name__}")
+            payload = json.loads(item.payload)
+            ranks[int(tp_rank)] = payload
+            if int(tp_rank) == 0:
+                layout = EngineLayout.from_dict(payload["layout"])
+        if layout is None:
+            raise ConnectorConfigError("KvxferConnector got no handshake metadata from TP rank 0")
+        document = build_handshake(engine_id=self.engine_id, instance=self.instance, backend=self.cfg.backend_name,
+                                   layout=layout, ranks=ranks, ticket_key=self._instance_key,
+                                   cluster_key=self.cluster_key)
+        self.listener = HandshakeListener(self.cfg.kv_ip, self.port, lambda: document,
+                                          local_peers_only=local_only_policy(self.cluster_key))
+        self.port = self.listener.port
+        logger.info("kvxfer vllm: producer %s serves its handshake on %s:%d (%d bytes, %s)", self.engine_id,
+                    self.cfg.kv_ip, self.port, len(document),
+                    "signed" if self.cluster_key is not None else "same-host peers only: no KVXFER_SECRET_FILE")
+
+    # --- decode side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        remote = params.get("remote_num_tokens")
+        if isinstance(remote, bool) or not isinstance(remote, int) or remote <= 0:
+            remote = request.num_prompt_tokens  # malformed: the worker refuses the ticket, the policy decides
+        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_computed[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+            return
+        spec_params = dict(params)
+        params["do_remote_prefill"] = False  # one transfer per request, as NixlConnector does
+        local_computed = self._local_computed.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            # Nothing to load (the local prefix cache holds it all): let the producer free its pin now.
+            self._loads.append(LoadSpec(request.request_id, spec_params, (), 0, awaiting=False))
+            return
+        first = local_computed // self.block_size
+        last = _cdiv(local_computed + num_external_tokens, self.block_size)
+        local_ids = tuple(blocks.get_block_ids()[0][first:last])
+        self._loads.append(LoadSpec(request.request_id, spec_params, local_ids, first, awaiting=True,
+                                    refusal=self._prompt_refusal(request, spec_params)))
+
+    @staticmethod
+    def _prompt_refusal(request: "Request", params: dict[str, Any]) -> Optional[str]:
+        tokens = request.prompt_token_ids
+        if tokens is None:
+            return "the request has no prompt token ids (prompt embeds): its KV cannot be matched to a ticket"
+        try:
+            parse_ticket(params).check_prompt(tokens)
+        except KVXferError as exc:
+            return str(exc)
+        return None
+
+    # --- both ---------------------------------------------------------------------------------
+    def build_connector_meta(self) -> KvxferConnectorMetadata:
+        meta = KvxferConnectorMetadata(loads=self._loads, sends=self._sends)
+        self._loads, self._sends = [], []
+        return meta
+
+    def update_connector_output(self, finished_sending: Any) -> None:
+        for request_id in finished_sending or ():
+            slot = self._slot_of.pop(request_id, None)
+            if slot is not None:
+                self._slots.give_back(slot)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill") and self.is_consumer:
+            # Finished (aborted) before it was scheduled: release the producer's pin now.
+            params["do_remote_prefill"] = False
+            self._local_computed.pop(request.request_id, None)
+            self._loads.append(LoadSpec(request.request_id, dict(params, do_remote_prefill=True), (), 0,
+                                        awaiting=False))
+            return False, None
+        if not params.get("do_remote_decode") or not self.is_producer:
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        if not block_ids or request.prompt_token_ids is None:
+            return False, None
+        taken = self._slots.take()
+        if taken is None:
+            self.exports_refused += 1
+            logger.error("kvxfer vllm: request %s not exported: all %d lease slots are held by exports still "
+                         "waiting for their decode (raise kv_connector_extra_config 'lease_slots')",
+                         request.request_id, self._slots.num_slots)
+            return False, None
+        slot, lease = taken
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        out: dict[str, Any] = dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=[list(block_ids)],
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.cfg.remote_host,
+            remote_port=self.port,
+            tp_size=self.tp_size,
+            dcp_size=1,
+            pp_size=self.pp_size,
+            remote_num_tokens=num_tokens,
+            remote_blocks_expiry_time=None,
+            transfer_mode="pull",
+        )
+        assert self._ticket_key is not None
+        sign_ticket(out, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.cfg.backend_name,
+                          "prompt": prompt_digest(request.prompt_token_ids, num_tokens)}, self._ticket_key)
+        self._slot_of[request.request_id] = slot
+        self._sends.append(SendSpec(request.request_id, tuple(block_ids), slot, lease))
+        return True, out
+
+    def shutdown(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None

@@ -1,0 +1,171 @@
+"""The handoff ticket: the ``kv_transfer_params`` a producer returns, signed, and their check.
+
+A prefill request's output carries ``kv_transfer_params`` that a proxy passes, unchanged,
+to the decode request (vLLM's P/D flow). The fields NixlConnector uses are all here with
+the same names and meaning (``do_remote_prefill``, ``remote_block_ids`` as one list per KV
+cache group, ``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port``,
+``tp_size``, ``remote_num_tokens``, ...), so a router written for NixlConnector works
+unchanged. kvxfer adds one field, ``kvxfer``: the lease of the pinned blocks, a digest of
+the prompt tokens the blocks hold, the producer instance, and an HMAC over everything the
+decode acts on.
+
+Why signed: the decode reads whatever blocks these params name, and params can come from
+anywhere a client can reach (vLLM's API accepts ``kv_transfer_params`` in a request). A
+forged or altered ticket (other blocks: another user's KV; another host) must be refused
+before any byte moves. The key is derived from the cluster secret (``KVXFER_SECRET_FILE``)
+when there is one; otherwise it is the producer instance's random key, which its side
+channel hands only to peers on its own host (the same rule kvxfer applies to metas).
+
+The prompt digest binds the blocks to the tokens: a proxy that pairs the ticket of one
+prompt with another request is refused, not answered from the wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from kvxfer.errors import PeerMetadataError
+
+TICKET_FIELD = "kvxfer"
+TICKET_VERSION = 1
+#: The NixlConnector fields the decode acts on: covered by the signature.
+SIGNED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+                 "tp_size", "remote_num_tokens")
+MAX_BLOCKS = 1 << 20
+_MAX_STR = 512
+
+
+def derive_ticket_key(secret: bytes) -> bytes:
+    """The ticket key under a cluster secret (distinct from the frame and meta keys)."""
+    return hmac.new(secret, b"kvxfer/vllm-handoff-ticket", hashlib.sha256).digest()
+
+
+def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> str:
+    """SHA-256 over the first ``num_tokens`` prompt token ids (as little-endian int64)."""
+    body = b"".join(int(t).to_bytes(8, "little", signed=True) for t in list(token_ids)[:num_tokens])
+    return hashlib.sha256(num_tokens.to_bytes(8, "little") + body).hexdigest()
+
+
+def _canonical(params: Mapping[str, Any], ticket: Mapping[str, Any]) -> bytes:
+    body = {name: params.get(name) for name in SIGNED_PARAMS}
+    body[TICKET_FIELD] = {k: v for k, v in ticket.items() if k != "sig"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def sign_ticket(params: dict[str, Any], ticket: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """Add the signed ``kvxfer`` field to ``params`` (which already hold the NixlConnector fields)."""
+    ticket = dict(ticket, v=TICKET_VERSION)
+    ticket["sig"] = hmac.new(key, _canonical(params, ticket), hashlib.sha256).hexdigest()
+    params[TICKET_FIELD] = ticket
+    return params
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A decode request's handoff, every field checked (the signature is checked separately)."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    instance: str
+    slot: int
+    lease: int
+    prompt_sha256: str
+    backend: str
+    raw: Mapping[str, Any]
+
+    def verify(self, key: bytes) -> None:
+        """``PeerMetadataError`` unless the ticket was signed with ``key`` and is unchanged."""
+        ticket = self.raw[TICKET_FIELD]
+        expected = hmac.new(key, _canonical(self.raw, ticket), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(str(ticket.get("sig")), expected):
+            raise PeerMetadataError(
+                f"kv_transfer_params of remote request {self.request_id!r} are not signed by prefill engine "
+                f"{self.engine_id!r} (forged or altered, or the two instances use different KVXFER_SECRET_FILE "
+                "secrets); refused before any byte moved"
+            )
+
+    def check_prompt(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) < self.num_tokens or prompt_digest(token_ids, self.num_tokens) != self.prompt_sha256:
+            raise PeerMetadataError(
+                f"kv_transfer_params of remote request {self.request_id!r} describe the KV of another prompt "
+                f"(its first {self.num_tokens} tokens differ from this request's): pass each prefill's params "
+                "to the decode request with the same prompt"
+            )
+
+
+def _str(params: Mapping[str, Any], name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_STR:
+        raise PeerMetadataError(f"kv_transfer_params field {name!r} must be a non-empty string, got {value!r:.80}")
+    return value
+
+
+def _int(params: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise PeerMetadataError(f"kv_transfer_params field {name!r} must be an int in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def block_ids_of(value: Any) -> tuple[int, ...]:
+    """``remote_block_ids`` as NixlConnector 0.32 writes it (one list per KV cache group) or flat."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(g, (list, tuple)) for g in value):
+        if len(value) != 1:
+            raise PeerMetadataError(
+                f"kv_transfer_params 'remote_block_ids' has {len(value)} KV cache groups; KvxferConnector moves "
+                "models with one group (full attention)"
+            )
+        value = value[0]
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_BLOCKS:
+        raise PeerMetadataError("kv_transfer_params 'remote_block_ids' must be a list of block ids")
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 1 << 40:
+            raise PeerMetadataError(f"kv_transfer_params 'remote_block_ids' holds {b!r:.40}, not a block id")
+    return tuple(value)
+
+
+def parse_ticket(params: Any) -> Ticket:
+    """Schema-check a decode request's ``kv_transfer_params``; ``PeerMetadataError`` names the field."""
+    if not isinstance(params, Mapping):
+        raise PeerMetadataError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+    ticket = params.get(TICKET_FIELD)
+    if not isinstance(ticket, Mapping):
+        raise PeerMetadataError(
+            "kv_transfer_params have no 'kvxfer' field: they were not made by a KvxferConnector producer "
+            "(both instances must run KvxferConnector)"
+        )
+    if ticket.get("v") != TICKET_VERSION:
+        raise PeerMetadataError(f"kv_transfer_params 'kvxfer.v' is {ticket.get('v')!r}; this kvxfer speaks "
+                                f"{TICKET_VERSION} (run the same kvxfer on both sides)")
+    digest = ticket.get("prompt")
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise PeerMetadataError("kv_transfer_params 'kvxfer.prompt' must be a SHA-256 hex digest")
+    return Ticket(
+        engine_id=_str(params, "remote_engine_id"),
+        request_id=_str(params, "remote_request_id"),
+        host=_str(params, "remote_host"),
+        port=_int(params, "remote_port", 1, 65535),
+        tp_size=_int(params, "tp_size", 1, 1 << 16),
+        block_ids=block_ids_of(params.get("remote_block_ids")),
+        num_tokens=_int(params, "remote_num_tokens", 1, 1 << 40),
+        instance=_str(ticket, "instance"),
+        slot=_int(ticket, "slot", 0, (1 << 24) - 1),
+        lease=_int(ticket, "lease", 1, (1 << 62)),
+        prompt_sha256=digest,
+        backend=_str(ticket, "backend"),
+        raw=params,
+    )
+
+
+def ticket_key(cluster_secret: Optional[bytes], instance_key: Optional[bytes]) -> Optional[bytes]:
+    """The key tickets are signed with: the cluster's when there is a secret, else the instance's."""
+    return derive_ticket_key(cluster_secret) if cluster_secret is not None else instance_key

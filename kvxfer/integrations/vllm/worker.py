@@ -1,0 +1,170 @@
+"""The connector's worker role: one registration of vLLM's KV buffer, then pins (producer) and
+loads (consumer) driven by the scheduler's metadata each step.
+
+``register_kv_caches`` turns vLLM's per-layer tensors into the fewest contiguous regions
+(``kv_buffers``: one on vLLM's CPU layout) and registers them with the configured kvxfer
+backend, plus an int64 lease table (producer) and a lease scratch (consumer) on the same
+transport agent. ``get_handshake_metadata`` hands the metas to the scheduler, which serves
+them. Each step, ``start_load`` pins what finished exporting and starts loads;
+``transfer_results`` reports what was sent (pins gone) and received (or failed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.integrations.vllm.config import KvxferConfig
+from kvxfer.integrations.vllm.handshake import EngineLayout
+from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
+from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
+from kvxfer.integrations.vllm.receiver import HandshakeCache, Receiver
+from kvxfer.integrations.vllm.sender import Sender
+from kvxfer.security.meta_seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvxfer.integrations.vllm")
+
+
+def engine_model(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """The model facts both sides must share for their KV bytes to mean the same."""
+    mc = vllm_config.model_config
+    return {
+        "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
+        "num_layers": mc.get_total_num_hidden_layers(),
+        "num_kv_heads": mc.get_total_num_kv_heads(),
+        "head_size": mc.get_head_size(),
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "kv_dtype": str(vllm_config.cache_config.cache_dtype),
+    }
+
+
+class KvxferWorker:
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig",
+                 cfg: KvxferConfig) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        kv_cfg = vllm_config.kv_transfer_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.is_producer = bool(kv_cfg.is_kv_producer)
+        self.is_consumer = bool(kv_cfg.is_kv_consumer)
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.cluster_key = meta_key_from_env()
+        self.backends: list[Any] = []
+        self.lease_backend: Any = None
+        self.scratch_backend: Any = None
+        self.sender: Optional[Sender] = None
+        self.receiver: Optional[Receiver] = None
+        self.handshakes: Optional[HandshakeCache] = None
+        self.layout: Optional[EngineLayout] = None
+        self._handshake_payload: Optional[str] = None
+        self._last_counters: dict[str, int] = {}
+
+    # --- start-up --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        regions = kv_regions(kv_caches, num_blocks)
+        signature = layout_signature(regions, self.block_size)
+        self.layout = EngineLayout(model=engine_model(self.vllm_config), tp_size=self.tp_size,
+                                   pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
+                                   block_size=self.block_size, regions=tuple(signature["regions"]))
+        cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
+        agent = f"vllm-{self.engine_id[:24]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
+        first = cls(agent_name=agent, memory_buffer=regions[0].view, expected_num_blocks=num_blocks, **common)
+        self.backends = [first] + [
+            first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=num_blocks) for r in regions[1:]
+        ]
+        if self.is_producer:
+            table = torch.zeros(self.cfg.lease_slots, dtype=torch.int64)
+            self.lease_backend = first.new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
+            self.sender = Sender(self.backends + [self.lease_backend], table, self.cfg.pin_grace_s)
+            self._handshake_payload = json.dumps({
+                "kv": [b.export_meta() for b in self.backends],
+                "lease": self.lease_backend.export_meta(),
+                "layout": self.layout.to_dict(),
+            })
+        if self.is_consumer:
+            scratch = torch.zeros(max(1024, min(num_blocks, 65536)) + 1, dtype=torch.int64)
+            self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
+            self.handshakes = HandshakeCache(self.cfg.handshake_timeout_s, self.cluster_key,
+                                             unauthenticated_metas_allowed_by_env())
+            self.receiver = Receiver(tp_rank=self.tp_rank, backend_name=self.cfg.backend_name, layout=self.layout,
+                                     regions=self.backends, scratch_backend=self.scratch_backend, scratch=scratch,
+                                     handshakes=self.handshakes, cluster_key=self.cluster_key,
+                                     handshake_timeout_s=self.cfg.handshake_timeout_s,
+                                     spin_s=self.cfg.completion_spin_us / 1e6)
+        total = sum(r.view.numel() * r.view.element_size() for r in regions)
+        logger.info("kvxfer vllm: registered %d KV region(s) (%d layers, %.1f MiB, %d blocks) with the %s backend "
+                    "as %r", len(regions), sum(len(r.layers) for r in regions), total / 2**20, num_blocks,
+                    self.cfg.backend_name, agent)
+
+    def handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
+        return None if self._handshake_payload is None else KvxferHandshakeMetadata(self._handshake_payload)
+
+    # --- every step ------------------------------------------------------------------------
+    def start_load(self, metadata: KvxferConnectorMetadata) -> None:
+        for spec in metadata.sends:
+            if self.sender is None:
+                logger.error("kvxfer vllm: asked to export request %s but this instance is not a kv producer",
+                             spec.request_id)
+                continue
+            self.sender.pin(spec)
+        for spec in metadata.loads:
+            if self.receiver is None:
+                logger.error("kvxfer vllm: asked to load request %s but this instance is not a kv consumer",
+                             spec.request_id)
+                continue
+            self.receiver.submit(spec)
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)``."""
+        sent = self.sender.collect() if self.sender is not None else set()
+        received, failed = self.receiver.collect() if self.receiver is not None else (set(), set())
+        return sent, received, failed
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters (for tests, ``kvxfer bench-vllm`` and operators via ``collective_rpc``)."""
+        out: dict[str, Any] = {"backend": self.cfg.backend_name, "tp_rank": self.tp_rank}
+        if self.sender is not None:
+            out.update(self.sender.counters, pins_held=self.sender.held)
+        if self.receiver is not None:
+            out.update(self.receiver.counters, loads_in_flight=self.receiver.in_flight,
+                       recent=list(self.receiver.recent), handshake_fetches=self.handshakes.fetches)
+        out["transport"] = [b.stats() for b in self.backends]
+        return out
+
+    def interval_stats(self) -> Optional[dict[str, Any]]:
+        """What changed since the last call, for vLLM's stats pipeline (None when nothing did)."""
+        now = {**(self.sender.counters if self.sender else {}), **(self.receiver.counters if self.receiver else {})}
+        data: dict[str, Any] = {name: value - self._last_counters.get(name, 0) for name, value in now.items()}
+        self._last_counters = now
+        data["handoff_s"] = []
+        if self.receiver is not None:
+            data["handoff_s"], self.receiver.interval_handoff_s = self.receiver.interval_handoff_s, []
+        if not data["handoff_s"] and not any(v for k, v in data.items() if k != "handoff_s"):
+            return None
+        return data
+
+    def shutdown(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
+        for backend in [self.scratch_backend, self.lease_backend, *reversed(self.backends)]:
+            if backend is not None:
+                try:
+                    backend.close()
+                except Exception:
+                    logger.exception("kvxfer vllm: closing a backend failed")

@@ -1,0 +1,205 @@
+"""The vLLM connector's pure parts, without vLLM: tickets, leases, config, handshake, side channel, KV regions.
+
+The connector itself is tested inside real vLLM in ``test_vllm_connector.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+
+import pytest
+import torch
+
+from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
+from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
+from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, check_compatible, parse_handshake
+from kvxfer.integrations.vllm.kv_buffers import kv_regions
+from kvxfer.integrations.vllm.leases import LeaseSlots, lease_holds
+from kvxfer.integrations.vllm.side_channel import HandshakeListener, fetch_handshake
+from kvxfer.integrations.vllm.tickets import derive_ticket_key, parse_ticket, prompt_digest, sign_ticket
+
+KEY = derive_ticket_key(b"s" * 32)
+PROMPT = list(range(1, 80))
+
+
+def ticket(**changes):
+    params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[[4, 5, 9]], remote_engine_id="e1",
+                  remote_request_id="r1", remote_host="127.0.0.1", remote_port=5555, tp_size=1,
+                  remote_num_tokens=len(PROMPT), transfer_mode="pull")
+    params.update(changes)
+    return sign_ticket(params, {"instance": "i1", "slot": 3, "lease": 7, "backend": "nixl",
+                                "prompt": prompt_digest(PROMPT, len(PROMPT))}, KEY)
+
+
+def test_ticket_round_trip_and_json():
+    t = parse_ticket(json.loads(json.dumps(ticket())))  # a proxy carries it as JSON
+    t.verify(KEY)
+    t.check_prompt(PROMPT)
+    assert (t.block_ids, t.slot, t.lease, t.engine_id) == ((4, 5, 9), 3, 7, "e1")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("remote_block_ids", [[4, 5, 10]]), ("remote_engine_id", "e2"), ("remote_request_id", "r2"),
+    ("remote_host", "10.0.0.9"), ("remote_port", 5556), ("remote_num_tokens", 40),
+])
+def test_altered_ticket_fields_are_refused(field, value):
+    params = ticket()
+    params[field] = value
+    with pytest.raises(PeerMetadataError, match="not signed"):
+        parse_ticket(params).verify(KEY)
+
+
+@pytest.mark.parametrize("field,value", [("slot", 4), ("lease", 8), ("instance", "i2"), ("prompt", "0" * 64)])
+def test_altered_lease_fields_are_refused(field, value):
+    params = ticket()
+    params["kvxfer"] = dict(params["kvxfer"], **{field: value})
+    with pytest.raises(PeerMetadataError, match="not signed"):
+        parse_ticket(params).verify(KEY)
+
+
+def test_wrong_key_and_wrong_prompt_are_refused():
+    with pytest.raises(PeerMetadataError, match="not signed"):
+        parse_ticket(ticket()).verify(derive_ticket_key(b"t" * 32))
+    with pytest.raises(PeerMetadataError, match="another prompt"):
+        parse_ticket(ticket()).check_prompt(PROMPT[:-1] + [999])
+    with pytest.raises(PeerMetadataError, match="another prompt"):
+        parse_ticket(ticket()).check_prompt(PROMPT[:10])
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda p: p.pop("kvxfer"), "no 'kvxfer' field"),
+    (lambda p: p.__setitem__("remote_port", "5555"), "remote_port"),
+    (lambda p: p.__setitem__("remote_block_ids", [[1], [2]]), "KV cache groups"),
+    (lambda p: p.__setitem__("remote_block_ids", [["x"]]), "not a block id"),
+    (lambda p: p.__setitem__("remote_block_ids", list(range(2_000_000))), "list of block ids"),
+    (lambda p: p["kvxfer"].__setitem__("v", 9), "speaks 1"),
+    (lambda p: p["kvxfer"].__setitem__("slot", -1), "slot"),
+    (lambda p: p.__setitem__("remote_engine_id", "x" * 10_000), "remote_engine_id"),
+])
+def test_malformed_tickets_name_the_field(mutate, match):
+    params = copy.deepcopy(ticket())
+    mutate(params)
+    with pytest.raises(PeerMetadataError, match=match):
+        parse_ticket(params)
+
+
+def test_flat_block_ids_are_accepted():
+    assert parse_ticket(ticket(remote_block_ids=[4, 5, 9])).block_ids == (4, 5, 9)
+
+
+def test_lease_rule():
+    assert lease_holds(7, 7)        # pinned
+    assert lease_holds(0, 7)        # not pinned yet: vLLM still holds the blocks
+    assert lease_holds(-6, 7) and lease_holds(6, 7)  # an older export of the slot
+    assert not lease_holds(-7, 7)   # released
+    assert not lease_holds(8, 7) and not lease_holds(-9, 7)  # the slot went to a later export
+    slots = LeaseSlots(2)
+    a, b = slots.take(), slots.take()
+    assert slots.take() is None and a[1] < b[1]
+    slots.give_back(a[0])
+    c = slots.take()
+    assert c[0] == a[0] and c[1] > b[1]  # a reused slot gets a larger lease
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConnectorConfigError, match="backends"):
+        KvxferConfig.from_extra_config({"backends": ["UCX"]})  # NixlConnector's key, not ours
+    with pytest.raises(ConnectorConfigError, match="'backend'"):
+        KvxferConfig.from_extra_config({"backend": "nccl"})
+    with pytest.raises(ConnectorConfigError, match="pin_grace_s"):
+        KvxferConfig.from_extra_config({"pin_grace_s": 0})
+    assert KvxferConfig.from_extra_config({"backend": "UCX", "kv_ip": "0.0.0.0"}).remote_host == "127.0.0.1"
+
+
+def layout(tp=1, heads=2, block=32):
+    return EngineLayout(model={"num_layers": 4, "num_kv_heads": heads, "head_size": 64, "dtype": "bfloat16",
+                               "kv_dtype": "auto"}, tp_size=tp, pp_size=1, block_size=block,
+                        regions=({"layers": 4, "layer_shape": [1024, heads // tp, block, 128], "blocks_axis": 0,
+                                  "dtype": "bfloat16"},))
+
+
+def handshake_doc(key=None, lay=None):
+    lay = lay or layout()
+    ranks = {r: {"kv": [{"m": r}], "lease": {"l": r}} for r in range(lay.tp_size)}
+    return json.loads(build_handshake(engine_id="e1", instance="i1", backend="nixl", layout=lay, ranks=ranks,
+                                      ticket_key=None if key else b"k" * 32, cluster_key=key))
+
+
+def test_handshake_sealed_signed_and_checked():
+    hs = parse_handshake(handshake_doc(), None)
+    assert hs.ticket_key == b"k" * 32 and hs.rank_kv_metas == (({"m": 0},),)
+    signed = handshake_doc(key=b"s" * 32)
+    assert parse_handshake(signed, b"s" * 32).ticket_key is None
+    with pytest.raises(PeerMetadataError, match="not signed"):
+        parse_handshake(signed, b"t" * 32)
+    altered = handshake_doc()
+    altered["ranks"][0]["lease"] = {"l": 9}
+    with pytest.raises(PeerMetadataError, match="integrity"):
+        parse_handshake(altered, None)
+    foreign = handshake_doc()
+    foreign["host_id"] = "another-host"
+    with pytest.raises(PeerMetadataError):
+        parse_handshake(foreign, None)
+
+
+def test_tp_mismatch_is_refused_naming_both_layouts():
+    remote = parse_handshake(handshake_doc(lay=layout(tp=2)), None)
+    with pytest.raises(LayoutError) as err:
+        check_compatible(layout(tp=1), "nixl", remote)
+    text = str(err.value)
+    assert "prefill: TP 2" in text and "decode: TP 1" in text and "1 per rank" in text and "2 per rank" in text
+    with pytest.raises(LayoutError, match="block_size"):
+        check_compatible(layout(block=64), "nixl", parse_handshake(handshake_doc(), None))
+    with pytest.raises(LayoutError, match="backend"):
+        check_compatible(layout(), "ucx", parse_handshake(handshake_doc(), None))
+    check_compatible(layout(), "nixl", parse_handshake(handshake_doc(), None))
+
+
+def _other_local_address():
+    """A non-loopback address of this host, if it has one."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))
+        address = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if address.startswith("127.") else address
+
+
+def test_side_channel_serves_and_refuses():
+    doc = json.dumps({"hello": 1}).encode()
+    listener = HandshakeListener("0.0.0.0", 0, lambda: doc, local_peers_only=True)
+    try:
+        assert fetch_handshake("127.0.0.1", listener.port, 5.0) == {"hello": 1}
+        other = _other_local_address()
+        if other is not None:  # a peer that is not on loopback is refused without a cluster secret
+            with pytest.raises(PeerMetadataError, match="same-host"):
+                fetch_handshake(other, listener.port, 5.0)
+        with pytest.raises(OSError, match="kv_port"):
+            HandshakeListener("0.0.0.0", listener.port, lambda: doc, local_peers_only=True)
+    finally:
+        listener.close()
+    with pytest.raises(PeerMetadataError, match="no handshake"):
+        fetch_handshake("127.0.0.1", listener.port, 0.5)
+
+
+def test_kv_regions_one_registration_for_layers_of_one_buffer():
+    # vLLM's CPU layout: per layer [blocks, heads, block_size, 2*head], layers back to back in one buffer
+    buffer = torch.zeros(4, 100, 2, 32, 128, dtype=torch.bfloat16)
+    caches = {f"model.layers.{i}.attn": buffer[i] for i in range(4)}
+    (region,) = kv_regions(caches, 100)
+    assert region.view.shape == (4, 100, 2 * 32 * 128) and region.view.data_ptr() == buffer.data_ptr()
+    buffer[2, 7].fill_(3)
+    assert region.view[2, 7].eq(3).all()
+    # flash-attention layout, one allocation per layer: [2, blocks, block_size, heads, head]
+    caches = {f"l{i}": torch.zeros(2, 100, 16, 2, 64) for i in range(3)}
+    regions = kv_regions(caches, 100)
+    assert len(regions) == 3 and regions[0].view.shape == (2, 100, 16 * 2 * 64)
+    with pytest.raises(GeometryError, match="exactly one"):
+        kv_regions({"l0": torch.zeros(100, 100, 4)}, 100)
+    with pytest.raises(GeometryError, match="not contiguous"):
+        kv_regions({"l0": torch.zeros(100, 8, 4).transpose(1, 2)}, 100)
