@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.backends.base import KVTransportBackend
 from kvxfer.backends.nccl import NcclBackend
-from kvxfer.backends.nccl.push_plan import DecodePoolView, own_peer_geometry
+from kvxfer.backends.nccl.push_plan import own_peer_geometry
+from kvxfer.plan.request import LocalPool, plan_pull
 from kvxfer.backends.nccl.staging import ByteRows, StagingPool, pool_bytes
 from kvxfer.backends.nccl.wire import HEADER_BYTES, MessageHeader
 from kvxfer.errors import BackendUnavailableError, TransferError
@@ -71,7 +71,7 @@ def test_push_plan_is_the_decode_plan_and_ignores_destination_ids(tps):
         decode_peer = src.parse_peer_meta(dst.export_meta())
         streams = []
         for dst_ids in (np.array([30, 31, 2, 7, 8, 0]), np.arange(6), np.array([1, 3, 5, 7, 9, 11])):
-            pushed = KVTransportBackend.plan_pull(DecodePoolView.from_peer(decode_peer), own_peer_geometry(src),
+            pushed = plan_pull(LocalPool.from_peer(decode_peer), own_peer_geometry(src),
                                                   src_ids, dst_ids)
             pulled = dst.plan_pull(dst.parse_peer_meta(src.export_meta()), src_ids, dst_ids)
             for a, b in ((pushed.src_offsets, pulled.src_offsets), (pushed.dst_offsets, pulled.dst_offsets),

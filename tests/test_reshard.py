@@ -262,8 +262,8 @@ def test_strided_hook_matches_flat_hook():
     try:
         peer = dst.parse_peer_meta(src.export_meta())
         ids = np.arange(5, 15)  # one run: each K/V layer plane is a single strided row of 10 blocks x 3 tokens
-        strided = plan_reshard_pull_strided(dst, peer, ids, ids + 3)
-        flat = plan_reshard_pull(dst, peer, ids, ids + 3)
+        strided = plan_reshard_pull_strided(dst.local_pool, peer, ids, ids + 3)
+        flat = plan_reshard_pull(dst.local_pool, peer, ids, ids + 3)
         assert strided.num_descriptors == 2 * 4 and set(strided.counts.tolist()) == {10 * TOKENS}
         assert flat.num_descriptors == 2 * 4 * 10 * TOKENS == flat.raw_descriptors
         assert strided.to_copy_plan().total_bytes == flat.total_bytes

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
-from kvxfer.backends.base import PullRequest, TransferHandle, TransferStartError, TransferState
+from kvxfer.backends.transfer import PullRequest, TransferHandle, TransferStartError, TransferState
 from kvxfer.errors import TransferError
 from kvxfer.plan.staged_reshard import Placement, StagedChunk
 

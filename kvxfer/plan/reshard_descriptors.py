@@ -19,17 +19,20 @@ fragments touch (whole slices) stay one row and are coalesced as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from kvxfer.plan.descriptors import CopyPlan, IdList, block_runs, check_plan_bounds, coalesce, validate_block_ids
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, dtype_name
+from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
 from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.reshard import KVReshardTransfer, kv_transfer_between
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.plan.ssm_reshard import SSMReshardTransfer, ssm_transfer_between
+
+if TYPE_CHECKING:
+    from kvxfer.plan.request import LocalPool
 
 _I64 = np.int64
 
@@ -249,23 +252,23 @@ def plan_ssm_reshard_copies(src: BufferGeometry, src_layout: SSMShardLayout, dst
     return plan
 
 
-# --- the hook KVTransportBackend.plan_pull calls ------------------------------------------------
-def reshard_transfers_for_pull(local: Any, peer: PeerGeometry) -> Optional[list]:
-    """The transfers ``local`` (a backend) reads from ``peer``, or None when this is not a reshard pull.
+# --- what kvxfer.plan.request calls for one (local pool, peer) pair --------------------------------
+def reshard_transfers_for_pull(local: "LocalPool", peer: PeerGeometry) -> Optional[list]:
+    """The transfers pool ``local`` reads from ``peer``, or None when this is not a reshard pull.
 
     A reshard pull is one where both sides carry a layout of the same kind (KV
     ``geometry.layout``, or ``ssm_layout`` + ``ssm_state_kind``). Checks dtype and
     model identity; raises ``PeerMetadataError`` / ``LayoutError``.
     """
-    ours_ssm, theirs_ssm = getattr(local, "ssm_layout", None), peer.ssm_layout
+    ours_ssm, theirs_ssm = local.ssm_layout, peer.ssm_layout
     if isinstance(ours_ssm, SSMShardLayout) and isinstance(theirs_ssm, SSMShardLayout):
         kind = "SSM"
     elif ours_ssm is None and theirs_ssm is None and local.geometry.layout is not None and peer.geometry.layout is not None:
         kind = "KV"
     else:
         return None
-    if peer.dtype != dtype_name(local.dtype):
-        raise PeerMetadataError(f"peer dtype is {peer.dtype}, ours is {dtype_name(local.dtype)}; both sides must use the same {kind} dtype")
+    if peer.dtype != local.dtype:
+        raise PeerMetadataError(f"peer dtype is {peer.dtype}, ours is {local.dtype}; both sides must use the same {kind} dtype")
     if kind == "SSM":
         if peer.ssm_state_kind != local.ssm_state_kind:
             raise PeerMetadataError(f"peer holds SSM {peer.ssm_state_kind} state, this pool holds {local.ssm_state_kind}")
@@ -280,8 +283,8 @@ def reshard_transfers_for_pull(local: Any, peer: PeerGeometry) -> Optional[list]
     return [] if transfer is None else [transfer]
 
 
-def plan_reshard_pull_strided(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[StridedPlan]:
-    """Strided rows for a reshard pull by backend ``local`` from ``peer``, or None if not a reshard pull.
+def plan_reshard_pull_strided(local: "LocalPool", peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[StridedPlan]:
+    """Strided rows for a reshard pull into pool ``local`` from ``peer``, or None if not a reshard pull.
 
     For transports with strided descriptors (a NIXL backend can post these rows from
     ``_post_read`` instead of ``pull.plan``: same bytes, far fewer rows).
@@ -295,10 +298,10 @@ def plan_reshard_pull_strided(local: Any, peer: PeerGeometry, src_ids: IdList, d
     return plan_kv_reshard_strided(peer.geometry, local.geometry, transfers, src_ids, dst_ids)
 
 
-def plan_reshard_pull(local: Any, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
-    """Flat byte plan for a reshard pull by backend ``local`` from ``peer``, or None if not a reshard pull.
+def plan_reshard_pull(local: "LocalPool", peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
+    """Flat byte plan for a reshard pull into pool ``local`` from ``peer``, or None if not a reshard pull.
 
-    What ``KVTransportBackend.plan_pull`` returns for reshard pulls. An empty plan
+    What ``kvxfer.plan.request.plan_pull`` returns for reshard pulls. An empty plan
     means the peer holds nothing this rank needs.
     """
     strided = plan_reshard_pull_strided(local, peer, src_ids, dst_ids)

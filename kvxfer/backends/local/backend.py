@@ -89,6 +89,7 @@ class LocalBackend(KVTransportBackend):
 
     name = "local"
     is_push = False
+    reads_other_processes = False  # only registrations of this process, found by id
 
     def _register(self) -> None:
         self._reads_in_flight: list[tuple[Optional[torch.cuda.Event], RequestId]] = []
@@ -127,7 +128,7 @@ class LocalBackend(KVTransportBackend):
 
     def _post_read(self, pull: PullRequest) -> TransferHandle:
         source = self._find_source(pull)
-        transfers = reshard_transfers_for_pull(self, pull.peer)
+        transfers = reshard_transfers_for_pull(self.local_pool, pull.peer)
         if transfers is None:
             dst = self.memory_buffer
             copy_slices(source, self, torch.from_numpy(pull.src_ids).to(source.memory_buffer.device),

@@ -37,6 +37,7 @@ from kvxfer.backends.nccl.wire import HEADER_BYTES, MessageHeader
 from kvxfer.errors import BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import IdList, validate_block_ids
 from kvxfer.plan.peer_records import transfer_peer_records
+from kvxfer.plan.request import RequestPlan
 from kvxfer.security.meta_seal import check_meta_seal
 
 try:
@@ -341,17 +342,12 @@ class NcclBackend(KVTransportBackend):
                 "nccl_world_size": self._transport.world_size, "nccl_device": self._device.type}
 
     # --- decode side: the receives ----------------------------------------------------------
-    def plan_request(self, peer_meta: Mapping[str, Any], src_block_ids: IdList, dst_block_ids: IdList,
-                     request_id: RequestId, notify: bool) -> list[Optional[PullRequest]]:
-        """The base's plan, plus: each chosen source must be a rank that pushes, and must be reachable."""
-        pulls = super().plan_request(peer_meta, src_block_ids, dst_block_ids, request_id, notify)
-        for pull in pulls:
-            if pull is None:
-                continue
+    def _check_plan(self, plan: RequestPlan) -> None:
+        """Each chosen source must be a rank that pushes, and must be reachable."""
+        for record in plan.to_read:
             if self.ssm_state_kind is None and self.geometry.layout is not None:
-                check_replica_source(pull.peer.geometry.layout)
-            self._transport.check_usable(self._transport.peer_rank(pull.peer_meta, self._device.type))
-        return pulls
+                check_replica_source(record.peer.geometry.layout)
+            self._transport.check_usable(self._transport.peer_rank(record.meta, self._device.type))
 
     def _post_read(self, pull: PullRequest) -> TransferHandle:
         peer = self._transport.peer_rank(pull.peer_meta, self._device.type)

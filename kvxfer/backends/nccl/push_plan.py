@@ -1,9 +1,9 @@
 """The prefill side's half of a push: the plan each decode rank will receive, computed here.
 
 A two-sided transfer only works if sender and receiver cut the same bytes in the
-same order. The decode rank plans its receive with ``KVTransportBackend.plan_pull``
+same order. The decode rank plans its receive with ``kvxfer.plan.request.plan_pull``
 (local = decode pool, peer = this prefill pool). The prefill runs *that same
-method* on a stand-in for the decode pool built from the decode's validated meta,
+function* on the decode pool as its validated meta describes it (``LocalPool.from_peer``),
 so both sides run one planner rather than two that could drift apart.
 
 The decode's block ids are not needed: a plan's rows follow (piece, outer index,
@@ -21,31 +21,16 @@ rank inside a stage (Megatron's rank order); the decode checks it before posting
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
 from kvxfer.backends.base import KVTransportBackend
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.plan.descriptors import CopyPlan
-from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, dtype_from_name
+from kvxfer.plan.geometry import PeerGeometry
+from kvxfer.plan.request import LocalPool, plan_pull
 from kvxfer.plan.layout import KVShardLayout
-
-
-@dataclass(frozen=True)
-class DecodePoolView:
-    """What ``plan_pull`` reads of a backend, for a decode pool known only by its meta."""
-
-    geometry: BufferGeometry
-    dtype: torch.dtype
-    ssm_layout: Any
-    ssm_state_kind: Optional[str]
-
-    @staticmethod
-    def from_peer(peer: PeerGeometry) -> "DecodePoolView":
-        return DecodePoolView(peer.geometry, dtype_from_name(peer.dtype), peer.ssm_layout, peer.ssm_state_kind)
 
 
 def own_peer_geometry(backend: KVTransportBackend) -> PeerGeometry:
@@ -92,6 +77,5 @@ def plan_push(backend: KVTransportBackend, decode: PeerGeometry, src_ids: np.nda
     resharded = backend.geometry.layout is not None and decode.geometry.layout is not None
     if backend.ssm_state_kind is None and resharded and not sends_for_replicas(backend.geometry.layout):
         return None  # the decode reads this slice from the first replica (only with layouts on both sides)
-    plan = KVTransportBackend.plan_pull(DecodePoolView.from_peer(decode), own_peer_geometry(backend),  # type: ignore[arg-type]
-                                        src_ids, dst_ids)
+    plan = plan_pull(LocalPool.from_peer(decode), own_peer_geometry(backend), src_ids, dst_ids)
     return None if plan.num_descriptors == 0 else plan
