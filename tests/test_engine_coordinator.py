@@ -15,10 +15,10 @@ import time
 import pytest
 import zmq
 
-from engine_integration import wire
-from engine_integration.channel import ClientChannel
-from engine_integration.client import CoordinatorClient
-from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import ClientChannel
+from engine_integration.control_plane.zmq.client import CoordinatorClient
+from engine_integration.control_plane.zmq.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
 
 META = {"schema_version": 1, "backend": "local", "dtype": "float32", "element_size": 4, "tokens_per_block": 4,
         "heads_per_partition": 2, "head_dim": 16, "num_outer": 4, "bytes_per_slice": 512}
@@ -186,11 +186,11 @@ def test_engine_can_spawn_its_own_coordinator():
                                      coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0, secret=SECRET))
     try:
         engine.connect(backend="local", register_timeout_s=20)
-        client = CoordinatorClient(engine._coordinator_address, secret=SECRET)
+        client = CoordinatorClient(engine.spawned_coordinator.url, secret=SECRET)
         stats = client.stats()
         assert stats.engines["p-spawn"]["role"] == "prefill" and stats.engines["p-spawn"]["alive"]
         client.close()
-        proc = engine._coordinator_process
+        proc = engine.spawned_coordinator.process
     finally:
         engine.disconnect("test over")
     assert proc.poll() is not None  # the spawned coordinator is stopped with its engine

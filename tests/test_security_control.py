@@ -17,10 +17,11 @@ from dataclasses import asdict
 import pytest
 import zmq
 
-from engine_integration import procs, wire
-from engine_integration.channel import ClientChannel, InsecureNotRequested
-from engine_integration.client import CoordinatorClient
-from engine_integration.coordinator import (Coordinator, CoordinatorConfig, start_coordinator_process,
+from engine_integration import procs
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import ClientChannel, InsecureNotRequested
+from engine_integration.control_plane.zmq.client import CoordinatorClient
+from engine_integration.control_plane.zmq.coordinator import (Coordinator, CoordinatorConfig, start_coordinator_process,
                                             stop_coordinator_process)
 from kvxfer.errors import AuthenticationError
 from kvxfer.security.auth import (CLIENT_TO_SERVER, FrameDropped, SessionClient, SessionServer)
@@ -259,11 +260,11 @@ def test_spawned_coordinator_gets_a_private_secret_file(monkeypatch):
         path = engine.coordinator_secret_file
         assert path is not None and os.stat(path).st_mode & 0o777 == 0o600
         secret = open(path).read().strip()
-        assert secret.encode() not in _cmdline(engine._coordinator_process.pid)
+        assert secret.encode() not in _cmdline(engine.spawned_coordinator.process.pid)
         engine.connect(backend="local", register_timeout_s=20)
         with pytest.raises(AuthenticationError):  # no stats, no shutdown, for anyone without the file
-            ClientChannel(engine._coordinator_address, b"not-the-cluster-secret-at-all", handshake_timeout_s=1.0)
-        client = CoordinatorClient(engine._coordinator_address, secret_file=path)
+            ClientChannel(engine.spawned_coordinator.url, b"not-the-cluster-secret-at-all", handshake_timeout_s=1.0)
+        client = CoordinatorClient(engine.spawned_coordinator.url, secret_file=path)
         assert client.stats().engines["p-own"]["alive"]
         client.close()
     finally:
@@ -361,7 +362,7 @@ def test_connection_cap_refuses_more_with_a_log_line(coordinator, caplog):
 
 def test_decode_engine_survives_malformed_and_unserviceable_start_decodes():
     """Finding 4, decode side: the refused message is counted, a request it names is failed, the loop lives."""
-    from engine_integration.channel import ServerChannel
+    from engine_integration.control_plane.zmq.channel import ServerChannel
     from engine_integration.engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import ModelConfig, build_reference_engine
 
@@ -390,11 +391,13 @@ def test_decode_engine_survives_malformed_and_unserviceable_start_decodes():
         server.send(peer, wire.StartDecode(8, {**ok, "request_id": 8}, 4))      # fine, source unknown: queued
         server.send(peer, wire.Release([8], "a prefill's message sent to a decode"))  # its handler raises
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (len(engine.refused_messages) < 2 or not engine._handoff_sink.num_queued):
+        while time.monotonic() < deadline and (len(engine.plane.refused_messages) < 2
+                                               or not engine._handoff_sink.num_queued):
             engine.serve_step()
             time.sleep(0.01)
         assert engine.shutdown_reason is None
-        assert engine.refused_messages.get("invalid") == 1 and engine.refused_messages.get("handler error") == 1
+        refused = engine.plane.refused_messages
+        assert refused.get("invalid") == 1 and refused.get("handler error") == 1
         assert engine._handoff_sink.num_queued == 1
     finally:
         engine.disconnect("test over")

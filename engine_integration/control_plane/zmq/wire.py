@@ -9,7 +9,7 @@ drops: an insider's malformed message (a descriptor without ``block_hashes``, a
 three calls later.
 
 Authentication and replay protection are *not* here: payloads travel inside a
-per-connection session (``engine_integration.channel``). This module only turns
+per-connection session (``channel``). This module only turns
 structs into bytes and back.
 """
 
@@ -19,8 +19,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
+from engine_integration.control_plane.policy import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, TOKEN_ID_LIMIT
+
 #: Limits of the schema; generous for real traffic, small enough that no field can be a weapon.
-MAX_TOKENS = 1 << 20
+#: The request limits are the fleet policy's (``control_plane.policy``), so admission refuses
+#: at submit anything a relayed message would fail here.
+MAX_TOKENS = max(MAX_PROMPT_TOKENS, MAX_NEW_TOKENS)
 MAX_BLOCKS = 1 << 24
 MAX_TEXT = 16384
 MAX_METAS = 4096
@@ -29,13 +33,13 @@ MAX_BATCH = 65536
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Token = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-Prompt = Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
-NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+Prompt = Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
 
 
 class Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):

@@ -5,8 +5,12 @@ decode (``PeerMeta`` once per prefill incarnation, then ``StartDecode``) -> the 
 ``TransferReady`` and ``ReadDone`` (forwarded to the prefill as ``Release``) -> the
 decode's ``Finished`` -> the client's ``Result``.
 
-Registration refuses an engine whose model, geometry or transport differs from the
-engines already registered, and sends the reason back. An engine is removed when its
+Every fleet decision is ``control_plane.policy``'s, the same the etcd plane makes:
+registration refuses an engine whose model, geometry or transport differs from the
+engines already registered (``fleet_refusal``, the reason sent back), admission refuses
+at submit what no live pool could hold (``admission_problem``), and routing picks the
+prefill (``pick_prefill``) and the decode (``pick_decode``, from each decode's last
+heartbeat, the blocks and prefixes routed there since, its pulls pending). An engine is removed when its
 control connection closes (socket monitor), when its heartbeats stop
 (``heartbeat_timeout_s``), or when its process is gone (same host: its pid is checked
 every tick); its requests fail with an error naming it.
@@ -26,12 +30,11 @@ check, so it can never commit the reused blocks (``kvxfer.runtime.generations``)
 request without counters keeps its pins until death is confirmed: without the check, a
 timer must never free a pin.
 
-Trust: every frame arrives through ``engine_integration.channel`` (encrypted,
+Trust: every frame arrives through ``channel`` (encrypted,
 authenticated, replay-proof) and is schema-validated by ``wire``; on top, a message
 must fit the sender's role and state (only the decode a request was routed to may say
 it was read, only its prefill may hand it off, naming itself as the source). Anything
-else is refused and counted in ``Stats.dropped``, never a crash. Admission refuses a
-request that no live decode pool could ever hold, at submit, with the reason.
+else is refused and counted in ``Stats.dropped``, never a crash.
 
 This module imports no torch, so the coordinator process starts fast.
 """
@@ -51,10 +54,11 @@ from typing import Any, Optional
 
 import zmq
 
-from engine_integration.fleet_rules import GEOMETRY_FIELDS, process_gone
-from engine_integration import wire
-from engine_integration.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES, ServerChannel,
-                                        resolve_secret)
+from engine_integration.control_plane import policy
+from engine_integration.control_plane.policy import process_gone
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES,
+                                                          ServerChannel, resolve_secret)
 
 log = logging.getLogger("kvxfer.engine.coordinator")
 
@@ -88,7 +92,7 @@ class _Engine:
     death_confirmed: bool = False
     removed_at: float = 0.0
     peers_sent: set = field(default_factory=set)       # decode: (prefill identity, incarnation) metas sent
-    routed_hashes: set = field(default_factory=set)    # decode: block hashes we routed there (prefix score)
+    routed: policy.RoutedPrefixes = field(default_factory=policy.RoutedPrefixes)  # decode: hashes routed there
     blocks_sent_since_hb: int = 0
     requests: set = field(default_factory=set)
 
@@ -116,10 +120,9 @@ class _Request:
     pulled_blocks: int = 0
 
 
-def _tokens_per_block(reg: wire.Register) -> Optional[int]:
-    """The engine's block size, from its first registered meta (``None`` if it does not say)."""
-    value = reg.transfer_meta[0].get("tokens_per_block")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+def member(reg: wire.Register) -> policy.Member:
+    """A registered engine as the fleet policy sees it."""
+    return policy.Member(reg.identity, reg.role, reg.capacity_blocks, tuple(reg.transfer_meta), reg.model_fingerprint)
 
 
 def _raise_fd_limit() -> None:
@@ -133,27 +136,6 @@ def _raise_fd_limit() -> None:
                                                         hard))
     except (ImportError, ValueError, OSError):
         pass
-
-
-def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[str]:
-    """Why ``new`` cannot exchange KV with ``ref`` (``None`` if it can).
-
-    Only the KV geometry fields at the top of each rank's meta are compared; a
-    prefill's generation-counter meta nested under ``generations`` is not KV and is
-    deliberately left out (decode instances have none).
-    """
-    where = f"{ref.role} {ref.identity!r}"
-    if len(new.transfer_meta) != len(ref.transfer_meta):
-        return f"{len(new.transfer_meta)} transfer metas (ranks) here, {len(ref.transfer_meta)} on {where}"
-    for i, (a, b) in enumerate(zip(new.transfer_meta, ref.transfer_meta)):
-        for name in GEOMETRY_FIELDS:
-            if a.get(name) != b.get(name):
-                return (f"transfer meta [{i}] field {name!r} is {a.get(name)!r} here but {b.get(name)!r} on {where}; "
-                        "prefill and decode must use the same transport and KV geometry")
-    if new.model_fingerprint != ref.model_fingerprint:
-        return (f"model fingerprint {new.model_fingerprint} differs from {ref.model_fingerprint} on {where}: "
-                "the engines run different models or model configs")
-    return None
 
 
 class Coordinator:
@@ -312,7 +294,7 @@ class Coordinator:
                             f"{msg.request_id} from {eng.identity!r}")
                 if d.meta_index >= len(eng.reg.transfer_meta):
                     return f"descriptor meta_index {d.meta_index} but {len(eng.reg.transfer_meta)} metas registered"
-                tpb = _tokens_per_block(eng.reg)
+                tpb = policy.tokens_per_block(eng.reg.transfer_meta)
                 if tpb and (len(d.block_ids) != -(-len(d.prompt) // tpb) or len(d.block_hashes) != len(d.prompt) // tpb):
                     return (f"descriptor has {len(d.block_ids)} blocks and {len(d.block_hashes)} hashes for a "
                             f"{len(d.prompt)}-token prompt at {tpb} tokens per block")
@@ -340,11 +322,9 @@ class Coordinator:
         for dead in list(self.dead):  # a restart on another host is the only news we get of the old one
             if dead.identity == reg.identity and dead.reg.host != self.host:
                 self._confirm_death(dead, "its identity registered again")
-        for other in self.engines.values():
-            if other.alive:
-                problem = compatibility_problem(reg, other.reg)
-                if problem is not None:
-                    return self.send(zmq_id, wire.Registered(False, problem))
+        problem = policy.fleet_refusal(member(reg), (member(e.reg) for e in self.engines.values() if e.alive))
+        if problem is not None:
+            return self.send(zmq_id, wire.Registered(False, problem))
         self.engines[zmq_id] = _Engine(zmq_id, reg, time.monotonic())
         self.removed.pop(zmq_id, None)
         self.send(zmq_id, wire.Registered(True))
@@ -362,26 +342,8 @@ class Coordinator:
         self._dispatch()
 
     def _inadmissible(self, prompt: list[int], max_new_tokens: int) -> Optional[str]:
-        """Why no live pool could ever hold this request (``None``: it fits one, or no engine is known yet).
-
-        A request no decode can hold would otherwise be routed anyway and sit at the head
-        of a decode's FIFO until it times out, blocking everything behind it.
-        """
-        if not prompt:
-            return "the prompt is empty"
-        if max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {max_new_tokens}"
-        tokens = len(prompt) + max_new_tokens - 1  # the decode holds the prompt and all outputs but the last
-        for role, need_tokens in (("prefill", len(prompt)), ("decode", tokens)):
-            pools = [(e.reg.capacity_blocks, _tokens_per_block(e.reg)) for e in self._alive(role)]
-            if not pools or any(tpb is None for _, tpb in pools):
-                continue
-            if all(-(-need_tokens // tpb) > cap for cap, tpb in pools):
-                cap, tpb = max(pools)
-                return (f"{len(prompt)} prompt tokens + {max_new_tokens} new tokens need "
-                        f"{-(-need_tokens // tpb)} KV blocks of {tpb} tokens on a {role} instance; the largest live "
-                        f"{role} pool has {cap} blocks")
-        return None
+        """Why the fleet refuses this request at submit (``policy.admission_problem``, over the live engines)."""
+        return policy.admission_problem(prompt, max_new_tokens, (member(e.reg) for e in self.engines.values() if e.alive))
 
     def _handoff_ready(self, prefill: _Engine, msg: wire.HandoffReady) -> None:
         req = self.requests.get(msg.request_id)
@@ -440,45 +402,48 @@ class Coordinator:
         return [e for e in self.engines.values() if e.alive and e.reg.role == role]
 
     def _dispatch(self) -> None:
-        prefills = self._alive("prefill")
+        """Route what waits: requests to prefills, prefilled requests to decodes (``policy`` decides)."""
+        prefills = {e.identity: e for e in self._alive("prefill")}
         while self.pending and prefills:
             req = self.requests.get(self.pending.popleft())
             if req is None:
                 continue
-            target = min(prefills, key=lambda e: len(e.requests))
+            target = prefills[policy.pick_prefill({name: len(e.requests) for name, e in prefills.items()})]  # type: ignore[index]
             req.stage, req.prefill = "prefill", target.zmq_id
             target.requests.add(req.rid)
             self.send(target.zmq_id, wire.AddRequest(req.rid, req.prompt, req.max_new_tokens))
-        decodes = self._alive("decode")
-        while self.pending_handoff and decodes:
+        decodes = {e.identity: e for e in self._alive("decode")}
+        if not (self.pending_handoff and decodes):
+            return
+        pulling: dict[bytes, int] = {}
+        for r in self.requests.values():
+            if r.stage == "handoff" and r.decode is not None:
+                pulling[r.decode] = pulling.get(r.decode, 0) + 1
+        while self.pending_handoff:
             req = self.requests.get(self.pending_handoff.popleft())
             if req is None or req.descriptor is None:
                 continue
             prefill = self.engines.get(req.prefill) if req.prefill else None
             if prefill is None or not prefill.alive:
                 continue
-            fits = [e for e in decodes if not self._too_big(e, req)]
-            if not fits:
+            candidates = [self.decode_candidate(e, req.descriptor.block_hashes, pulling.get(e.zmq_id, 0))
+                          for e in decodes.values()]
+            choice = policy.pick_decode(candidates, len(req.prompt) + req.max_new_tokens - 1)
+            if choice is None:
                 self._fail_request(req, "request refused: " + (self._inadmissible(req.prompt, req.max_new_tokens)
                                                                 or "no live decode pool can hold it"))
                 continue
-            target = max(fits, key=lambda e: self._decode_score(e, req))
+            target = decodes[choice.name]
+            pulling[target.zmq_id] = pulling.get(target.zmq_id, 0) + 1
             self._send_to_decode(target, prefill, req)
 
     @staticmethod
-    def _too_big(eng: _Engine, req: _Request) -> bool:
-        tpb = _tokens_per_block(eng.reg)
-        return tpb is not None and -(-(len(req.prompt) + req.max_new_tokens - 1) // tpb) > eng.reg.capacity_blocks
-
-    def _decode_score(self, eng: _Engine, req: _Request) -> tuple[int, int]:
-        """(cached-prefix blocks we expect there, free blocks): prefix first, then room."""
-        match = 0
-        for h in req.descriptor.block_hashes if req.descriptor else ():
-            if h not in eng.routed_hashes:
-                break
-            match += 1
+    def decode_candidate(eng: _Engine, block_hashes: Any, in_flight: int) -> policy.DecodeCandidate:
+        """A live decode as ``policy.pick_decode`` sees it: its room (last heartbeat minus blocks routed
+        there since), the prefix routed there before, its handoffs not yet pulled."""
         free = (eng.hb.free_blocks if eng.hb else eng.reg.capacity_blocks) - eng.blocks_sent_since_hb
-        return match, free
+        return policy.DecodeCandidate(eng.identity, eng.reg.capacity_blocks, policy.tokens_per_block(eng.reg.transfer_meta),
+                                      free, eng.routed.expected_prefix(block_hashes), in_flight)
 
     def _send_to_decode(self, decode: _Engine, prefill: _Engine, req: _Request) -> None:
         key = (prefill.identity, prefill.reg.incarnation)
@@ -489,7 +454,7 @@ class Coordinator:
         assert req.descriptor is not None
         req.decode = decode.zmq_id
         decode.requests.add(req.rid)
-        decode.routed_hashes.update(req.descriptor.block_hashes)
+        decode.routed.add(req.descriptor.block_hashes)
         decode.blocks_sent_since_hb += len(req.descriptor.block_ids)
         self.send(decode.zmq_id, wire.StartDecode(req.rid, req.descriptor, req.max_new_tokens))
 
@@ -618,7 +583,7 @@ def start_coordinator_process(config: CoordinatorConfig = CoordinatorConfig(), *
 
     # the same check the child makes, here, so a missing secret is a clear error and not a dead child
     resolve_secret(config.secret, secret_file=config.secret_file, insecure=config.insecure, who="the coordinator")
-    proc, ready = procs.spawn("engine_integration.coordinator", asdict(config), start_timeout_s=start_timeout_s)
+    proc, ready = procs.spawn("engine_integration.control_plane.zmq.coordinator", asdict(config), start_timeout_s=start_timeout_s)
     return proc, ready["address"]
 
 

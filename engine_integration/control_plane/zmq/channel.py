@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import zmq
 
-from engine_integration import wire
+from engine_integration.control_plane.zmq import wire
 from kvxfer.errors import AuthenticationError, KVXferError
 from kvxfer.security.auth import (FrameDropped, SessionChannel, SessionClient, SessionServer, curve_server_keys,
                                   load_secret)

@@ -1,4 +1,11 @@
-"""The fleet control plane on etcd: state that outlives every kvxfer process.
+"""The fleet's state in etcd: this instance's lease, its records, the verified snapshot.
+
+``EtcdStore`` is what an etcd-plane process holds: registration under a lease (a
+restart under the same name is a new incarnation, with fresh metas, never the old ones),
+a verified ``FleetView`` per ``snapshot``, each side's handoff key written under its own
+lease (``publish_handoff`` / ``set_reader_state``), ``clear_handoff``, and the
+request/result/stats keys beside them (``put_record``, ``range_raw``, ``take``). The engine
+logic on top is ``etcd.plane.EtcdPlane``; clients use ``etcd.client``.
 
 Each instance holds one etcd lease (``ttl_s``, kept alive every ``ttl_s / 3`` by a
 daemon thread) and writes under it its instance record and its side of each handoff
@@ -32,14 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
-from engine_integration.control_plane.base import (Change, ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
-                                                   Health, HandoffState, LeaseLost)
-from engine_integration.control_plane.etcd_http import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
-from engine_integration.control_plane.records import (ROLES, FleetView, HandoffPair, HandoffRecord, InstanceRecord,
-                                                      KeyLayout, RecordRefused, check_name, decode_handoff,
-                                                      decode_instance, diff_views, encode_record)
+from engine_integration.control_plane.base import ControlPlaneError, ControlPlaneUnavailable, Health
+from engine_integration.control_plane.etcd.gateway import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
+from engine_integration.control_plane.etcd.records import (ROLES, Change, FleetView, HandoffPair, HandoffRecord,
+                                                           HandoffState, InstanceRecord, KeyLayout, RecordRefused,
+                                                           check_name, decode_handoff, decode_instance, diff_views,
+                                                           encode_record)
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+
+
+class LeaseLost(ControlPlaneError):
+    """This instance's lease expired (or was revoked): it is dead to the fleet and must
+    re-register as a new incarnation; nothing it holds under the old lease may be trusted."""
 
 
 class LeaseGone(ControlPlaneError):
@@ -122,8 +134,8 @@ def _resolve_cluster_key(config: EtcdConfig) -> Optional[bytes]:
     return load_secret(secret_file=config.secret_file) if config.secret_file else meta_key_from_env()
 
 
-class EtcdControlPlane(ControlPlane):
-    """``ControlPlane`` on etcd (see the module docstring for the lease and fencing rules)."""
+class EtcdStore:
+    """One process's view of and writes to the fleet in etcd (see the module docstring for the lease and fencing rules)."""
 
     backend = "etcd"
 
@@ -155,7 +167,7 @@ class EtcdControlPlane(ControlPlane):
 
     def __repr__(self) -> str:
         who = f"{self.record.name}/{self.record.incarnation}" if self.record else "unregistered"
-        return f"EtcdControlPlane({','.join(self.config.endpoints)}, cluster={self.config.cluster!r}, {who})"
+        return f"EtcdStore({','.join(self.config.endpoints)}, cluster={self.config.cluster!r}, {who})"
 
     # --- registration and lease -------------------------------------------------------------
     def register(self, *, name: str, role: str, transfer_meta: Sequence[dict[str, Any]], capacity_blocks: int,
@@ -295,7 +307,7 @@ class EtcdControlPlane(ControlPlane):
     def snapshot(self) -> FleetView:
         """One range over our cluster's prefix, every record verified (refused ones listed, never used)."""
         try:
-            # handoffs/ .. instances/ only: requests, results and stats (engine_integration.etcd_engine)
+            # handoffs/ .. instances/ only: requests, results and stats (etcd.plane, etcd.client)
             # live beside them and are read by whoever needs them, not by every poll of every instance
             revision, kvs = self.client.range(self.layout.handoffs.encode(),
                                               prefix_end(self.layout.instances.encode()))
@@ -389,7 +401,7 @@ class EtcdControlPlane(ControlPlane):
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
 
-    # --- records beside the fleet's (requests, results, stats: engine_integration.etcd_engine) ----
+    # --- records beside the fleet's (requests, results, stats: etcd.plane, etcd.client) ----
     @property
     def cluster_key(self) -> Optional[bytes]:
         return self._key

@@ -29,6 +29,7 @@ as unsigned metas), unless unauthenticated records are allowed by name.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import json
@@ -37,13 +38,40 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from engine_integration.control_plane.base import HandoffState
 from kvxfer.errors import PeerMetadataError
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 log = logging.getLogger("kvxfer.engine.control_plane")
 
 ROLES = ("prefill", "decode")
+
+
+class HandoffState(str, enum.Enum):
+    """A handoff's states; ``PUBLISHED`` is the source's, the rest are the reader's."""
+
+    PUBLISHED = "published"   #: source: blocks pinned, descriptor routed to one reader
+    RESERVED = "reserved"     #: reader: destination blocks reserved, no read posted yet
+    PULLING = "pulling"       #: reader: one-sided reads may be in flight (written *before* posting)
+    READ_DONE = "read_done"   #: reader: every read completed; the source may unpin
+    FAILED = "failed"         #: reader: the pull failed and no read can still be in flight
+
+    @property
+    def side(self) -> str:
+        return "source" if self is HandoffState.PUBLISHED else "reader"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (HandoffState.READ_DONE, HandoffState.FAILED)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference between two consecutive snapshots (``EtcdStore.poll_changes``)."""
+
+    kind: str                 #: ``instance_up``, ``instance_down``, ``handoff``, ``handoff_gone``
+    name: str                 #: instance name, or ``source/request_id`` for handoffs
+    record: Any = None        #: the new record (``InstanceRecord`` / ``HandoffPair``), the old one when gone
+    reason: str = ""          #: for ``instance_down``: ``lease expired or deregistered`` / ``restarted``
 INSTANCE_KIND = "kvxfer/instance/1"
 HANDOFF_KIND = "kvxfer/handoff/1"
 GENERATIONS_META_KEY = "generations"     # same as engine_integration.descriptor (kept import-free of torch)
@@ -361,10 +389,8 @@ class FleetView:
         return out
 
 
-def diff_views(old: Optional[FleetView], new: FleetView) -> list["Any"]:
-    """Changes from ``old`` to ``new`` (``base.Change``), instances first, in name order."""
-    from engine_integration.control_plane.base import Change
-
+def diff_views(old: Optional[FleetView], new: FleetView) -> list[Change]:
+    """Changes from ``old`` to ``new``, instances first, in name order."""
     before_i = old.instances if old is not None else {}
     before_h = old.handoffs if old is not None else {}
     changes: list[Change] = []

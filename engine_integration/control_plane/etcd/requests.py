@@ -10,7 +10,7 @@ whole life is in keys (``<root>`` is ``/kvxfer/<cluster>``)::
 Everything is under the *client's* lease: a client that dies leaves nothing behind.
 Records are sealed and signed like every other record (``records.encode_record``), name
 their key and the lease they were written under; a request is taken with one atomic
-delete (``EtcdControlPlane.take``), so two prefills never run the same request.
+delete (``EtcdStore.take``), so two prefills never run the same request.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine_integration.control_plane.records import (KeyLayout, RecordRefused, _field, _lease_matches, _load,
+from engine_integration.control_plane.etcd.records import (KeyLayout, RecordRefused, _field, _lease_matches, _load,
                                                       check_name)
 
 REQUEST_KIND = "kvxfer/request/1"
