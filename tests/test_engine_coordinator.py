@@ -282,3 +282,26 @@ def test_presumed_dead_reader_frees_checked_pins_after_the_grace_only():
         decode_proc.kill()
         decode_proc.wait(10)
         stop_coordinator_process(proc, timeout_s=5)
+
+
+@pytest.mark.parametrize("prompt, max_new, says", [
+    ([1, -5, 3], 4, "token ids must be ints in [0, 2147483648); got [-5]"),
+    ([1, 1 << 31], 4, "token ids must be ints in [0, 2147483648)"),
+    ([1, 2, 3], (1 << 20) + 1, "max_new_tokens must be <= 1048576"),
+])
+def test_a_submit_the_prefill_would_drop_is_refused_at_submit_with_the_reason(coordinator, prompt, max_new, says):
+    """Issue 21, A9: a Submit whose relayed AddRequest the prefill's schema would drop (negative token
+    ids, ids past the wire's bound, too many new tokens) is answered at once with the reason; before,
+    the client waited for its timeout ("stage: prefill") while the prefill silently dropped it."""
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid(), capacity=1 << 20)
+    decode = ScriptedEngine(coordinator, "decode", "d0", os.getpid(), capacity=1 << 20)
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    t0 = time.monotonic()
+    result = _collect(client, client.submit(prompt, max_new), [prefill, decode], timeout_s=3.0)
+    answered_s = time.monotonic() - t0
+    assert result.error is not None and "refused at submit" in result.error and says in result.error, result.error
+    assert answered_s < 1.0
+    assert prefill.expect(wire.AddRequest, 0.5, keepalive=[decode]) is None   # nothing relayed
+    client.submit([1, 2, 3], 2)   # the next request goes through
+    assert isinstance(prefill.expect(wire.AddRequest, 2.0, keepalive=[decode]), wire.AddRequest)
+    client.close()

@@ -189,6 +189,8 @@ def test_admission_refuses_alike_with_the_same_reason(etcd):
     planes = Planes(etcd, [("p0", P, 256), ("d-a", D, 8)])
     try:
         rows = [([1, 2, 3], 2, "prefill:p0"), ([1] * 9, 40, "need 12 KV blocks"), ([], 2, "the prompt is empty"), ([1, 2], 0, "max_new_tokens must be >= 1"),
+                ([1, -5, 3], 2, "token ids must be ints in [0, 2147483648)"), ([1, 1 << 31], 2, "token ids must be"),
+                ([1, 2], policy.MAX_NEW_TOKENS + 1, "max_new_tokens must be <= "),
                 ([5] * 5, 3000, "need 751 KV blocks of 4 tokens on a decode instance; the largest live decode pool has 8")]
         for prompt, max_new, says in rows:
             coordinator, on_etcd = planes.submit(prompt, max_new)

@@ -14,8 +14,9 @@ The rules:
   the first field that differs. A prefill's generation-counter meta (nested under
   ``generations``) is not KV and is not compared.
 - **Admission**: a request is refused at submit, with the reason, when it is malformed
-  (an empty prompt, ``max_new_tokens`` < 1) or when no live pool of a role could ever
-  hold it (prompt on a prefill; prompt plus all new tokens on a decode).
+  (empty prompt, token ids outside ``[0, 2**31)``, ``max_new_tokens`` outside
+  ``[1, MAX_NEW_TOKENS]``, a prompt over ``MAX_PROMPT_TOKENS``) or when no live pool of a
+  role could ever hold it (prompt on a prefill; prompt plus all new tokens on a decode).
 - **Prefill choice**: fewest requests in flight there, then name.
 - **Decode choice**: among the live decodes whose pool can hold the request, the longest
   expected cached prefix (hashes routed there before), then the most free blocks (the last
@@ -101,8 +102,15 @@ def request_problem(prompt: Sequence[Any], max_new_tokens: Any) -> Optional[str]
     """Why a request is malformed whatever the fleet (``None`` if it is well formed)."""
     if not prompt:
         return "the prompt is empty"
-    if max_new_tokens < 1:
-        return f"max_new_tokens must be >= 1, got {max_new_tokens}"
+    if len(prompt) > MAX_PROMPT_TOKENS:
+        return f"the prompt has {len(prompt)} tokens; at most {MAX_PROMPT_TOKENS} are accepted"
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        return f"max_new_tokens must be >= 1, got {max_new_tokens!r}"
+    if max_new_tokens > MAX_NEW_TOKENS:
+        return f"max_new_tokens must be <= {MAX_NEW_TOKENS}, got {max_new_tokens}"
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < TOKEN_ID_LIMIT]
+    if bad:
+        return f"token ids must be ints in [0, {TOKEN_ID_LIMIT}); got {bad[:5]}"
     return None
 
 
