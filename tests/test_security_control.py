@@ -403,3 +403,104 @@ def test_decode_engine_survives_malformed_and_unserviceable_start_decodes():
         engine.disconnect("test over")
         server.close()
         ctx.term()
+
+
+def _nested(depth: int) -> list:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value  # type: ignore[return-value]
+
+
+def test_an_insiders_deeply_nested_frame_costs_one_frame_not_the_coordinator():
+    """Issue 21, A6: a 4 KB frame nested 2,000 deep, sealed with the cluster secret, used to make the
+    coordinator process exit (RecursionError in the decoder). Every message's depth and size are now
+    bounded before it is decoded (control_plane.limits): the frame is refused as invalid and counted."""
+    proc, address = start_coordinator_process(CoordinatorConfig(secret=SECRET))
+    try:
+        insider = ClientChannel(address, KEY, identity=b"mallory/1")
+        frames = []
+        for depth in (2000, 30):   # far past, and just past, the bound (32 levels: 3 + 30 here)
+            register = wire.encode(wire.Register("decode", "mallory", "1", os.getpid(), socket.gethostname(), "fp",
+                                                 [{"deep": "X"}], 8))
+            frames.append(register.replace(b'"X"', b"[" * depth + b"1" + b"]" * depth))
+        frames.append(b'{"type":"submit","client_request_id":1,"prompt":' + b"[" * 3000 + b"]" * 3000
+                      + b',"max_new_tokens":2}')
+        assert 4000 < len(frames[0]) < 4200
+        t0 = time.monotonic()
+        for frame in frames:
+            insider.sock.send(insider.session.seal(frame))
+        stats = _stats(address)
+        assert proc.poll() is None, f"the coordinator exited with status {proc.returncode}"
+        assert stats.dropped.get("invalid", 0) == len(frames) and "mallory" not in stats.engines
+        assert time.monotonic() - t0 < 3.0
+        # a meta as deep as the bound allows still registers, and the coordinator keeps serving
+        decode = ClientChannel(address, KEY, identity=b"d0/1")
+        decode.send(wire.Register("decode", "d0", "1", os.getpid(), socket.gethostname(), "fp",
+                                  [{**META, "nested": _nested(29)}], 8))   # 3 + 29 = 32: at the bound
+        reply = decode.recv(5.0)
+        assert isinstance(reply, wire.Registered) and reply.ok
+        assert _stats(address).engines["d0"]["alive"]
+        for ch in (insider, decode):
+            ch.close()
+    finally:
+        stop_coordinator_process(proc, timeout_s=5)
+
+
+def test_engine_and_client_refuse_a_deeply_nested_message_from_the_coordinator_side():
+    """A6, the other direction: an insider posing as the coordinator sends a PeerMeta nested 2,000
+    deep to a decode engine, and a Stats nested as deep to a client: each is refused and counted."""
+    from engine_integration.control_plane.zmq.channel import ServerChannel
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import ModelConfig, build_reference_engine
+
+    ctx = zmq.Context()
+    server = ServerChannel(ctx, "127.0.0.1", 0, KEY)
+    engine = build_reference_engine(ModelConfig(), 24, engine_cls=DisaggDynamicInferenceEngine)
+    connected = threading.Thread(target=engine.connect, args=(f"tcp://127.0.0.1:{server.port}",),
+                                 kwargs=dict(role="decode", name="d-victim", backend="local", secret=SECRET,
+                                             register_timeout_s=10))
+    connected.start()
+    peers, deadline = {}, time.monotonic() + 10
+    client = None
+    try:
+        while "engine" not in peers and time.monotonic() < deadline:
+            server.events()
+            if server.sock.poll(50):
+                got = server.receive()
+                if got is not None and isinstance(got[1], wire.Register):
+                    peers["engine"] = got[0]
+                    server.send(got[0], wire.Registered(True))
+        connected.join(10)
+        deep = b"[" * 2000 + b"]" * 2000
+        peer_meta = b'{"type":"peer_meta","identity":"p0","incarnation":"1","transfer_meta":[{"a":' + deep + b"}]}"
+        server._send_raw(peers["engine"], server._sessions[peers["engine"]].seal(peer_meta))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not engine.plane.refused_messages.get("invalid"):
+            engine.serve_step()
+            time.sleep(0.01)
+        assert engine.plane.refused_messages.get("invalid") == 1 and engine.shutdown_reason is None
+
+        client_thread = threading.Thread(target=lambda: peers.setdefault(
+            "client", CoordinatorClient(f"tcp://127.0.0.1:{server.port}", secret=SECRET)))
+        client_thread.start()
+        while client_thread.is_alive():
+            server.events()
+            if server.sock.poll(50):
+                server.receive()   # the client's hello: answered with the welcome
+        client = peers["client"]
+        client.channel.send(wire.StatsRequest())
+        while not server.sock.poll(50):
+            pass
+        who, _, _ = server.receive()
+        stats = b'{"type":"stats","engines":{"x":{"a":' + deep + b'}},"requests_in_flight":0}'
+        server._send_raw(who, server._sessions[who].seal(stats))
+        with pytest.raises(TimeoutError):
+            client.stats(timeout_s=1.0)
+        assert client.channel.dropped.get("invalid") == 1
+    finally:
+        if client is not None:
+            client.close()
+        engine.disconnect("test over")
+        server.close()
+        ctx.term()

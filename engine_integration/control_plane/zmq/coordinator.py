@@ -193,7 +193,12 @@ class Coordinator:
             self.ctx.term()
 
     def _receive(self) -> None:
-        got = self.channel.receive()
+        try:
+            got = self.channel.receive()
+        except Exception:  # the channel refuses by counting; anything else must cost one frame, not the plane
+            self.channel.count("invalid")
+            log.exception("coordinator: a control frame could not be read; dropped")
+            return
         if got is None:  # a handshake, or refused and counted
             return
         zmq_id, msg, frame = got

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
+from engine_integration.control_plane.limits import TooDeep, check_json
 from engine_integration.control_plane.policy import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, TOKEN_ID_LIMIT
 
 #: Limits of the schema; generous for real traffic, small enough that no field can be a weapon.
@@ -29,6 +30,7 @@ MAX_BLOCKS = 1 << 24
 MAX_TEXT = 16384
 MAX_METAS = 4096
 MAX_BATCH = 65536
+MAX_MESSAGE_BYTES = 16 << 20   #: the channel's frame cap (``channel.MAX_FRAME_BYTES``) bounds it first
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -238,13 +240,22 @@ def encode(msg: Msg) -> bytes:
 
 
 def decode(payload: bytes) -> Msg:
-    """The message in ``payload``, every constraint checked; ``WireError`` otherwise."""
+    """The message in ``payload``, every constraint checked; ``WireError`` otherwise.
+
+    Its depth and size are bounded before msgspec sees it (``control_plane.limits``): the
+    metas inside messages are free-form dicts, and a value nested thousands deep must cost
+    one refused message, not the process.
+    """
     try:
-        return _DECODER.decode(payload)
+        return _DECODER.decode(check_json(payload, max_bytes=MAX_MESSAGE_BYTES, what="control message"))
+    except TooDeep as exc:
+        raise WireError(f"invalid control message: {exc}") from None
     except msgspec.ValidationError as exc:
         raise WireError(f"invalid control message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable control message: {exc}") from None
+    except RecursionError:   # cannot pass the depth check; a peer must still never crash us
+        raise WireError("invalid control message: nested too deep") from None
 
 
 def descriptor_dict(descriptor: Descriptor) -> dict[str, Any]:
