@@ -305,3 +305,29 @@ def test_a_submit_the_prefill_would_drop_is_refused_at_submit_with_the_reason(co
     client.submit([1, 2, 3], 2)   # the next request goes through
     assert isinstance(prefill.expect(wire.AddRequest, 2.0, keepalive=[decode]), wire.AddRequest)
     client.close()
+
+
+@pytest.mark.parametrize("meta", [{**META, "dtype": "bfloat16"}, META], ids=["incompatible", "compatible"])
+def test_reregistering_a_live_decode_from_another_host_is_refused_and_frees_no_pin(coordinator, decode_process,
+                                                                                   meta):
+    """Issue 21, A7: an insider registers a live decode's identity "from another host". Before, the
+    registration was refused (incompatible) or accepted (compatible), and either way the prefill got
+    a Release for the live decode's routed request: its pins freed under a reader. Now it is refused
+    before anything changes, and the live decode's handoff completes as if nothing happened."""
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    insider = ClientChannel(coordinator, SECRET.encode(), identity=b"d0/2")
+    insider.send(wire.Register("decode", "d0", "2", 4242, "another-host", "fp", [meta], 64))
+    reply = insider.recv(5.0)
+    assert isinstance(reply, wire.Registered) and not reply.ok, reply
+    if meta is META:
+        assert "'d0' is registered and alive" in reply.reason and "heartbeat_timeout_s" in reply.reason
+    assert prefill.expect(wire.Release, 1.5, keepalive=[prefill, decode]) is None, "a live reader's pins were freed"
+    stats = client.stats()
+    assert stats.engines["d0"]["alive"] and stats.engines["d0"]["incarnation"] == "1"
+    decode.send(wire.TransferReady(rid, 0, 2, 0.001))   # the real d0 finishes its pull
+    decode.send(wire.ReadDone(rid))
+    release = prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode])
+    assert release is not None and release.request_ids == [rid]
+    decode.send(wire.Finished(rid, [9, 8, 7, 6]))
+    assert _collect(client, cid, [prefill, decode]).tokens == (9, 8, 7, 6)
+    insider.close()

@@ -7,7 +7,8 @@ decode's ``Finished`` -> the client's ``Result``.
 
 Every fleet decision is ``control_plane.policy``'s, the same the etcd plane makes:
 registration refuses an engine whose model, geometry or transport differs from the
-engines already registered (``fleet_refusal``, the reason sent back), admission refuses
+engines already registered (``fleet_refusal``, the reason sent back; and, before
+anything changes, a registration naming a live engine's identity), admission refuses
 at submit what no live pool could hold (``admission_problem``), and routing picks the
 prefill (``pick_prefill``) and the decode (``pick_decode``, from each decode's last
 heartbeat, the blocks and prefixes routed there since, its pulls pending). An engine is removed when its
@@ -21,9 +22,9 @@ memory handles). When that process has exited, the kernel has torn the endpoint
 down, so no read of it can be in flight or be posted later. A decode that merely
 went *silent* may still be reading (a paused process resumes with its reads posted),
 so for it the prefill keeps the pins until its death is confirmed: its pid is gone
-(same host), it said ``Goodbye``, or (other hosts, where we cannot see the pid) the
-same identity registers again, meaning its operator restarted it. Past that, a reader
-silent for ``pin_grace_s`` is *presumed* dead and its pins are freed, but only for
+(same host) or it said ``Goodbye``. Past that, a reader silent for ``pin_grace_s`` (or
+whose identity registers again from another host: the only news of a restart there, but
+an insider can claim it too) is *presumed* dead and its pins are freed, but only for
 requests whose descriptor carries the source's generation counters: a zombie reader
 that wakes up later re-reads those counters after the data and fails its torn-read
 check, so it can never commit the reused blocks (``kvxfer.runtime.generations``). A
@@ -320,20 +321,43 @@ class Coordinator:
         existing = self.engines.get(zmq_id)
         if existing is not None and existing.alive:
             return self.send(zmq_id, wire.Registered(True))  # a retry of the same incarnation
-        for other in list(self.engines.values()):
+        # A refused registration changes nothing: every check comes before any removal.
+        problem = policy.fleet_refusal(member(reg), (member(e.reg) for e in self.engines.values() if e.alive))
+        if problem is None:
+            problem = self._identity_taken(reg)
+        if problem is not None:
+            log.warning("coordinator: refused the registration of %s %r (host %s, pid %d): %s", reg.role,
+                        reg.identity, reg.host[:64], reg.pid, problem)
+            return self.send(zmq_id, wire.Registered(False, problem))
+        for other in list(self.engines.values()):   # the same identity, whose process is gone
             if other.alive and other.identity == reg.identity:
-                self._remove(other, f"{other.reg.role} {other.identity!r} was replaced by a new incarnation",
-                             confirmed=other.reg.host != reg.host or process_gone(other.reg.pid))
+                self._remove(other, f"{other.reg.role} {other.identity!r} was replaced by a new incarnation "
+                                    f"(its pid {other.reg.pid} exited)", confirmed=True)
         for dead in list(self.dead):  # a restart on another host is the only news we get of the old one
             if dead.identity == reg.identity and dead.reg.host != self.host:
-                self._confirm_death(dead, "its identity registered again")
-        problem = policy.fleet_refusal(member(reg), (member(e.reg) for e in self.engines.values() if e.alive))
-        if problem is not None:
-            return self.send(zmq_id, wire.Registered(False, problem))
+                self._presume_dead(dead, "its identity registered again")
         self.engines[zmq_id] = _Engine(zmq_id, reg, time.monotonic())
         self.removed.pop(zmq_id, None)
         self.send(zmq_id, wire.Registered(True))
         self._dispatch()
+
+    def _identity_taken(self, reg: wire.Register) -> Optional[str]:
+        """Why ``reg`` may not take its identity now: a live engine holds it (``None`` if none does).
+
+        A live engine's identity is never handed over on a newcomer's word: whoever holds the
+        secret can claim any host, and taking over a live decode would release the pins of
+        requests it may still be reading. A restart is let in once the old process is gone
+        (its pid on this host), its connection closed, or its heartbeats stopped.
+        """
+        for other in self.engines.values():
+            if other.alive and other.identity == reg.identity:
+                if other.reg.host == self.host and process_gone(other.reg.pid):
+                    continue
+                return (f"{other.reg.role} {other.identity!r} is registered and alive (pid {other.reg.pid} on "
+                        f"{other.reg.host}, heard {time.monotonic() - other.last_seen:.1f}s ago): stop it, or wait "
+                        f"until the coordinator sees it gone (at most heartbeat_timeout_s="
+                        f"{self.config.heartbeat_timeout_s}s), before registering that name again")
+        return None
 
     def _submit(self, client: bytes, msg: wire.Submit) -> None:
         why = self._inadmissible(list(msg.prompt), msg.max_new_tokens)
@@ -525,8 +549,9 @@ class Coordinator:
             if req.decode == eng.zmq_id and req.source_pinned:
                 self._read_done(req.rid)
 
-    def _presume_dead(self, eng: _Engine) -> None:
-        """Past the grace: free the pins a late read of which would fail its torn-read check.
+    def _presume_dead(self, eng: _Engine, why: str = "") -> None:
+        """Past the grace (or its identity registered again): free the pins a late read of which
+        would fail its torn-read check.
 
         Requests read without generation counters keep their pins (a zombie could commit
         reused bytes); the reader stays in ``dead`` for them until death is confirmed.
@@ -538,9 +563,10 @@ class Coordinator:
                 freed.append(req.rid)
                 self._read_done(req.rid)
         if freed:
-            log.warning("coordinator: decode %r silent for %.1fs past its removal (pin_grace_s=%s), presumed dead: "
-                        "freed the source pins of requests %s; a late read of them fails its torn-read check",
-                        eng.identity, time.monotonic() - eng.removed_at, self.config.pin_grace_s, freed)
+            why = why or f"silent for {time.monotonic() - eng.removed_at:.1f}s past its removal " \
+                         f"(pin_grace_s={self.config.pin_grace_s})"
+            log.warning("coordinator: decode %r %s, presumed dead: freed the source pins of requests %s; a late read "
+                        "of them fails its torn-read check", eng.identity, why, freed)
 
     def tick(self) -> None:
         now = time.monotonic()
