@@ -504,3 +504,70 @@ def test_engine_and_client_refuse_a_deeply_nested_message_from_the_coordinator_s
         engine.disconnect("test over")
         server.close()
         ctx.term()
+
+
+def test_a_flood_of_idle_unauthenticated_connections_does_not_lock_clients_out():
+    """Issue 21, A8: 600 idle TCP connections (no handshake, never a byte) used to fill the connection
+    cap (512, counted over every TCP connection) and lock authenticated clients out until libzmq
+    closed them at the handshake timeout. The cap now counts authenticated connections only; the
+    flood costs a file descriptor each, for handshake_timeout_s at most, and is re-opened by the
+    attacker as fast as it is shed."""
+    handshake_s = 2.0
+    proc, address = start_coordinator_process(CoordinatorConfig(secret=SECRET, handshake_timeout_s=handshake_s))
+    port = int(address.rsplit(":", 1)[1])
+    flood: list[socket.socket] = []
+    stop = threading.Event()
+    shed_after: list[float] = []   # how long the coordinator kept an idle connection open
+
+    def keep_flooding() -> None:
+        opened = {}
+        for _ in range(600):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setblocking(False)
+            flood.append(s)
+            opened[s] = time.monotonic()
+        while not stop.wait(0.05):
+            for i, s in enumerate(flood):
+                try:
+                    if s.recv(1) == b"":   # closed by the coordinator: count it and come back
+                        shed_after.append(time.monotonic() - opened.pop(s))
+                        s.close()
+                        fresh = socket.create_connection(("127.0.0.1", port))
+                        fresh.setblocking(False)
+                        flood[i], opened[fresh] = fresh, time.monotonic()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    pass
+
+    attacker = threading.Thread(target=keep_flooding, daemon=True)
+    attacker.start()
+    try:
+        while len(flood) < 600:
+            time.sleep(0.05)
+        latencies, peak_tcp, peak_authenticated = [], 0, 0
+        t_end = time.monotonic() + 2.5 * handshake_s
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            client = CoordinatorClient(address, secret=SECRET, handshake_timeout_s=5.0)
+            stats = client.stats(5.0)
+            latencies.append(time.monotonic() - t0)
+            client.close()
+            peak_tcp, peak_authenticated = max(peak_tcp, stats.tcp_connections), max(peak_authenticated,
+                                                                                      stats.connections)
+            time.sleep(0.25)
+        latencies.sort()
+        print(f"\nMEASURED A8: 600 idle connections (peak {peak_tcp} TCP, {peak_authenticated} authenticated); "
+              f"{len(latencies)} clients answered in median {latencies[len(latencies) // 2] * 1e3:.0f} ms, "
+              f"max {latencies[-1] * 1e3:.0f} ms; idle connections shed after "
+              f"{min(shed_after or [0]):.2f}-{max(shed_after or [0]):.2f} s ({len(shed_after)} shed)")
+        assert peak_tcp >= 600, "the flood did not reach the coordinator"
+        assert peak_authenticated <= 2
+        assert latencies[-1] < 2.0, latencies
+        assert shed_after and max(shed_after) < 2 * handshake_s + 1.0   # libzmq closes what never handshakes
+    finally:
+        stop.set()
+        attacker.join(10)
+        for s in flood:
+            s.close()
+        stop_coordinator_process(proc, timeout_s=5)

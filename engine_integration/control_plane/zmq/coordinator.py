@@ -603,7 +603,7 @@ class Coordinator:
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
         return wire.Stats(engines, live, self.channel.dropped_total, dict(self.channel.dropped),
-                          self.channel.connections)
+                          self.channel.connections, self.channel.tcp_connections)
 
 
 # --- running it as a process ------------------------------------------------------------

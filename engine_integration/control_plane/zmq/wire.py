@@ -220,7 +220,8 @@ class Stats(Msg, frozen=True, tag="stats"):
     requests_in_flight: Count
     dropped_frames: Count = 0  #: control frames refused, all reasons together
     dropped: dict[str, int] = {}  #: reason -> frames refused ("forged", "replayed", "reflected", "invalid", ...)
-    connections: Count = 0     #: control connections open now
+    connections: Count = 0     #: authenticated control connections open now (what ``max_connections`` caps)
+    tcp_connections: Count = 0  #: every TCP connection open now, handshakes in progress included
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, SendKV, Finished, Failed, Goodbye,
