@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from engine_integration.control_plane.limits import TooDeep, check_json
 from kvxfer.errors import PeerMetadataError
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
@@ -76,6 +77,8 @@ INSTANCE_KIND = "kvxfer/instance/1"
 HANDOFF_KIND = "kvxfer/handoff/1"
 GENERATIONS_META_KEY = "generations"     # same as engine_integration.descriptor (kept import-free of torch)
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: The largest value read as a record (etcd's own request limit is 1.5 MiB): bigger is refused unread.
+MAX_RECORD_BYTES = 1 << 20
 
 
 def check_name(what: str, value: str) -> str:
@@ -220,10 +223,16 @@ class RecordRefused(ValueError):
 
 
 def _load(value: bytes, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> dict[str, Any]:
+    """The verified body of a stored value. Size and nesting depth are bounded before it is parsed
+    (``control_plane.limits``): anyone with the etcd password can write any value."""
     try:
-        raw = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordRefused(f"not JSON: {exc}") from None
+        raw = json.loads(check_json(value, max_bytes=MAX_RECORD_BYTES, what="record"))
+    except TooDeep as exc:
+        raise RecordRefused(str(exc)) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise RecordRefused(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise RecordRefused(f"a record is a JSON object, not {type(raw).__name__}")
     try:
         return check_meta_seal(raw, record_key(cluster_key), allow_unauthenticated=allow_unauthenticated)
     except PeerMetadataError as exc:

@@ -41,10 +41,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from engine_integration.control_plane.base import ControlPlaneError, ControlPlaneUnavailable, Health
 from engine_integration.control_plane.etcd.gateway import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
-from engine_integration.control_plane.etcd.records import (ROLES, Change, FleetView, HandoffPair, HandoffRecord,
-                                                           HandoffState, InstanceRecord, KeyLayout, RecordRefused,
-                                                           check_name, decode_handoff, decode_instance, diff_views,
-                                                           encode_record)
+from engine_integration.control_plane.etcd.records import (MAX_RECORD_BYTES, ROLES, Change, FleetView, HandoffPair,
+                                                           HandoffRecord, HandoffState, InstanceRecord, KeyLayout,
+                                                           RecordRefused, check_name, decode_handoff,
+                                                           decode_instance, diff_views, encode_record)
+from engine_integration.control_plane.limits import check_json
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
 
@@ -218,8 +219,8 @@ class EtcdStore:
         if not kvs:
             return None
         try:
-            return str(json.loads(kvs[0].value).get("incarnation")), kvs[0].lease
-        except (ValueError, AttributeError):
+            return str(json.loads(check_json(kvs[0].value, max_bytes=MAX_RECORD_BYTES)).get("incarnation")), kvs[0].lease
+        except (ValueError, AttributeError, RecursionError):   # TooDeep is a ValueError
             return "?", kvs[0].lease
 
     def _put(self, key: str, body: dict[str, Any], lease: int) -> None:
@@ -332,6 +333,8 @@ class EtcdStore:
                     raise RecordRefused("unknown key")
             except RecordRefused as exc:
                 refused.append((key, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - no stored value may stop a snapshot; refused like the rest
+                refused.append((key, f"unreadable: {type(exc).__name__}: {str(exc)[:200]}"))
         handoffs: dict[tuple[str, str], HandoffPair] = {}
         for key, rec in raw_handoffs:
             owner = instances.get(rec.owner)

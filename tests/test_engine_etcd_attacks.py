@@ -1,0 +1,89 @@
+"""The etcd plane under attack by a holder of the etcd password, real engines on a real etcd (issue 21, A10-A13).
+
+One cluster for the module: a private, secured etcd on loopback (TTL 2 s, poll 0.1 s), a
+prefill and a decode process on ``ucx``. The attacker is the ``kvxfer`` etcd user: it can
+put and delete any key under ``/kvxfer/`` but holds no cluster key (A10-A12), or, for A13,
+an insider who holds the cluster key too and signs what it writes. The rule for every row:
+the attack may make a request fail, never a process die, never another request's storage
+unsafe, never freeze the plane; a record deleted or overwritten is noticed and repaired or
+failed loud. Measured figures are printed (``pytest -s``) for docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
+
+from engine_helpers import ETCD_PLANE, varied_prompts
+
+pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(180)]
+
+DECODE_BLOCKS = 24
+DEEP = b"[" * 3000 + b"]" * 3000     # 6 KB nested 3,000 deep
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = ClusterConfig(backend="ucx", decode_blocks=DECODE_BLOCKS, prefill_blocks=512, request_timeout_s=60.0,
+                           transfer_timeout_s=20.0, control_plane=ETCD_PLANE)
+    with DisaggCluster(config) as c:
+        yield c
+
+
+def _raw(cluster):
+    """The attacker's etcd client: the kvxfer user (password known), no cluster key."""
+    return cluster.service.store.client
+
+
+def _layout(cluster):
+    return cluster.service.store.layout
+
+
+def _alive(cluster) -> bool:
+    return all(host.alive() for host in cluster.hosts)
+
+
+def _engine(stats, name):
+    return stats.engines.get(name, {})
+
+
+def _settled(cluster) -> None:
+    """Every request answered, no pin held, nothing queued or quarantined, no handoff key left."""
+    cluster.wait_for_stats(lambda s: s.requests_in_flight == 0 and _engine(s, "prefill-0").get("pins") == 0
+                           and _engine(s, "decode-0").get("quarantined_blocks") == 0
+                           and _engine(s, "decode-0").get("free_blocks") == DECODE_BLOCKS, timeout_s=20)
+    assert cluster.service.store.range_raw(_layout(cluster).handoffs) == []
+
+
+def _serves(cluster) -> None:
+    prompts = varied_prompts(4, seed=11)
+    results = cluster.generate(prompts, 4, timeout_s=60)
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.tokens for r in results] == [r.tokens for r in generate_colocated(prompts, 4)]
+
+
+def _long_prompts(n: int = 8):
+    return [[(13 * i + j) % 256 for j in range(9 + i)] for i in range(n)]   # 17-20 of 24 decode blocks: one at a time
+
+
+def test_a10_records_nested_3000_deep_are_refused_and_no_engine_dies(cluster):
+    """A10: such a value under ``instances/`` made every engine process die within 3 s
+    (RecursionError in the record decoder). Now it is refused and counted, under every prefix."""
+    raw, layout = _raw(cluster), _layout(cluster)
+    keys = [layout.instance("evil"), layout.request("prefill-0", "evil.1"), f"{layout.handoffs}prefill-0/evil.2/source",
+            f"{layout.handoffs}prefill-0/evil.2/reader", layout.stat("evil"),
+            layout.result(cluster.client.name, "evil.3")]
+    for key in keys:
+        raw.put(key.encode(), DEEP)
+    try:
+        time.sleep(3.0)
+        assert _alive(cluster), "an engine process died of a deep record"
+        _serves(cluster)
+        assert cluster.service.store.health().refused_records >= 1
+    finally:
+        for key in keys:
+            raw.delete(key.encode())
+    _settled(cluster)
