@@ -15,7 +15,10 @@ import time
 
 import pytest
 
+from engine_integration.control_plane.etcd.records import encode_record
+from engine_integration.control_plane.etcd.requests import REQUEST_KIND
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
+from kvxfer.security.auth import load_secret
 
 from engine_helpers import ETCD_PLANE, varied_prompts
 
@@ -86,4 +89,30 @@ def test_a10_records_nested_3000_deep_are_refused_and_no_engine_dies(cluster):
     finally:
         for key in keys:
             raw.delete(key.encode())
+    _settled(cluster)
+
+
+def test_a13_an_insiders_signed_request_naming_an_invalid_prefill_is_refused(cluster):
+    """A13: a request record signed with the cluster key, whose fields are invalid (a prefill name
+    that is not a key segment, a bad client name, a prompt of strings), made the prefill exit."""
+    raw, layout = _raw(cluster), _layout(cluster)
+    key = load_secret(secret_file=cluster.service.secret_file)
+    lease, _ = raw.lease_grant(30)
+    good = {"kind": REQUEST_KIND, "request_id": "evil.4", "client": cluster.client.name, "lease": str(lease),
+            "prefill": "prefill-0", "prefill_incarnation": cluster.client.view().instances["prefill-0"].incarnation,
+            "prompt": [1, 2, 3], "max_new_tokens": 2}
+    bad = [{"prefill": "not a name!"}, {"client": "../../etc"}, {"prompt": ["x"]}, {"max_new_tokens": "many"},
+           {"request_id": "a/b"}, {"prompt": [[1]] * 3}]
+    try:
+        for n, change in enumerate(bad):
+            body = {**good, "request_id": f"evil.{10 + n}", **change}
+            at = layout.request("prefill-0", f"evil.{10 + n}")
+            raw.put(at.encode(), encode_record(body, key), lease=lease)
+        time.sleep(2.0)
+        assert _alive(cluster), "the prefill died of a signed but invalid request record"
+        left = [kv.key.decode() for kv in cluster.service.store.range_raw(f"{layout.requests}prefill-0/")]
+        assert left == [], f"refused request records are removed: {left}"
+        _serves(cluster)
+    finally:
+        raw.lease_revoke(lease)
     _settled(cluster)

@@ -30,13 +30,14 @@ as unsigned metas), unless unauthenticated records are allowed by name.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from engine_integration.control_plane.limits import TooDeep, check_json
 from kvxfer.errors import PeerMetadataError
@@ -222,6 +223,25 @@ class RecordRefused(ValueError):
     """A stored value that failed verification: logged, counted, never acted on."""
 
 
+def refusing(decode: Callable[..., Any]) -> Callable[..., Any]:
+    """Make every way ``decode`` can fail on a stored value a ``RecordRefused``.
+
+    A record signed with the cluster key may still carry fields that are not what its kind
+    says (a name that is no key segment, a prompt of strings): the check that finds it
+    raises ``ValueError`` or ``TypeError``, and a caller that refuses only ``RecordRefused``
+    would die of it (issue 21, A13).
+    """
+    @functools.wraps(decode)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return decode(*args, **kwargs)
+        except RecordRefused:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise RecordRefused(f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return wrapper
+
+
 def _load(value: bytes, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> dict[str, Any]:
     """The verified body of a stored value. Size and nesting depth are bounded before it is parsed
     (``control_plane.limits``): anyone with the etcd password can write any value."""
@@ -252,6 +272,7 @@ def _lease_matches(view: Mapping[str, Any], lease: int) -> None:
         raise RecordRefused(f"written under lease {lease}, signed for lease {view.get('lease')!r} (replayed?)")
 
 
+@refusing
 def decode_instance(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                     allow_unauthenticated: bool = False) -> InstanceRecord:
     """Verify and parse an instance record stored at ``key`` under ``lease``; ``RecordRefused`` if anything is off."""
@@ -283,6 +304,7 @@ def decode_instance(key: str, value: bytes, lease: int, layout: KeyLayout, clust
                           extra=_field(view, "extra", dict))
 
 
+@refusing
 def decode_handoff(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                    allow_unauthenticated: bool = False) -> HandoffRecord:
     """Verify and parse one side's handoff record; ``RecordRefused`` if anything is off."""
