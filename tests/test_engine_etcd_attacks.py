@@ -20,7 +20,7 @@ from engine_integration.control_plane.etcd.requests import REQUEST_KIND
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 from kvxfer.security.auth import load_secret
 
-from engine_helpers import ETCD_PLANE, varied_prompts
+from engine_helpers import ETCD_PLANE, ETCD_TTL_S, varied_prompts
 
 pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(180)]
 
@@ -116,3 +116,41 @@ def test_a13_an_insiders_signed_request_naming_an_invalid_prefill_is_refused(clu
     finally:
         raw.lease_revoke(lease)
     _settled(cluster)
+
+
+def _instance(cluster, name):
+    return cluster.service.store.snapshot().instances.get(name)
+
+
+@pytest.mark.parametrize("how", ["deleted", "overwritten with garbage", "overwritten nested 3000 deep"])
+def test_a12_a_live_instance_record_deleted_or_overwritten_is_repaired_and_nothing_in_flight_fails(cluster, how):
+    """A12: deleting the live decode's instance record made it invisible forever (alive, never served
+    again). Its owner now rewrites it at its next keepalive; meanwhile the fleet keeps it live, since
+    its lease is, so the requests in flight on it are not failed."""
+    raw, layout = _raw(cluster), _layout(cluster)
+    before = _instance(cluster, "decode-0")
+    prompts = _long_prompts()
+    ids = [cluster.client.submit(p, 6) for p in prompts]
+    cluster.wait_for_stats(lambda s: _engine(s, "decode-0").get("reads", 0) > 0, timeout_s=30)
+    key = layout.instance("decode-0").encode()
+    t0 = time.monotonic()
+    if how == "deleted":
+        raw.delete(key)
+    else:
+        raw.put(key, b"{not json" if how == "overwritten with garbage" else DEEP)
+    repaired = None
+    while time.monotonic() - t0 < 3 * ETCD_TTL_S:
+        _, kvs = raw.range(key)
+        if kvs and kvs[0].lease == before.lease and (now := _instance(cluster, "decode-0")) is not None \
+                and now.incarnation == before.incarnation:
+            repaired = time.monotonic() - t0
+            break
+        time.sleep(0.02)
+    print(f"\nMEASURED A12 ({how}): decode-0's instance record repaired {repaired and f'{repaired:.2f}s'} after the attack")
+    assert repaired is not None, "the decode's record was never repaired"
+    results = cluster.client.collect(ids, timeout_s=60)
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.tokens for r in results] == [r.tokens for r in generate_colocated(prompts, 6)]
+    assert _alive(cluster)
+    _settled(cluster)
+    _serves(cluster)

@@ -164,7 +164,10 @@ class EtcdStore:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._mutex = threading.Lock()
-        self.counters: dict[str, int] = {"puts": 0, "snapshots": 0, "keepalives": 0, "keepalive_errors": 0}
+        self.counters: dict[str, int] = {"puts": 0, "snapshots": 0, "keepalives": 0, "keepalive_errors": 0,
+                                         "repairs": 0, "awaiting_repair": 0}
+        self._last_instances: dict[str, InstanceRecord] = {}   # the previous snapshot's live instances
+        self._awaiting_repair: set[tuple[str, str]] = set()      # (name, incarnation) logged as awaiting repair
 
     def __repr__(self) -> str:
         who = f"{self.record.name}/{self.record.incarnation}" if self.record else "unregistered"
@@ -235,7 +238,7 @@ class EtcdStore:
             sent = time.monotonic()
             try:
                 ttl = self.client.lease_keepalive(record.lease)
-                owner = self._instance_at(record.name)
+                owner = self._own_record(record) if ttl > 0 else None
             except EtcdError as exc:
                 self.counters["keepalive_errors"] += 1
                 self._last_error = str(exc)
@@ -249,13 +252,44 @@ class EtcdStore:
             with self._mutex:
                 self._lease_deadline = sent + ttl
                 self._last_error = ""
-                if owner is not None and owner[0] != record.incarnation and not self._superseded:
+                if owner is not None and owner.incarnation != record.incarnation and not self._superseded:
                     self._superseded = True
                     log.error("%r was registered again by another process (incarnation %s): this incarnation %s "
-                              "is superseded and must stop", record.name, owner[0], record.incarnation)
+                              "is superseded and must stop", record.name, owner.incarnation, record.incarnation)
             if self._superseded:
                 self._lose(record, "superseded by a newer incarnation")
                 return
+
+    def _own_record(self, record: InstanceRecord) -> Optional[InstanceRecord]:
+        """The verified record at our key, after repairing it if it was deleted or overwritten.
+
+        Anyone with the etcd password can delete or rewrite our instance record; until it is
+        back the fleet cannot route to us (issue 21, A12). A missing record, or one that does
+        not verify as a record of this cluster, is rewritten (ours, under our lease) and
+        logged. Only a *verified* record of another incarnation (someone holding the cluster
+        key registered our name) supersedes us.
+        """
+        key = self.layout.instance(record.name)
+        _, kvs = self.client.range(key.encode())
+        if kvs:
+            try:
+                found = decode_instance(key, kvs[0].value, kvs[0].lease, self.layout, self._key,
+                                        allow_unauthenticated=self.config.allow_unauthenticated)
+            except RecordRefused as exc:
+                why = f"overwritten with a record that does not verify ({exc})"
+            else:
+                if found.incarnation == record.incarnation and found.lease == record.lease:
+                    return found
+                if found.incarnation != record.incarnation:
+                    return found   # registered again, by a process holding the cluster key
+                why = f"rewritten under lease {found.lease}"
+        else:
+            why = "deleted"
+        self._put(key, record.body(), record.lease)
+        self.counters["repairs"] += 1
+        log.warning("the instance record of %s %r incarnation %s was %s: rewritten under our lease %d", record.role,
+                    record.name, record.incarnation, why, record.lease)
+        return record
 
     def _lose(self, record: InstanceRecord, why: str) -> None:
         with self._mutex:
@@ -335,6 +369,7 @@ class EtcdStore:
                 refused.append((key, str(exc)))
             except Exception as exc:  # noqa: BLE001 - no stored value may stop a snapshot; refused like the rest
                 refused.append((key, f"unreadable: {type(exc).__name__}: {str(exc)[:200]}"))
+        self._carry_vanished(instances)
         handoffs: dict[tuple[str, str], HandoffPair] = {}
         for key, rec in raw_handoffs:
             owner = instances.get(rec.owner)
@@ -351,6 +386,36 @@ class EtcdStore:
                 self._refused_total += 1
                 log.warning("refused etcd record %s: %s", *item)
         return FleetView(revision, instances, handoffs, refused)
+
+    def _carry_vanished(self, instances: dict[str, InstanceRecord]) -> None:
+        """Keep live an instance whose record vanished while its lease lives (``instances`` updated).
+
+        An instance's record goes with its lease when it dies or says goodbye; a record that
+        is gone (or no longer verifies) while its lease still lives was deleted or rewritten
+        by someone else, and its owner rewrites it at its next keepalive (``_own_record``).
+        Until then the fleet keeps acting on the record it verified last: its handoffs are
+        not declared dead, and no pin is freed for it. One lease lookup per vanished record
+        per snapshot, only while it is missing.
+        """
+        carried = set()
+        for name, previous in self._last_instances.items():
+            if name in instances:
+                continue
+            try:
+                alive = self.client.lease_ttl(previous.lease) > 0
+            except EtcdError:
+                alive = False
+            if not alive:
+                continue
+            instances[name] = previous
+            carried.add((name, previous.incarnation))
+            self.counters["awaiting_repair"] += 1
+            if (name, previous.incarnation) not in self._awaiting_repair:
+                log.warning("the instance record of %s %r vanished while its lease %d lives (deleted or rewritten "
+                            "by someone else): still treated as live until its owner rewrites it",
+                            previous.role, name, previous.lease)
+        self._awaiting_repair = carried
+        self._last_instances = dict(instances)
 
     def poll_changes(self) -> list[Change]:
         view = self.snapshot()
