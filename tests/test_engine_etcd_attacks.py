@@ -154,3 +154,38 @@ def test_a12_a_live_instance_record_deleted_or_overwritten_is_repaired_and_nothi
     assert _alive(cluster)
     _settled(cluster)
     _serves(cluster)
+
+
+@pytest.mark.parametrize("side", ["source", "reader"])
+def test_a11_a_deleted_handoff_key_is_restored_by_its_owner_and_the_request_is_answered(cluster, side):
+    """A11: deleting a published handoff's source key stranded the client (no result) and the
+    prefill kept the pins. Each side now restores its own key at its next poll; the reader does
+    not abort on a missing source key while the source lives (it waits up to a TTL for the repair)."""
+    raw, layout = _raw(cluster), _layout(cluster)
+    prompts = _long_prompts()
+    ids = [cluster.client.submit(p, 6) for p in prompts]
+    deadline = time.monotonic() + 30
+    target = None
+    while target is None and time.monotonic() < deadline:
+        view = cluster.service.store.snapshot()
+        for (source, rid), pair in sorted(view.handoffs.items()):
+            if pair.source is not None and pair.reader is not None and not pair.reader.state.terminal:
+                target = layout.handoff(source, rid, side)
+                break
+        time.sleep(0.01)
+    assert target is not None, "no handoff in flight"
+    t0 = time.monotonic()
+    raw.delete(target.encode())
+    restored = None
+    while time.monotonic() - t0 < 3 * ETCD_TTL_S:
+        if raw.range(target.encode())[1]:
+            restored = time.monotonic() - t0
+            break
+        if side == "reader" and not raw.range(target.replace("/reader", "/source").encode())[1]:
+            break   # the handoff already ended (its prefix cleared): nothing left to restore
+        time.sleep(0.01)
+    print(f"\nMEASURED A11 ({side} key deleted): restored after {restored and f'{restored:.2f}s'}")
+    results = cluster.client.collect(ids, timeout_s=60)
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.tokens for r in results] == [r.tokens for r in generate_colocated(prompts, 6)]
+    _settled(cluster)

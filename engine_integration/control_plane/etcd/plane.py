@@ -71,6 +71,8 @@ class _Claimed:
     checked: bool = False          #: its descriptor carries block generations (torn-read checked)
     prefill_s: float = 0.0
     descriptor: Any = None
+    payload: Optional[dict[str, Any]] = None   #: what was published (restored if someone deletes it)
+    published_revision: int = 0    #: the store's revision once it was published
 
 
 @dataclass
@@ -85,6 +87,9 @@ class _Read:
     info: dict[str, Any] = field(default_factory=dict)
     result_written: bool = False   #: a final (failed) result went to the client already
     source_gone: bool = False
+    state: HandoffState = HandoffState.PULLING   #: what our reader key says (restored if someone deletes it)
+    finished: bool = False         #: the request left this engine; kept until the handoff's keys are cleared
+    source_missing_since: Optional[float] = None  #: the source key vanished while the source lives
 
 
 @dataclass
@@ -127,6 +132,8 @@ class EtcdPlane(ControlPlane):
         self._seen: dict[tuple[str, str], InstanceRecord] = {}        # (name, incarnation) -> its record
         self._retry: list[Any] = []                                   # state writes etcd did not take yet
         self._detached = False
+        self.repair_grace_s = float(store.config.ttl_s)               #: how long a missing source key is waited for
+        self.repairs = 0                                              #: handoff keys of ours restored after a deletion
         self.detections: list[dict[str, Any]] = []                    #: verdicts about dead peers, with times
 
     @classmethod
@@ -219,7 +226,8 @@ class EtcdPlane(ControlPlane):
             self._retry.remove(retry)
             retry()
         if self.engine.role == PREFILL:
-            return self._take_requests(view) + self._publish_pending() + self._act_as_source(view)
+            return (self._take_requests(view) + self._publish_pending() + self._act_as_source(view)
+                    + self._restore_published(view))
         return self._act_as_reader(view)
 
     # --- prefill --------------------------------------------------------------------------
@@ -291,13 +299,14 @@ class EtcdPlane(ControlPlane):
                        "client": rec.client, "client_lease": str(rec.client_lease), "prefill_s": claim.prefill_s}
             self._unpublished.remove((request_id, descriptor))
             try:
-                store.publish_handoff(str(request_id), reader=decode.name, reader_incarnation=decode.incarnation,
-                                      descriptor=payload)
+                claim.published_revision = store.publish_handoff(str(request_id), reader=decode.name,
+                                                                 reader_incarnation=decode.incarnation,
+                                                                 descriptor=payload)
             except ControlPlaneError as exc:   # not published: no reader knows it, the pins may go
                 self._fail_claim(request_id, f"prefill {self.me.name if self.me else '?'!r} could not publish: {exc}")
                 continue
             published += 1
-            claim.reader, claim.reader_incarnation = decode.name, decode.incarnation
+            claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
             claim.checked = bool(descriptor.generations)
             self.routed(decode, descriptor.block_hashes, len(descriptor.block_ids))
         return published
@@ -392,6 +401,31 @@ class EtcdPlane(ControlPlane):
                 acted += 1
         return acted
 
+    def _restore_published(self, view: FleetView) -> int:
+        """Publish again every handoff of ours whose source key is gone from a snapshot taken after it was
+        written: someone deleted it (issue 21, A11). Its reader waits for it (``source_missing``) and
+        its verdicts resume; without it the client would wait for nothing and the pins stay forever."""
+        me = self.me
+        assert me is not None
+        restored = 0
+        for rid, claim in list(self._claimed.items()):
+            if not claim.reader or claim.payload is None or claim.published_revision > view.revision:
+                continue
+            pair = view.handoffs.get((me.name, str(rid)))
+            if pair is not None and pair.source is not None:
+                continue
+            try:
+                claim.published_revision = self.store.publish_handoff(
+                    str(rid), reader=claim.reader, reader_incarnation=claim.reader_incarnation, descriptor=claim.payload)
+            except ControlPlaneError as exc:
+                log.warning("prefill %r: handoff %s lost its source key and could not be restored (%s); next poll",
+                            me.name, rid, exc)
+                continue
+            restored += 1
+            self.repairs += 1
+            log.warning("prefill %r: the source key of handoff %s was deleted by someone else: restored", me.name, rid)
+        return restored
+
     def _death_confirmed(self, reader: str, incarnation: str, view: FleetView) -> bool:
         now = view.instances.get(reader)
         if now is not None and now.incarnation != incarnation:
@@ -425,27 +459,54 @@ class EtcdPlane(ControlPlane):
             if self._peer_incarnations.get(inst.name) != inst.incarnation:
                 engine.add_peer_transfer_meta(inst.name, inst.transfer_meta)   # a new incarnation: fresh metas
                 self._peer_incarnations[inst.name] = inst.incarnation
+        missing: set[str] = set()
         for verdict in view.reader_verdicts(me.name, me.incarnation):
             rid, source = verdict.request_id, verdict.source
-            if verdict.action == "start" and rid not in self._reads:
+            read = self._reads.get(rid)
+            if verdict.action == "start" and read is None:
                 acted += 1
                 self._start(source, rid, verdict.record)
+            elif verdict.action == "start" and not read.source_gone:   # type: ignore[union-attr]
+                acted += 1   # our reader key is gone (someone deleted it): say again where we are
+                self.repairs += 1
+                log.warning("decode %r: the reader key of handoff %s/%s was deleted by someone else: restored",
+                            me.name, source, rid)
+                self._write_state(source, rid, read.state, read.source_incarnation)  # type: ignore[union-attr]
+            elif verdict.action in ("source_missing", "source_gone") and read is not None and read.finished:
+                continue   # it left this engine with its result; the source's own verdicts clear its keys
+            elif verdict.action == "source_missing" and read is not None and not read.source_gone:
+                missing.add(rid)   # the source restores it at its next poll; the pull goes on meanwhile
+                read.source_missing_since = read.source_missing_since or time.monotonic()
+                if time.monotonic() - read.source_missing_since > self.repair_grace_s:
+                    acted += 1
+                    self._source_gone(rid, read, source, f"its source key was deleted and not restored within "
+                                                         f"{self.repair_grace_s:.0f}s")
             elif verdict.action == "source_gone":
-                read = self._reads.get(rid)
                 if read is None or read.source_gone:
                     continue
                 acted += 1
-                read.source_gone = True
-                self.detections.append({"verdict": "source_gone", "request_id": rid, "peer": source,
-                                        "at": time.time(), "detail": verdict.detail})
-                log.warning("decode %r: handoff %s: %s", me.name, rid, verdict.detail)
-                self._fail_to_client(rid, read, f"prefill {source!r} died mid-handoff: {verdict.detail}")
-                engine.abort_request(rid, f"prefill {source!r} gone: {verdict.detail}")
+                self._source_gone(rid, read, source, verdict.detail)
             elif verdict.action == "cleanup":
                 acted += 1
                 self._reads.pop(rid, None)
                 self._clear(source, rid)
+        for rid, read in list(self._reads.items()):
+            if rid not in missing:
+                read.source_missing_since = None
+            if read.finished and (read.source, rid) not in view.handoffs:
+                del self._reads[rid]   # its handoff's keys are cleared: nothing of it left to restore
         return acted
+
+    def _source_gone(self, rid: str, read: _Read, source: str, detail: str) -> None:
+        """The prefill of a read of ours is gone: fail the request to its client, abort the pull."""
+        me, engine = self.me, self.engine
+        assert me is not None and engine is not None
+        read.source_gone = True
+        self.detections.append({"verdict": "source_gone", "request_id": rid, "peer": source,
+                                "at": time.time(), "detail": detail})
+        log.warning("decode %r: handoff %s: %s", me.name, rid, detail)
+        self._fail_to_client(rid, read, f"prefill {source!r} died mid-handoff: {detail}")
+        engine.abort_request(rid, f"prefill {source!r} gone: {detail}")
 
     def _start(self, source: str, rid: str, pub: Any) -> None:
         from engine_integration.descriptor import HandoffDescriptor
@@ -503,6 +564,10 @@ class EtcdPlane(ControlPlane):
 
     def _write_state(self, source: str, rid: str, state: HandoffState, source_incarnation: str,
                      detail: str = "") -> None:
+        read = self._reads.get(rid)
+        if read is not None:
+            read.state = state
+
         def write() -> None:
             try:
                 self.store.set_reader_state(source, rid, state, source_incarnation=source_incarnation, detail=detail)
@@ -527,9 +592,10 @@ class EtcdPlane(ControlPlane):
             if "error" in record:
                 self._fail_claim(rid, record["error"])
             return
-        read = self._reads.pop(rid, None)
-        if read is None:
+        read = self._reads.get(rid)
+        if read is None or read.finished:
             return
+        read.finished = True   # kept until its handoff's keys are cleared (our reader key may need restoring)
         if "error" in record:
             self._fail_to_client(rid, read, record["error"])
         else:
@@ -551,7 +617,8 @@ class EtcdPlane(ControlPlane):
     # --- load figures ---------------------------------------------------------------------
     def figures(self) -> dict[str, int]:
         return {"published": sum(1 for c in self._claimed.values() if c.reader),
-                "awaiting_death": len(self._awaiting_death), "reads": len(self._reads)}
+                "awaiting_death": len(self._awaiting_death),
+                "reads": sum(1 for r in self._reads.values() if not r.finished)}
 
     def _publish_stats(self, *, force: bool) -> None:
         store, me, engine = self.store, self.me, self.engine

@@ -347,7 +347,8 @@ class Verdict:
 
     source: str
     request_id: str
-    action: str      #: source: ``read_done``/``failed``/``reader_dead``; reader: ``start``/``source_gone``/``cleanup``
+    action: str      #: source: ``read_done``/``failed``/``reader_dead``; reader: ``start``/``source_gone``/
+                     #: ``source_missing`` (key deleted while the source lives)/``cleanup``
     detail: str = ""
     record: Optional[HandoffRecord] = None
 
@@ -413,6 +414,12 @@ class FleetView:
                 continue
             if not source_alive or pub.owner_incarnation != mine.source_incarnation:  # type: ignore[union-attr]
                 now = self.instances.get(source)
+                if pub is None and now is not None and now.incarnation == mine.source_incarnation:
+                    # the source lives and never withdraws a handoff it has not cleared: its key was
+                    # deleted by someone else, and the source restores it at its next poll
+                    out.append(Verdict(source, rid, "source_missing", f"the source key of {source}/{rid} is gone "
+                                       f"while {source!r} lives", record=mine))
+                    continue
                 why = (f"source {source!r} restarted" if now is not None and now.incarnation != mine.source_incarnation
                        else f"source {source!r} lease expired or deregistered" if now is None
                        else f"source {source!r} withdrew the handoff")

@@ -226,9 +226,11 @@ class EtcdStore:
         except (ValueError, AttributeError, RecursionError):   # TooDeep is a ValueError
             return "?", kvs[0].lease
 
-    def _put(self, key: str, body: dict[str, Any], lease: int) -> None:
-        self.client.put(key.encode(), encode_record(body, self._key), lease=lease)
+    def _put(self, key: str, body: dict[str, Any], lease: int) -> int:
+        """Seal and store ``body``; the store's revision once it is written."""
+        revision = self.client.put(key.encode(), encode_record(body, self._key), lease=lease)
         self.counters["puts"] += 1
+        return revision
 
     def _keepalive_loop(self) -> None:
         interval = self.config.keepalive_interval_s or self._lease_ttl / 3.0
@@ -429,13 +431,14 @@ class EtcdStore:
 
     # --- handoff state ----------------------------------------------------------------------
     def publish_handoff(self, request_id: str, *, reader: str, reader_incarnation: str,
-                        descriptor: dict[str, Any]) -> None:
+                        descriptor: dict[str, Any]) -> int:
+        """Prefill: the handoff's source key, under our lease; the store's revision once written."""
         me = self._require_lease()
         rec = HandoffRecord(source=me.name, request_id=check_name("request id", request_id),
                             state=HandoffState.PUBLISHED, owner=me.name, owner_incarnation=me.incarnation,
                             lease=me.lease, source_incarnation=me.incarnation, reader=check_name("reader", reader),
                             reader_incarnation=reader_incarnation, descriptor=dict(descriptor))
-        self._write(self.layout.handoff(me.name, request_id, "source"), rec)
+        return self._write(self.layout.handoff(me.name, request_id, "source"), rec)
 
     def set_reader_state(self, source: str, request_id: str, state: HandoffState, *, source_incarnation: str,
                          detail: str = "") -> None:
@@ -449,9 +452,9 @@ class EtcdStore:
                             reader_incarnation=me.incarnation, detail=detail[:512])
         self._write(self.layout.handoff(source, request_id, "reader"), rec)
 
-    def _write(self, key: str, rec: HandoffRecord) -> None:
+    def _write(self, key: str, rec: HandoffRecord) -> int:
         try:
-            self._put(key, rec.body(), rec.lease)
+            return self._put(key, rec.body(), rec.lease)
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(f"{rec.state.value} for {rec.source}/{rec.request_id}: {exc}") from None
         except EtcdError as exc:
