@@ -331,3 +331,43 @@ def test_reregistering_a_live_decode_from_another_host_is_refused_and_frees_no_p
     decode.send(wire.Finished(rid, [9, 8, 7, 6]))
     assert _collect(client, cid, [prefill, decode]).tokens == (9, 8, 7, 6)
     insider.close()
+
+
+def test_a_stuck_reader_costs_its_requests_pins_for_a_bounded_time_only():
+    """Issue 21, "a stuck reader": a live decode (heartbeating) that never reads its routed requests
+    kept their source pins forever: the request timed out and was aborted, but no Release ever came.
+    Now, ``stuck_reader_grace_s`` after the abort, the pins of a torn-read-checked request are freed (a
+    late read fails its check) and an unchecked one's are kept, counted in ``Stats.stuck_requests``."""
+    timeout_s, grace_s = 1.0, 1.0
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=2.0, request_timeout_s=timeout_s,
+                                                                stuck_reader_grace_s=grace_s, secret=SECRET))
+    try:
+        prefill = ScriptedEngine(address, "prefill", "p0", os.getpid())
+        decode = ScriptedEngine(address, "decode", "d0", os.getpid())
+        client = CoordinatorClient(address, secret=SECRET)
+        rids, cids = [], []
+        for generations in ([5, 6], []):
+            cids.append(client.submit([1, 2, 3, 4, 5], 4))
+            add = prefill.expect(wire.AddRequest, 5.0, keepalive=[decode])
+            prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+                                                            "generations": generations}, 0.01))
+            assert decode.expect(wire.StartDecode, 5.0, keepalive=[prefill]) is not None
+            rids.append(add.request_id)
+        t0 = time.monotonic()   # d0 heartbeats but never reads, never answers its Aborts
+        results = [_collect(client, cid, [prefill, decode], timeout_s=5.0) for cid in cids]
+        assert all("timed out" in r.error for r in results), results
+        release = prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode])
+        freed_s = time.monotonic() - t0
+        print(f"\nMEASURED stuck reader: request failed at its {timeout_s}s timeout, checked pins freed "
+              f"{freed_s:.2f}s after the handoff (timeout {timeout_s}s + grace {grace_s}s)")
+        assert release is not None and release.request_ids == [rids[0]]
+        assert timeout_s + grace_s - 0.1 < freed_s < timeout_s + grace_s + 2.0
+        assert prefill.expect(wire.Release, 1.0, keepalive=[prefill, decode]) is None   # unchecked: kept
+        stats = client.stats()
+        assert stats.stuck_requests == 1 and stats.engines["d0"]["alive"]
+        decode.send(wire.ReadDone(rids[1]))    # the reader reports at last: the rest is released
+        assert prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode]).request_ids == [rids[1]]
+        assert client.stats().stuck_requests == 0
+        client.close()
+    finally:
+        stop_coordinator_process(proc, timeout_s=5)

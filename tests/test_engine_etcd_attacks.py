@@ -189,3 +189,74 @@ def test_a11_a_deleted_handoff_key_is_restored_by_its_owner_and_the_request_is_a
     assert [r.error for r in results] == [None] * len(prompts)
     assert [r.tokens for r in results] == [r.tokens for r in generate_colocated(prompts, 6)]
     _settled(cluster)
+
+
+@pytest.mark.parametrize("verify_reads", [True, False], ids=["torn-read-checked", "unchecked"])
+def test_a_stuck_reader_costs_its_requests_pins_for_a_bounded_time_only(cluster, verify_reads):
+    """Issue 21, "a stuck reader": a live decode (its lease kept alive) that takes a handoff and never
+    reads it held the request and the prefill's pins forever. Now, ``handoff_timeout_s`` after the
+    handoff was routed, the request fails to its client, and the pins are freed if its reads are
+    torn-read checked, else kept (load figure ``stuck``) until the reader reports or dies."""
+    import os
+
+    from engine_integration.control_plane.etcd import open_etcd_store
+    from engine_integration.control_plane.etcd.client import EtcdGenerationClient
+    from engine_integration.control_plane.etcd.plane import EtcdPlane
+    from engine_integration.control_plane.etcd.records import HandoffState
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import ModelConfig, build_reference_engine
+    from kvxfer.security.auth import SECRET_FILE_ENV
+
+    service, timeout_s = cluster.service, 1.0
+    where = dict(password_file=service.password_file, secret_file=service.secret_file,
+                 cluster=f"stuck-{'checked' if verify_reads else 'unchecked'}")
+    before = os.environ.get(SECRET_FILE_ENV)
+    os.environ[SECRET_FILE_ENV] = service.secret_file   # the prefill's metas are signed with the cluster key
+    prefill = build_reference_engine(ModelConfig(), 64, engine_cls=DisaggDynamicInferenceEngine)
+    decode = client = None
+    try:
+        prefill.connect(EtcdPlane.open(cluster.address, handoff_timeout_s=timeout_s, **where), role="prefill",
+                        name="p-stuck", backend="local", verify_reads=verify_reads)
+        decode = open_etcd_store(cluster.address, **where)
+        me = decode.register(name="d-stuck", role="decode", transfer_meta=prefill.transfer_meta, capacity_blocks=64)
+        client = EtcdGenerationClient(open_etcd_store(cluster.address, **where))
+        rid = client.submit([1, 2, 3, 4, 5], 4)
+        taken_at, result = None, None
+        deadline = time.monotonic() + 20
+        while result is None and time.monotonic() < deadline:
+            time.sleep(prefill.serve_step() or 0.001)
+            for verdict in decode.snapshot().reader_verdicts(me.name, me.incarnation):
+                if verdict.action == "start" and taken_at is None:   # takes it, then never reads
+                    decode.set_reader_state(verdict.source, verdict.request_id, HandoffState.PULLING,
+                                            source_incarnation=verdict.record.owner_incarnation)
+                    taken_at, source_incarnation = time.monotonic(), verdict.record.owner_incarnation
+            client.poll()
+            result = client._results.get(rid)
+        waited = time.monotonic() - taken_at if taken_at else None
+        print(f"\nMEASURED stuck reader on etcd ({'checked' if verify_reads else 'unchecked'}): the request failed "
+              f"{waited and f'{waited:.2f}s'} after the reader took it (handoff_timeout_s {timeout_s}s)")
+        assert result is not None and "stuck reader" in result.error, result
+        figures = prefill.handoff_stats()
+        if verify_reads:
+            assert figures["pins"] == 0 and figures["stuck"] == 0
+        else:
+            assert figures["pins"] > 0 and figures["stuck"] == 1   # kept: a late read could not be told apart
+        decode.set_reader_state("p-stuck", rid, HandoffState.READ_DONE, source_incarnation=source_incarnation)
+        deadline = time.monotonic() + 5     # the reader reports at last: everything is released and cleared
+        while (prefill.handoff_stats()["pins"] or decode.range_raw(decode.layout.handoffs)) \
+                and time.monotonic() < deadline:
+            time.sleep(prefill.serve_step() or 0.001)
+        assert prefill.handoff_stats()["pins"] == 0 and decode.range_raw(decode.layout.handoffs) == []
+        assert prefill.handoff_stats()["published"] == 0
+    finally:
+        if client is not None:
+            client.close()
+            client.store.close()
+        if decode is not None:
+            decode.deregister()
+            decode.close()
+        prefill.disconnect("test over")
+        if before is None:
+            os.environ.pop(SECRET_FILE_ENV, None)
+        else:
+            os.environ[SECRET_FILE_ENV] = before

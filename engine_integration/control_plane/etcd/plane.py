@@ -73,6 +73,8 @@ class _Claimed:
     descriptor: Any = None
     payload: Optional[dict[str, Any]] = None   #: what was published (restored if someone deletes it)
     published_revision: int = 0    #: the store's revision once it was published
+    published_at: float = 0.0      #: when it was routed (monotonic): a reader that never finishes is bounded from here
+    stuck: bool = False            #: its reader did not finish within handoff_timeout_s: failed to its client
 
 
 @dataclass
@@ -110,11 +112,14 @@ class EtcdPlane(ControlPlane):
     supports_push = False     # push backends need Megatron's SEND_KV ordering: the coordinator carries it
 
     def __init__(self, store: EtcdStore, *, insecure: bool = False, publish_timeout_s: float = 60.0,
-                 stats_interval_s: float = 0.2) -> None:
+                 stats_interval_s: float = 0.2, handoff_timeout_s: float = 120.0) -> None:
         self.store = store
         self.insecure = insecure
         self.poll_interval_s = store.config.poll_interval_s
         self.publish_timeout_s = publish_timeout_s   #: a computed request waits this long for a live decode
+        #: a live reader that has not finished a handoff this long after it was routed is stuck: the request
+        #: fails to its client, its pins are freed if torn-read checked, else kept until it reports or dies
+        self.handoff_timeout_s = handoff_timeout_s
         self.stats_interval_s = stats_interval_s
         self.engine: Optional[PlaneEngine] = None
         self.me: Optional[InstanceRecord] = None
@@ -138,10 +143,11 @@ class EtcdPlane(ControlPlane):
 
     @classmethod
     def open(cls, url: str, *, password_file: Optional[str] = None, secret_file: Optional[str] = None,
-             insecure: bool = False, **config: Any) -> "EtcdPlane":
+             insecure: bool = False, handoff_timeout_s: float = 120.0, **config: Any) -> "EtcdPlane":
         """From ``etcd://[user@]host:port[,...]/cluster?ttl=5&poll=0.25``; ``config`` overrides ``EtcdConfig`` fields."""
         options = {k: v for k, v in (("password_file", password_file), ("secret_file", secret_file)) if v}
-        return cls(EtcdStore(parse_etcd_url(url, **options, **config)), insecure=insecure)
+        return cls(EtcdStore(parse_etcd_url(url, **options, **config)), insecure=insecure,
+                   handoff_timeout_s=handoff_timeout_s)
 
     @property
     def config(self) -> Any:
@@ -227,7 +233,7 @@ class EtcdPlane(ControlPlane):
             retry()
         if self.engine.role == PREFILL:
             return (self._take_requests(view) + self._publish_pending() + self._act_as_source(view)
-                    + self._restore_published(view))
+                    + self._restore_published(view) + self._bound_stuck_readers(view))
         return self._act_as_reader(view)
 
     # --- prefill --------------------------------------------------------------------------
@@ -307,6 +313,7 @@ class EtcdPlane(ControlPlane):
                 continue
             published += 1
             claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
+            claim.published_at = time.monotonic()
             claim.checked = bool(descriptor.generations)
             self.routed(decode, descriptor.block_hashes, len(descriptor.block_ids))
         return published
@@ -384,7 +391,7 @@ class EtcdPlane(ControlPlane):
                                         "at": time.time(), "detail": verdict.detail})
                 log.warning("prefill %r: handoff %s: %s", me.name, rid, verdict.detail)
                 client, lease = self._client_of(claim, pub)
-                if client:
+                if client and not (claim is not None and claim.stuck):
                     self._result(client, lease, rid, FAILED,
                                  error=f"decode {reader!r} died mid-handoff: {verdict.detail}")
                 checked = claim.checked if claim is not None else bool(
@@ -399,6 +406,40 @@ class EtcdPlane(ControlPlane):
                 del self._awaiting_death[rid]
                 engine.release_handoff(rid)
                 acted += 1
+        return acted
+
+    def _bound_stuck_readers(self, view: FleetView) -> int:
+        """Fail the handoffs a live reader has not finished within ``handoff_timeout_s``, and bound their pins.
+
+        A reader whose lease lives but which never reads (a hung engine loop, a bug) would hold
+        the request and its source pins forever. Past the timeout the request fails to its
+        client; its pins are freed when its reads are torn-read checked (a read that lands later
+        fails its check and is never committed, as for a reader whose lease expired), else kept
+        until the reader reports or dies (load figure ``stuck``). The handoff stays published, so
+        a reader that recovers still reports and the usual verdicts clear it.
+        """
+        me, engine = self.me, self.engine
+        assert me is not None and engine is not None
+        now, acted = time.monotonic(), 0
+        for rid, claim in self._claimed.items():
+            if not claim.reader or claim.stuck or now - claim.published_at <= self.handoff_timeout_s:
+                continue
+            pair = view.handoffs.get((me.name, str(rid)))
+            if pair is not None and pair.reader is not None and pair.reader.state.terminal:
+                continue   # finished: its verdict is acted on this poll
+            acted += 1
+            claim.stuck = True
+            waited = now - claim.published_at
+            freed = claim.checked
+            log.warning("prefill %r: decode %r has not finished reading handoff %s %.1fs after it was routed (stuck "
+                        "reader): the request fails; its pins %s", me.name, claim.reader, rid, waited,
+                        "are freed (a late read fails its torn-read check)" if freed else
+                        "stay until the reader reports or dies (no generation counters)")
+            self._result(claim.request.client, claim.request.client_lease, str(rid), FAILED,
+                         error=f"decode {claim.reader!r} did not finish reading the request within "
+                               f"{self.handoff_timeout_s:.0f}s (stuck reader)")
+            if freed:
+                engine.release_handoff(rid)
         return acted
 
     def _restore_published(self, view: FleetView) -> int:
@@ -617,6 +658,7 @@ class EtcdPlane(ControlPlane):
     # --- load figures ---------------------------------------------------------------------
     def figures(self) -> dict[str, int]:
         return {"published": sum(1 for c in self._claimed.values() if c.reader),
+                "stuck": sum(1 for c in self._claimed.values() if c.stuck and not c.checked),
                 "awaiting_death": len(self._awaiting_death),
                 "reads": sum(1 for r in self._reads.values() if not r.finished)}
 

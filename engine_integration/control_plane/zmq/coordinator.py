@@ -80,6 +80,10 @@ class CoordinatorConfig:
     #: a decode silent this long past its removal is presumed dead: pins of requests whose reads are
     #: torn-read checked (generation counters) are freed. None: only confirmed death frees pins.
     pin_grace_s: Optional[float] = 10.0
+    #: a live decode that has not released a failed request's source this long after it was told to
+    #: drop it (``Abort``) is a stuck reader: the pins of that request are freed if its reads are
+    #: torn-read checked, else kept (and counted in ``Stats.stuck_requests``) until it reports or dies.
+    stuck_reader_grace_s: Optional[float] = 30.0
 
 
 @dataclass
@@ -116,6 +120,8 @@ class _Request:
     descriptor: Optional[wire.Descriptor] = None
     source_pinned: bool = False            # the prefill may still hold pins for it
     push_forwarded: bool = False           # push backends: the prefill was told to push (PushKV)
+    aborted_at: float = 0.0                # failed while a live decode held it: when it was told to drop it
+    stuck: bool = False                    # its decode never released it within stuck_reader_grace_s
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
     pulled_blocks: int = 0
@@ -513,6 +519,8 @@ class Coordinator:
             eng = self.engines.get(zmq_id) if zmq_id else None
             if eng is not None and eng.alive:
                 self.send(eng.zmq_id, wire.Abort(req.rid, error))
+                if zmq_id == req.decode and req.source_pinned:
+                    req.aborted_at = time.monotonic()   # a live reader must now settle and release it
         if req.source_pinned and req.decode is None:  # prefilled, never handed to a reader
             self._read_done(req.rid)
         self._finish(req.rid, error=error)
@@ -590,6 +598,31 @@ class Coordinator:
             if req.stage != "done" and now - req.submitted > self.config.request_timeout_s:
                 self._fail_request(req, f"request timed out after {self.config.request_timeout_s}s "
                                         f"(stage: {req.stage})")
+        stuck_grace = self.config.stuck_reader_grace_s
+        if stuck_grace is not None:
+            for req in list(self.requests.values()):
+                if req.source_pinned and req.aborted_at and not req.stuck and now - req.aborted_at > stuck_grace:
+                    self._stuck_reader(req, now - req.aborted_at)
+
+    def _stuck_reader(self, req: _Request, waited_s: float) -> None:
+        """A live decode told to drop a request has not released its source: bound what that costs.
+
+        Its pins are freed when its reads are torn-read checked (a read that lands later fails
+        its check and is never committed, as for a reader presumed dead); otherwise they stay
+        until the reader reports or dies, counted in ``Stats.stuck_requests``.
+        """
+        req.stuck = True
+        eng = self.engines.get(req.decode) if req.decode else None
+        who = f"decode {eng.identity!r}" if eng is not None else "its decode"
+        if req.descriptor is not None and req.descriptor.generations:
+            log.warning("coordinator: %s has not released request %s %.1fs after it was aborted (stuck reader): "
+                        "its source pins are freed; a late read of them fails its torn-read check", who, req.rid,
+                        waited_s)
+            self._read_done(req.rid)
+        else:
+            log.error("coordinator: %s has not released request %s %.1fs after it was aborted (stuck reader); it "
+                      "is read without generation counters, so its source pins stay until %s reports or dies",
+                      who, req.rid, waited_s, who)
 
     def stats(self) -> wire.Stats:
         engines: dict[str, dict[str, Any]] = {}
@@ -602,8 +635,9 @@ class Coordinator:
                 **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__} if eng.hb else {}),
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
+        stuck = sum(1 for r in self.requests.values() if r.stuck and r.source_pinned)
         return wire.Stats(engines, live, self.channel.dropped_total, dict(self.channel.dropped),
-                          self.channel.connections, self.channel.tcp_connections)
+                          self.channel.connections, self.channel.tcp_connections, stuck)
 
 
 # --- running it as a process ------------------------------------------------------------

@@ -222,6 +222,7 @@ class Stats(Msg, frozen=True, tag="stats"):
     dropped: dict[str, int] = {}  #: reason -> frames refused ("forged", "replayed", "reflected", "invalid", ...)
     connections: Count = 0     #: authenticated control connections open now (what ``max_connections`` caps)
     tcp_connections: Count = 0  #: every TCP connection open now, handshakes in progress included
+    stuck_requests: Count = 0  #: failed requests whose live decode never released them (pins kept: no counters)
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, SendKV, Finished, Failed, Goodbye,
