@@ -1,18 +1,22 @@
 """Engine integration: hand a request's KV from a prefill engine to a decode engine.
 
 Layers, bottom up (one job per module):
-  poll        ``KVPoll``, the one lifecycle enum
-  descriptor  ``HandoffDescriptor``: what a prefill publishes per request
-  adapter     ``HandoffEngineAdapter``: what the state machines need from an engine
-  source      prefill side: pin, publish, release on read-done / safe failure
-  sink        decode side: FIFO reserve, cached prefix, pull, quarantine, admit
-  engine      ``StateHandoffDynamicInferenceEngine``, ``DisaggDynamicInferenceEngine``
-  wire        every control message and its encoding (HMAC-ready)
-  coordinator registration, routing, failure handling (a process; no torch)
-  worker, procs, client, launch   processes and the ``kvxfer generate`` command
-  reference/  a small Llama-style engine with a paged KV cache (the test bed)
+  poll          ``KVPoll``, the one lifecycle enum
+  descriptor    ``HandoffDescriptor``: what a prefill publishes per request
+  adapter       ``HandoffEngineAdapter``: what the state machines need from an engine
+  source        prefill side: pin, publish, release on read-done / safe failure
+  sink          decode side: FIFO reserve, cached prefix, pull, quarantine, admit
+  engine        ``StateHandoffDynamicInferenceEngine``; ``DisaggDynamicInferenceEngine``, which
+                takes a control plane object
+  control_plane the interface (``base``), the policy written once (``policy``: compatibility,
+                admission, routing) and one package per plane: ``zmq/`` (a coordinator
+                process) and ``etcd/`` (state in etcd, no coordinator)
+  worker, procs, launch   engine host processes, ``DisaggCluster`` (either plane), ``kvxfer generate``
+  reference/    a small Llama-style engine with a paged KV cache (the test bed)
 
-Names are imported lazily so the coordinator process never imports torch.
+Nothing below ``engine`` imports it, and no control-plane package imports the engine: a
+plane sees the engine only through ``control_plane.base.PlaneEngine``. Names are imported
+lazily so the coordinator process never imports torch.
 """
 
 from __future__ import annotations
@@ -30,11 +34,16 @@ _EXPORTS = {
     "SinkEvent": "engine_integration.sink",
     "StateHandoffDynamicInferenceEngine": "engine_integration.engine",
     "DisaggDynamicInferenceEngine": "engine_integration.engine",
-    "RegistrationRefused": "engine_integration.engine",
-    "Coordinator": "engine_integration.coordinator",
-    "CoordinatorConfig": "engine_integration.coordinator",
-    "CoordinatorClient": "engine_integration.client",
-    "GenerationResult": "engine_integration.client",
+    "RegistrationRefused": "engine_integration.control_plane.base",
+    "ControlPlane": "engine_integration.control_plane.base",
+    "GenerationResult": "engine_integration.control_plane.base",
+    "open_control_plane": "engine_integration.control_plane",
+    "CoordinatorPlane": "engine_integration.control_plane.zmq.plane",
+    "Coordinator": "engine_integration.control_plane.zmq.coordinator",
+    "CoordinatorConfig": "engine_integration.control_plane.zmq.coordinator",
+    "CoordinatorClient": "engine_integration.control_plane.zmq.client",
+    "EtcdPlane": "engine_integration.control_plane.etcd.plane",
+    "EtcdGenerationClient": "engine_integration.control_plane.etcd.client",
     "ClusterConfig": "engine_integration.launch",
     "DisaggCluster": "engine_integration.launch",
     "generate_colocated": "engine_integration.launch",

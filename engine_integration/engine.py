@@ -1,4 +1,4 @@
-"""The engines: control-plane-neutral handoff, and the coordinator-native variant.
+"""The engines: control-plane-neutral handoff, and the one engine every control plane drives.
 
 Names and signatures follow Megatron's ``core.inference.disaggregation.engine``:
 
@@ -6,9 +6,12 @@ Names and signatures follow Megatron's ``core.inference.disaggregation.engine``:
   (``setup_kv_transfer``). A prefill instance pins a computed prompt and publishes a
   descriptor; a decode instance pulls and admits handed-off requests. How descriptors
   and read-done travel is left to the caller (``handoff_outbox`` / ``handoff_events``,
-  ``add_handoff`` / ``release_handoff``), so any control plane can drive it.
-- ``DisaggDynamicInferenceEngine`` -- the same engine speaking this package's
-  coordinator protocol (``engine_integration.coordinator``) over ZeroMQ.
+  ``add_handoff`` / ``release_handoff``), so any external control plane can drive it.
+- ``DisaggDynamicInferenceEngine`` -- the same engine with a control plane object
+  (``engine_integration.control_plane.base.ControlPlane``): the ZeroMQ coordinator's
+  (``control_plane.zmq.CoordinatorPlane``) or etcd's (``control_plane.etcd.EtcdPlane``).
+  The engine knows nothing of either: it reports its handoffs to the plane and serves
+  the calls the plane makes back (``PlaneEngine``).
 
 The handoff state machines themselves live in ``source``/``sink`` and see the engine
 only through ``HandoffEngineAdapter``; this module is the glue for the reference
@@ -19,23 +22,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-import zmq
-
-from engine_integration import wire
-from engine_integration.channel import ClientChannel, resolve_secret
 from engine_integration.adapter import ImportedRequest
+from engine_integration.control_plane.base import ControlPlane, RegistrationRefused
 from engine_integration.descriptor import HandoffDescriptor, RequestId, rank_transfer_meta
 from engine_integration.poll import KVPoll
 from engine_integration.reference.engine import InferenceRequest, ReferenceDynamicEngine
-from engine_integration.sink import HandoffSink, SinkEvent
+from engine_integration.sink import HandoffSink, PullStats, SinkEvent
 from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
-from kvxfer.errors import KVXferError
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 log = logging.getLogger("kvxfer.engine")
@@ -43,9 +40,8 @@ log = logging.getLogger("kvxfer.engine")
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
 
-
-class RegistrationRefused(KVXferError):
-    """The coordinator refused this engine; the message says why (e.g. a geometry mismatch)."""
+__all__ = ["DECODE", "PREFILL", "DisaggDynamicInferenceEngine", "RegistrationRefused",
+           "StateHandoffDynamicInferenceEngine"]
 
 
 class _EngineAdapter:
@@ -175,14 +171,17 @@ class InferenceStateHandoffMixin:
         return self._handoff_source.release(request_id)  # type: ignore[union-attr]
 
     def close_kv_transfer(self) -> None:
-        """Close the counters' registrations first: they are siblings on the pool's agent."""
-        if self._generations is not None:
+        """Close the counters' registrations first: they are siblings on the pool's agent. Idempotent."""
+        generations, self._generations = self._generations, None
+        checker, self._generation_checker = self._generation_checker, None
+        backend, self._kv_backend = self._kv_backend, None
+        if generations is not None:
             self.context.allocator.on_recycle = None  # type: ignore[attr-defined]
-            self._generations.close()
-        if self._generation_checker is not None:
-            self._generation_checker.close()
-        if self._kv_backend is not None:
-            self._kv_backend.close()
+            generations.close()
+        if checker is not None:
+            checker.close()
+        if backend is not None:
+            backend.close()
 
     def handoff_stats(self) -> dict[str, int]:
         alloc = self.context.allocator  # type: ignore[attr-defined]
@@ -303,136 +302,130 @@ class StateHandoffDynamicInferenceEngine(InferenceStateHandoffMixin, ReferenceDy
 class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
     """Dynamic inference engine with prefill/decode state hand-off support.
 
-    Adds the coordinator-native registration and callbacks (``connect``, then call
-    ``serve_step`` from the engine loop, or use ``engine_integration.worker.serve``).
+    Adds registration with a control plane and the callbacks that keep it informed:
+    ``connect(plane, role=..., name=...)``, then call ``serve_step`` from the engine
+    loop (or ``engine_integration.worker.serve``). ``plane`` is a
+    ``control_plane.base.ControlPlane`` object, or its URL: ``tcp://host:port`` for the
+    ZeroMQ coordinator, ``etcd://...`` for the etcd fleet (``open_control_plane``).
+    Megatron's way works too: ``set_disaggregation_config(...)`` then ``connect()``.
     """
 
     def __init__(self, controller: Any, context: Any) -> None:
         super().__init__(controller, context)
-        self._channel: Optional[ClientChannel] = None
-        self._coordinator_address: Optional[str] = None
-        self._coordinator_process: Any = None
-        self._coordinator_secret: Optional[str] = None  # the secret of a coordinator we spawned
-        self._coordinator_secret_file: Optional[str] = None
-        self._coordinator_insecure = False
-        self._owned_secret_file: Optional[str] = None   # generated for a spawned coordinator; removed with it
-        self.refused_messages: dict[str, int] = {}       #: coordinator messages refused here, by reason
+        self.plane: Optional[ControlPlane] = None
+        self.shutdown_reason: Optional[str] = None  #: set by the plane (or a signal): the loop stops
         self._disagg_role: Optional[str] = None
         self._disagg_identity: Optional[str] = None
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.shutdown_reason: Optional[str] = None
-        self._last_heartbeat = 0.0
-        self._last_heard = time.monotonic()
-        self.heartbeat_interval_s = 0.2
-        self.coordinator_timeout_s = 10.0
+        self._plane_target: Any = None               # what connect() uses without a plane argument
+        self._spawned: Any = None                    # a coordinator this engine started (stopped with it)
 
     def set_disaggregation_config(self, *, role: str, identity: str, spawn_coordinator: bool,
                                   coordinator_group: Any) -> None:
-        """Configure one coordinator-native prefill or decode instance.
+        """Configure one prefill or decode instance and where its control plane is.
 
-        ``coordinator_group`` is the coordinator's address (``tcp://host:port``); with
-        ``spawn_coordinator`` it may instead be a ``CoordinatorConfig`` (or ``None``)
-        and a coordinator process is started here. A spawned coordinator is never
-        unauthenticated by accident: without a secret in the config (or
-        ``$KVXFER_SECRET_FILE``) a fresh one is written to a 0600 file,
+        ``coordinator_group`` is a ``ControlPlane`` object or its URL (``tcp://host:port``:
+        a coordinator; ``etcd://...``: the etcd fleet). With ``spawn_coordinator`` it may
+        instead be a ``CoordinatorConfig`` (or ``None``) and a coordinator process is started
+        here. A spawned coordinator is never unauthenticated by accident: without a secret
+        in the config (or ``$KVXFER_SECRET_FILE``) a fresh one is written to a 0600 file,
         ``coordinator_secret_file``, which other engines of the cluster are given.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self._disagg_role, self._disagg_identity = role, identity
         if spawn_coordinator:
-            from dataclasses import replace
-
-            from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process
-            from kvxfer.security.auth import SECRET_FILE_ENV, new_secret_file
+            from engine_integration.control_plane.zmq.coordinator import CoordinatorConfig
+            from engine_integration.control_plane.zmq.service import CoordinatorService
 
             cfg = coordinator_group if isinstance(coordinator_group, CoordinatorConfig) else CoordinatorConfig()
-            if cfg.secret is None and cfg.secret_file is None and not cfg.insecure \
-                    and not os.environ.get(SECRET_FILE_ENV):
-                self._owned_secret_file = new_secret_file()
-                cfg = replace(cfg, secret_file=self._owned_secret_file)
-            self._coordinator_process, self._coordinator_address = start_coordinator_process(cfg)
-            self._coordinator_secret, self._coordinator_secret_file = cfg.secret, cfg.secret_file
-            self._coordinator_insecure = cfg.insecure
+            self._spawned = CoordinatorService(cfg)
+            self._spawned.start()
+            self._plane_target = self._spawned.url
+        elif isinstance(coordinator_group, (str, ControlPlane)):
+            self._plane_target = coordinator_group
         else:
-            if not isinstance(coordinator_group, str):
-                raise ValueError("coordinator_group must be the coordinator's address when not spawning one")
-            self._coordinator_address = coordinator_group
+            raise ValueError("coordinator_group must be a control plane or its URL (tcp://host:port, etcd://...) "
+                             "when not spawning a coordinator")
+
+    @property
+    def spawned_coordinator(self) -> Any:
+        """The ``CoordinatorService`` this engine started (``set_disaggregation_config(spawn_coordinator=True)``)."""
+        return self._spawned
 
     @property
     def coordinator_secret_file(self) -> Optional[str]:
         """The secret file of a coordinator this engine spawned (give it to the cluster's other engines)."""
-        return self._coordinator_secret_file
+        return self._spawned.secret_file if self._spawned is not None else None
 
-    def connect(self, *, backend: str = "local", transfer_timeout_s: float = 30.0, queue_timeout_s: float = 120.0,
-                register_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.2,
-                coordinator_timeout_s: float = 10.0, secret: Optional[str] = None,
-                secret_file: Optional[str] = None, insecure: bool = False) -> None:
-        """Set up the transport and register with the coordinator; raises ``RegistrationRefused``.
+    def connect(self, plane: Any = None, *, role: Optional[str] = None, name: Optional[str] = None,
+                backend: str = "local", transfer_timeout_s: float = 30.0, queue_timeout_s: float = 120.0,
+                verify_reads: bool = True, register_timeout_s: float = 30.0, **plane_options: Any) -> None:
+        """Set up the transport and register with the control plane; raises ``RegistrationRefused``.
 
-        ``secret`` (or ``secret_file``, or ``$KVXFER_SECRET_FILE``) keys the encrypted,
-        replay-proof control connection; it defaults to that of a coordinator this engine
-        spawned. With none, ``insecure=True`` must be asked for by name.
+        ``plane`` (default: ``set_disaggregation_config``'s) is a ``ControlPlane`` or its URL;
+        a URL is opened with ``plane_options`` (``open_control_plane``: ``secret``,
+        ``secret_file``, ``insecure``, ``heartbeat_interval_s``, ``coordinator_timeout_s``
+        for a coordinator; ``password_file``, ``secret_file``, ``insecure`` for etcd). A
+        spawned coordinator's secret is the default.
         """
+        target = plane if plane is not None else self._plane_target
+        role = role or self._disagg_role
+        name = name or self._disagg_identity
+        if target is None or role is None:
+            raise RuntimeError("give connect() a control plane and a role, or call set_disaggregation_config first")
+        if isinstance(target, str):
+            from engine_integration.control_plane import open_control_plane
 
-        if self._coordinator_address is None or self._disagg_role is None:
-            raise RuntimeError("call set_disaggregation_config first")
+            if self._spawned is not None and plane_options.get("secret") is None \
+                    and plane_options.get("secret_file") is None:
+                plane_options = {**plane_options, **self._spawned.engine_options()}
+            target = open_control_plane(target, **plane_options)
+        elif plane_options:
+            raise TypeError(f"options {sorted(plane_options)} apply only when connect() opens the plane from its URL")
         if self._kv_backend is None:
-            self.setup_kv_transfer(self._disagg_role, backend, identity=self._disagg_identity,
-                                   timeout_s=transfer_timeout_s, queue_timeout_s=queue_timeout_s)
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.coordinator_timeout_s = coordinator_timeout_s
-        if secret is None and secret_file is None:
-            secret, secret_file = self._coordinator_secret, self._coordinator_secret_file
-        key = resolve_secret(secret, secret_file=secret_file, insecure=insecure or self._coordinator_insecure,
-                             who=f"engine {self.identity!r}")
-        try:
-            self._channel = ClientChannel(self._coordinator_address, key,
-                                          identity=f"{self.identity}/{self.incarnation}".encode(),
-                                          handshake_timeout_s=register_timeout_s)
-        except KVXferError as exc:
-            raise RegistrationRefused(f"{self.identity!r}: {exc}") from None
-        self._send(wire.Register(
-            role=self.role or "", identity=self.identity, incarnation=self.incarnation, pid=os.getpid(),
-            host=socket.gethostname(), model_fingerprint=self.controller.config.fingerprint,
-            transfer_meta=self._build_instance_transfer_meta(), capacity_blocks=self.context.num_blocks))
-        reply = self._channel.recv(register_timeout_s)
-        if reply is None:
-            raise RegistrationRefused(f"{self.identity!r}: no answer from the coordinator at "
-                                      f"{self._coordinator_address} within {register_timeout_s}s")
-        if not isinstance(reply, wire.Registered) or not reply.ok:
-            reason = getattr(reply, "reason", f"unexpected reply {type(reply).__name__}")
-            raise RegistrationRefused(f"coordinator refused {self.role} {self.identity!r}: {reason}")
-        self._last_heard = time.monotonic()
-        self._send_heartbeat()
+            self.setup_kv_transfer(role, backend, identity=name, timeout_s=transfer_timeout_s,
+                                   queue_timeout_s=queue_timeout_s, verify_reads=verify_reads)
+        self.plane = target
+        if self.is_push and not target.supports_push:
+            raise RegistrationRefused(f"the push backend {self.backend_name!r} runs with the ZeroMQ coordinator only, "
+                                      f"not on the {target.kind} control plane (choose a pull backend)")
+        target.attach(self, timeout_s=register_timeout_s)
+
+    # --- what a control plane reads and calls (``control_plane.base.PlaneEngine``) ------------
+    @property
+    def model_fingerprint(self) -> str:
+        return self.controller.config.fingerprint
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.context.num_blocks
+
+    def take_pull_stats(self, request_id: RequestId) -> Optional[PullStats]:
+        """How a committed request's pull went (once; ``None`` if not known)."""
+        return self._handoff_sink.pull_stats.pop(request_id, None) if self._handoff_sink else None
+
+    def set_commit_guard(self, guard: Optional[Callable[[], Optional[str]]]) -> None:
+        """Decode: asked before each pull is committed; a returned reason fails the request instead."""
+        if self._handoff_sink is not None:
+            self._handoff_sink.commit_guard = guard
+
+    def handoff_stats(self) -> dict[str, int]:
+        figures = super().handoff_stats()
+        if self.plane is not None:
+            figures.update(self.plane.figures())
+        return figures
 
     def _build_instance_transfer_meta(self) -> list[dict[str, Any]]:
         """Flatten this instance's PP/TP transport descriptors for registration.
 
         One entry per (pp_rank, tp_rank), in rank order; the reference engine has one.
         Each is that rank's KV meta, with a prefill's generation-counter meta beside it
-        (``descriptor.rank_transfer_meta``): exported once here, never per request.
+        (``descriptor.rank_transfer_meta``): exported once, never per request. It is the
+        ``transfer_meta`` a control plane registers.
         """
         return self.transfer_meta
 
-    def _request_push(self, request_id: RequestId, skip_blocks: int) -> None:
-        """Push backends: our receives are posted; the coordinator forwards our meta to the prefill."""
-        self._send(wire.SendKV(request_id, self.transfer_meta, skip_blocks))  # type: ignore[arg-type]
-
-    def _on_push_failed(self, request_id: RequestId, reason: str) -> None:
-        self._send(wire.Failed(request_id, f"prefill {self.identity!r}: {reason}"[:wire.MAX_TEXT]))  # type: ignore[arg-type]
-
-    def _notify_kv_read_done(self, request_id: RequestId) -> None:
-        """Tell the native coordinator that decode no longer needs source storage."""
-        self._send(wire.ReadDone(request_id))  # type: ignore[arg-type]
-
-    def _notify_kv_transfer_ready(self, request_id: RequestId, cached_prefix_blocks: int) -> None:
-        """Tell the native coordinator that the destination storage is committed."""
-        stats = self._handoff_sink.pull_stats.pop(request_id, None) if self._handoff_sink else None
-        self._send(wire.TransferReady(request_id, cached_prefix_blocks,  # type: ignore[arg-type]
-                                      stats.pulled_blocks if stats else 0, stats.pull_s if stats else 0.0,
-                                      stats.queue_s if stats else 0.0, stats.admit_seq if stats else 0))
-
+    # --- what the engine reports to its plane --------------------------------------------------
     def _record_and_serialize_finished_request(self, request: InferenceRequest) -> Optional[dict[str, Any]]:
         """Send handoff metadata and canonical tokens on the internal decode hop."""
         if self.role == PREFILL:
@@ -445,8 +438,8 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         self._exported[request.request_id] = descriptor
         record = self._record_and_serialize_finished_request(request)
         self._exported.pop(request.request_id, None)
-        assert record is not None
-        self._send(wire.HandoffReady(request.request_id, record["descriptor"], record["prefill_s"]))  # type: ignore[arg-type]
+        assert record is not None and self.plane is not None
+        self.plane.publish(request.request_id, descriptor, record["prefill_s"])
 
     def _on_handoff_event(self, event: SinkEvent) -> None:
         if event.state is KVPoll.Success:
@@ -454,39 +447,50 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             self._notify_kv_read_done(event.request_id)
             return
         if not event.quarantine_cleared:
-            self._send(wire.Failed(event.request_id, f"decode {self.identity!r}: {event.reason}"))  # type: ignore[arg-type]
+            self.plane.pull_failed(event.request_id, event.reason)  # type: ignore[union-attr]
         if event.source_safe:
-            self._notify_kv_read_done(event.request_id)
+            self._notify_kv_read_done(event.request_id, failure=event.reason)
+
+    def _notify_kv_read_done(self, request_id: RequestId, failure: str = "") -> None:
+        """Tell the control plane that decode no longer needs source storage."""
+        self.plane.read_done(request_id, failure)  # type: ignore[union-attr]
+
+    def _notify_kv_transfer_ready(self, request_id: RequestId, cached_prefix_blocks: int) -> None:
+        """Tell the control plane that the destination storage is committed."""
+        self.plane.transfer_ready(request_id, cached_prefix_blocks, self.take_pull_stats(request_id))  # type: ignore[union-attr]
+
+    def _request_push(self, request_id: RequestId, skip_blocks: int) -> None:
+        """Push backends: our receives are posted; the plane asks the prefill to push to us."""
+        self.plane.request_push(request_id, skip_blocks)  # type: ignore[union-attr]
+
+    def _on_push_failed(self, request_id: RequestId, reason: str) -> None:
+        self.plane.push_failed(request_id, reason)  # type: ignore[union-attr]
 
     # --- the loop -------------------------------------------------------------------------
     def _between_decode_chunks(self) -> None:
         """Take new handoffs and finish pulls mid-step, so a long decode batch does not delay them."""
-        self._poll_messages()
+        if self.plane is not None:
+            self.plane.poll()
         self._poll_source()
         if self._handoff_sink is not None:
             for event in self._handoff_sink.step():
                 self._on_handoff_event(event)
 
     def serve_step(self) -> float:
-        """Handle coordinator messages, run one engine step, heartbeat.
+        """Act on the plane, run one engine step, report what finished; returns how long the loop may wait.
 
-        Returns how long the loop may wait before the next call: 0 with compute to do
-        (or messages just handled), a millisecond with only pulls in flight, else the
-        heartbeat interval (an arriving message wakes the loop anyway).
+        0 with compute to do (or plane news just handled), a millisecond with only pulls or
+        pushes in flight, else whatever the plane asks (its next heartbeat or poll; a plane
+        with a ``wake_socket`` is woken by news sooner).
         """
-        handled = self._poll_messages()
+        plane = self.plane
+        assert plane is not None, "connect() first"
+        handled = plane.poll()
         if self.shutdown_reason is not None:
-            return self.heartbeat_interval_s
+            return plane.wait_s()
         for record in self.step():
-            if "error" in record:
-                self._send(wire.Failed(record["request_id"], record["error"]))
-            else:
-                self._send(wire.Finished(record["request_id"], record["tokens"]))
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.heartbeat_interval_s:
-            self._send_heartbeat()
-        if now - self._last_heard > self.coordinator_timeout_s:
-            self.shutdown_reason = f"no word from the coordinator for {now - self._last_heard:.1f}s"
+            plane.finished(record)
+        plane.tick()
         if handled or self.waiting or self.running:
             return 0.0
         sink = self._handoff_sink
@@ -494,84 +498,21 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             return 0.001
         if self._handoff_source is not None and self._handoff_source.pushes_in_flight:
             return 0.001
-        return self.heartbeat_interval_s
-
-    def _poll_messages(self) -> int:
-        """Handle what the coordinator sent. A message refused by the channel or the schema is
-        counted (``refused_messages``); one that fails in its handler is counted, logged and,
-        when it names a request, answered with ``Failed``: the engine loop never dies of it."""
-        channel = self._channel
-        n = 0
-        while channel is not None and channel.sock.poll(0, zmq.POLLIN):
-            msg = channel.receive()
-            n += 1
-            if msg is None:
-                continue
-            self._last_heard = time.monotonic()
-            try:
-                self._handle(msg)
-            except Exception as exc:
-                self.refused_messages["handler error"] = self.refused_messages.get("handler error", 0) + 1
-                log.warning("engine %r: refused %s: %s: %s", self.identity, type(msg).__name__,
-                            type(exc).__name__, exc)
-                request_id = getattr(msg, "request_id", None)
-                if isinstance(msg, (wire.AddRequest, wire.StartDecode)) and request_id is not None:
-                    self._send(wire.Failed(request_id, f"{self.role} {self.identity!r} refused it: {exc}"))
-        if channel is not None:
-            for reason, count in channel.dropped.items():
-                self.refused_messages[reason] = count
-        return n
-
-    def _handle(self, msg: wire.Msg) -> None:
-        if isinstance(msg, wire.AddRequest):
-            self.add_request(msg.request_id, msg.prompt, msg.max_new_tokens)
-        elif isinstance(msg, wire.PeerMeta):
-            self.add_peer_transfer_meta(msg.identity, msg.transfer_meta)
-        elif isinstance(msg, wire.StartDecode):
-            self.add_handoff(HandoffDescriptor.from_dict(wire.descriptor_dict(msg.descriptor)), msg.max_new_tokens)
-        elif isinstance(msg, wire.PushKV):
-            try:
-                self.push_handoff(msg.request_id, msg.decode_meta, msg.skip_blocks)
-            except (KVXferError, KeyError, ValueError, RuntimeError) as exc:
-                log.warning("prefill %r: refused the push of request %s to %r: %s", self.identity, msg.request_id,
-                            msg.decode_identity, exc)
-                self._send(wire.Failed(msg.request_id, (f"prefill {self.identity!r} refused the push to "  # type: ignore[arg-type]
-                                                        f"{msg.decode_identity!r}: {exc}")[:wire.MAX_TEXT]))
-        elif isinstance(msg, wire.Release):
-            for request_id in msg.request_ids:
-                self.release_handoff(request_id)
-        elif isinstance(msg, wire.Abort):
-            self.abort_request(msg.request_id, msg.reason)
-        elif isinstance(msg, wire.Shutdown):
-            self.shutdown_reason = msg.reason or "coordinator asked"
-
-    def _send_heartbeat(self) -> None:
-        self._last_heartbeat = time.monotonic()
-        self._send(wire.Heartbeat(**self.handoff_stats()))
-
-    def _send(self, msg: Any) -> None:
-        self._channel.send(msg)  # type: ignore[union-attr]
+        return plane.wait_s()
 
     @property
     def socket(self) -> Any:
-        return self._channel.sock if self._channel is not None else None
+        """The plane's ``wake_socket`` (a zmq socket to poll), or ``None``."""
+        return self.plane.wake_socket if self.plane is not None else None
 
     def disconnect(self, reason: str = "") -> None:
-        """Say goodbye, close the socket and the transport, stop a spawned coordinator."""
-        if self._channel is not None:
-            try:
-                self._send(wire.Goodbye(reason[:wire.MAX_TEXT]))
-            finally:
-                self._channel.close(linger_ms=200)
-                self._channel = None
-        self.close_kv_transfer()
-        if self._coordinator_process is not None:
-            from engine_integration.coordinator import stop_coordinator_process
-
-            stop_coordinator_process(self._coordinator_process)
-            self._coordinator_process = None
-        if self._owned_secret_file is not None:
-            from kvxfer.security.auth import remove_secret_file
-
-            remove_secret_file(self._owned_secret_file)
-            self._owned_secret_file = None
+        """Say goodbye to the plane, close the transport, stop a spawned coordinator; idempotent."""
+        plane, self.plane = self.plane, None
+        try:
+            if plane is not None:
+                plane.detach(reason)
+        finally:
+            self.close_kv_transfer()
+            spawned, self._spawned = self._spawned, None
+            if spawned is not None:
+                spawned.stop()

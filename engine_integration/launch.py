@@ -1,8 +1,11 @@
 """Run generation co-located or disaggregated; the ``kvxfer generate`` command's engine room.
 
-``DisaggCluster`` starts a coordinator and engine host processes on loopback and stops
-them (every wait bounded); with the in-process ``local`` transport the prefill and
-decode engines share one host process, with any other transport each gets its own.
+``DisaggCluster`` is the one launcher for both control planes: it starts the plane's
+fleet side (``control_plane.plane_service``: a coordinator process, or an etcd reached
+or started in demo mode for ``ClusterConfig(control_plane="etcd://...")``) and engine
+host processes on loopback, and stops them (every wait bounded); with the in-process
+``local`` transport the prefill and decode engines share one host process, with any
+other transport each gets its own.
 
 A push backend (``is_push``: ``nccl``) needs every engine in one ``torch.distributed``
 world. The launcher hosts its TCP store (a port of 127.0.0.1 the OS picks), fixes the
@@ -22,8 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
-from engine_integration.client import CoordinatorClient, GenerationResult
-from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
+from engine_integration.control_plane import GenerationClient, GenerationResult, PlaneService, plane_service
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
 from kvxfer.security.auth import SECRET_FILE_ENV, load_secret
@@ -59,26 +61,39 @@ class ClusterConfig:
     pin_grace_s: Optional[float] = 10.0  #: see ``CoordinatorConfig.pin_grace_s``
     device: Optional[str] = None  #: None: a GPU where present, else the CPU
     #: None: the embedded ZeroMQ coordinator; ``etcd://...``: the etcd fleet control plane
-    #: (``engine_integration.etcd_launch``; a private, secured etcd is started in demo mode)
+    #: (``control_plane.etcd.service``; a private, secured etcd is started in demo mode)
     control_plane: Optional[str] = None
     etcd_password_file: Optional[str] = None  #: else ``$KVXFER_ETCD_PASSWORD_FILE`` (an etcd started here: its own)
 
 
 class DisaggCluster:
-    """Coordinator + prefill + decode on this machine (use as a context manager)."""
+    """A control plane + prefill + decode on this machine (use as a context manager)."""
 
     def __init__(self, config: ClusterConfig = ClusterConfig()) -> None:
         from kvxfer.backends import construct_kv_transfer_backend_class
+        from kvxfer.errors import BackendUnavailableError
 
         self.config = config
         cls = construct_kv_transfer_backend_class(config.backend)
         self.backend = cls.name
         self.is_push = bool(cls.is_push)
+        if self.is_push and config.control_plane:
+            raise BackendUnavailableError(f"the push backend {config.backend!r} runs with the embedded coordinator "
+                                          "only, not on the etcd control plane (drop --control-plane, or choose a "
+                                          "pull backend)")
         self._store: Any = None  # push backends: the process group's TCP store, hosted here
-        self.coordinator: Any = None
-        self.address = ""
+        self.service: PlaneService = (
+            plane_service(config.control_plane, password_file=config.etcd_password_file, secret=config.secret)
+            if config.control_plane else
+            plane_service(None, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                          request_timeout_s=config.request_timeout_s, secret=config.secret,
+                          pin_grace_s=config.pin_grace_s))
         self.hosts: list[EngineHost] = []
-        self._client: Optional[CoordinatorClient] = None
+
+    @property
+    def address(self) -> str:
+        """The plane's URL engines connect to (a coordinator's ``tcp://`` address, or ``etcd://...``)."""
+        return self.service.url
 
     def spec(self, role: str, identity: str, **overrides: Any) -> EngineSpec:
         from engine_integration.reference.model import default_device
@@ -87,19 +102,17 @@ class DisaggCluster:
         base = EngineSpec(role=role, identity=identity, backend=c.backend, model=c.model,
                           device=c.device or default_device(),
                           num_blocks=c.prefill_blocks if role == "prefill" else c.decode_blocks,
-                          transfer_timeout_s=c.transfer_timeout_s, secret=c.secret)
+                          transfer_timeout_s=c.transfer_timeout_s, control_plane=self.service.url,
+                          **self.service.engine_options())
         return replace(base, **overrides)
 
     def start(self) -> "DisaggCluster":
-        c = self.config
-        self.coordinator, self.address = start_coordinator_process(CoordinatorConfig(
-            heartbeat_timeout_s=c.heartbeat_timeout_s, request_timeout_s=c.request_timeout_s, secret=c.secret,
-            pin_grace_s=c.pin_grace_s))
+        self.service.start()
         prefill, decode = self.spec("prefill", "prefill-0"), self.spec("decode", "decode-0")
         if self.is_push:
             prefill, decode = self._join_world([prefill, decode])
         groups = [[prefill, decode]] if self.backend in IN_PROCESS_BACKENDS else [[prefill], [decode]]
-        self.hosts.extend(start_engine_hosts(groups, self.address))
+        self.hosts.extend(start_engine_hosts(groups, self.service.url))
         return self
 
     def _join_world(self, specs: list[EngineSpec]) -> list[EngineSpec]:
@@ -140,7 +153,7 @@ class DisaggCluster:
 
             raise EngineStartError(f"the {self.backend} backend's process group is fixed at launch: an engine "
                                    "cannot join or rejoin it; restart the whole cluster")
-        host = start_engine_host([spec], self.address)
+        host = start_engine_host([spec], self.service.url)
         self.hosts.append(host)
         return host
 
@@ -148,40 +161,38 @@ class DisaggCluster:
         return next(h for h in reversed(self.hosts) if identity in h.identities and h.alive())
 
     @property
-    def client(self) -> CoordinatorClient:
-        if self._client is None:
-            self._client = CoordinatorClient(self.address, secret=self.config.secret)
-        return self._client
+    def client(self) -> GenerationClient:
+        return self.service.client
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  timeout_s: Optional[float] = None) -> list[GenerationResult]:
         return self.client.generate(prompts, max_new_tokens, timeout_s=timeout_s or self.config.request_timeout_s + 5)
 
+    def stats(self) -> Any:
+        return self.client.stats()
+
     def wait_for_stats(self, predicate: Callable[[Any], bool], timeout_s: float = 20.0) -> Any:
-        """Poll the coordinator's stats until ``predicate(stats)``; raises ``TimeoutError``."""
+        """Poll the plane's stats until ``predicate(stats)``; raises ``TimeoutError``."""
         deadline = time.monotonic() + timeout_s
         stats = None
         while time.monotonic() < deadline:
-            stats = self.client.stats()
+            stats = self.stats()
             if predicate(stats):
                 return stats
             time.sleep(0.1)
         raise TimeoutError(f"condition not reached within {timeout_s}s; last stats: {stats}")
 
     def stop(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.shutdown("cluster stopping")
-            finally:
-                self._client.close()
-                self._client = None
-        if self.coordinator is not None:
-            stop_coordinator_process(self.coordinator, timeout_s=5)
-            self.coordinator = None
-        for host in self.hosts:
-            host.stop()
-        self.hosts = []
-        self._store = None
+        """Every engine host first (SIGTERM: each says goodbye to its plane and exits), then the plane."""
+        from engine_integration import procs
+
+        try:
+            for host in self.hosts:
+                procs.stop(host.process, 10.0, terminate_first=True)
+        finally:
+            self.hosts = []
+            self._store = None
+            self.service.stop()
 
     def __enter__(self) -> "DisaggCluster":
         try:
@@ -215,24 +226,9 @@ def generate_colocated(prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
             for r in (records[i] for i in range(len(prompts)))]
 
 
-def make_cluster(config: ClusterConfig = ClusterConfig()) -> Any:
-    """A ``DisaggCluster`` (coordinator), or an ``EtcdDisaggCluster`` when ``config.control_plane`` is etcd."""
-    if config.control_plane:
-        from kvxfer.backends import construct_kv_transfer_backend_class
-        from kvxfer.errors import BackendUnavailableError
-
-        if construct_kv_transfer_backend_class(config.backend).is_push:
-            raise BackendUnavailableError(f"the push backend {config.backend!r} runs with the embedded coordinator only, "
-                             "not on the etcd control plane (drop --control-plane, or choose a pull backend)")
-        from engine_integration.etcd_launch import EtcdDisaggCluster
-
-        return EtcdDisaggCluster(config)
-    return DisaggCluster(config)
-
-
 def generate_disaggregated(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                            config: ClusterConfig = ClusterConfig()) -> list[GenerationResult]:
-    with make_cluster(config) as cluster:
+    with DisaggCluster(config) as cluster:
         return cluster.generate(prompts, max_new_tokens)
 
 

@@ -97,7 +97,7 @@ class HandoffSink:
         self._admitted = 0
         #: called before a completed pull is committed (hashes registered, request admitted); a
         #: returned reason fails the request instead (e.g. the etcd lease may have expired, so the
-        #: source may already have freed the blocks: ``engine_integration.etcd_engine``)
+        #: source may already have freed the blocks: ``control_plane.etcd.plane``)
         self.commit_guard: Optional[Callable[[], Optional[str]]] = None
         #: push backends (``backend.is_push``): called as ``on_posted(request_id, skip_blocks)`` once a
         #: request's receives are posted, to ask its prefill to push (Megatron's SEND_KV); ``skip_blocks``

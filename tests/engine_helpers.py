@@ -66,31 +66,22 @@ ETCD_PLANE = "etcd:///engine?ttl=2&poll=0.1"
 ETCD_TTL_S, ETCD_POLL_S = 2, 0.1
 
 
-def connect_etcd_engine(cluster: Any, model: Any, num_blocks: int, *, role: str, name: str) -> Any:
-    """An ``EtcdDisaggEngine`` in this process, registered in ``cluster``'s etcd fleet (its caller disconnects).
+def build_engine_here(cluster: Any, spec: Any) -> Any:
+    """``worker.build_engine`` in this process, on whichever plane ``cluster`` runs (its caller disconnects).
 
-    The cluster key is put in ``$KVXFER_SECRET_FILE`` only while the transport exports its
-    meta, so later clusters of this test process are not affected.
+    ``build_engine`` makes a cluster key file this process's ``$KVXFER_SECRET_FILE``; it is
+    put back afterwards, so later clusters of this test process are not affected.
     """
     import os
 
-    from engine_integration.control_plane import open_control_plane
-    from engine_integration.etcd_engine import EtcdDisaggEngine
+    from engine_integration.worker import build_engine
     from kvxfer.security.auth import SECRET_FILE_ENV
 
-    engine = build_reference_engine(model, num_blocks, engine_cls=EtcdDisaggEngine)
-    plane = open_control_plane(cluster.url, password_file=cluster.password_file, secret_file=cluster.secret_file)
     before = os.environ.get(SECRET_FILE_ENV)
-    os.environ[SECRET_FILE_ENV] = cluster.secret_file
     try:
-        engine.connect(plane, role=role, name=name, backend=cluster.backend)
-    except BaseException:
-        plane.close()
-        engine.close_kv_transfer()
-        raise
+        return build_engine(spec, cluster.address)
     finally:
         if before is None:
             os.environ.pop(SECRET_FILE_ENV, None)
         else:
             os.environ[SECRET_FILE_ENV] = before
-    return engine

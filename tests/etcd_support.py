@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from engine_integration.control_plane.base import HandoffState  # noqa: E402
-from engine_integration.control_plane.etcd import EtcdConfig, EtcdControlPlane  # noqa: E402
+from engine_integration.control_plane.etcd.records import HandoffState  # noqa: E402
+from engine_integration.control_plane.etcd.store import EtcdConfig, EtcdStore  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,22 @@ class Fleet:
         kw.update(over)
         return EtcdConfig(**kw)
 
-    def plane(self, **over: Any) -> EtcdControlPlane:
-        return EtcdControlPlane(self.config(**over))
+    def plane(self, **over: Any) -> EtcdStore:
+        return EtcdStore(self.config(**over))
+
+
+def secured_etcd():
+    """One secured etcd for a test module: (server, the kvxfer user's password). A module makes it
+    its ``etcd`` fixture: ``etcd = pytest.fixture(scope="module", name="etcd")(secured_etcd)``."""
+    from engine_integration.control_plane.etcd.server import EtcdServer
+
+    server = EtcdServer().start()
+    password = "kv-" + os.urandom(8).hex()
+    server.secure(root_password=os.urandom(8).hex(), user="kvxfer", password=password)
+    try:
+        yield server, password
+    finally:
+        server.stop()
 
 
 def sealed_meta(name: str, incarnation_hint: str, key: Optional[bytes]) -> dict[str, Any]:
@@ -215,7 +229,7 @@ def _child_main() -> None:
     """Register, answer ``ready``, then run commands from stdin until EOF (then exit without goodbye)."""
     cfg = json.loads(sys.stdin.readline())
     key = bytes.fromhex(cfg["key"]) if cfg["key"] else None
-    plane = EtcdControlPlane(EtcdConfig(endpoints=(cfg["endpoint"],), cluster=cfg["cluster"], user=cfg["user"],
+    plane = EtcdStore(EtcdConfig(endpoints=(cfg["endpoint"],), cluster=cfg["cluster"], user=cfg["user"],
                                         password=cfg["password"], cluster_key=key, ttl_s=cfg["ttl_s"],
                                         timeout_s=2.0))
     hint = os.urandom(4).hex()

@@ -15,10 +15,10 @@ import time
 import pytest
 import zmq
 
-from engine_integration import wire
-from engine_integration.channel import ClientChannel
-from engine_integration.client import CoordinatorClient
-from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import ClientChannel
+from engine_integration.control_plane.zmq.client import CoordinatorClient
+from engine_integration.control_plane.zmq.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process
 
 META = {"schema_version": 1, "backend": "local", "dtype": "float32", "element_size": 4, "tokens_per_block": 4,
         "heads_per_partition": 2, "head_dim": 16, "num_outer": 4, "bytes_per_slice": 512}
@@ -186,11 +186,11 @@ def test_engine_can_spawn_its_own_coordinator():
                                      coordinator_group=CoordinatorConfig(heartbeat_timeout_s=5.0, secret=SECRET))
     try:
         engine.connect(backend="local", register_timeout_s=20)
-        client = CoordinatorClient(engine._coordinator_address, secret=SECRET)
+        client = CoordinatorClient(engine.spawned_coordinator.url, secret=SECRET)
         stats = client.stats()
         assert stats.engines["p-spawn"]["role"] == "prefill" and stats.engines["p-spawn"]["alive"]
         client.close()
-        proc = engine._coordinator_process
+        proc = engine.spawned_coordinator.process
     finally:
         engine.disconnect("test over")
     assert proc.poll() is not None  # the spawned coordinator is stopped with its engine
@@ -281,4 +281,93 @@ def test_presumed_dead_reader_frees_checked_pins_after_the_grace_only():
     finally:
         decode_proc.kill()
         decode_proc.wait(10)
+        stop_coordinator_process(proc, timeout_s=5)
+
+
+@pytest.mark.parametrize("prompt, max_new, says", [
+    ([1, -5, 3], 4, "token ids must be ints in [0, 2147483648); got [-5]"),
+    ([1, 1 << 31], 4, "token ids must be ints in [0, 2147483648)"),
+    ([1, 2, 3], (1 << 20) + 1, "max_new_tokens must be <= 1048576"),
+])
+def test_a_submit_the_prefill_would_drop_is_refused_at_submit_with_the_reason(coordinator, prompt, max_new, says):
+    """Issue 21, A9: a Submit whose relayed AddRequest the prefill's schema would drop (negative token
+    ids, ids past the wire's bound, too many new tokens) is answered at once with the reason; before,
+    the client waited for its timeout ("stage: prefill") while the prefill silently dropped it."""
+    prefill = ScriptedEngine(coordinator, "prefill", "p0", os.getpid(), capacity=1 << 20)
+    decode = ScriptedEngine(coordinator, "decode", "d0", os.getpid(), capacity=1 << 20)
+    client = CoordinatorClient(coordinator, secret=SECRET)
+    t0 = time.monotonic()
+    result = _collect(client, client.submit(prompt, max_new), [prefill, decode], timeout_s=3.0)
+    answered_s = time.monotonic() - t0
+    assert result.error is not None and "refused at submit" in result.error and says in result.error, result.error
+    assert answered_s < 1.0
+    assert prefill.expect(wire.AddRequest, 0.5, keepalive=[decode]) is None   # nothing relayed
+    client.submit([1, 2, 3], 2)   # the next request goes through
+    assert isinstance(prefill.expect(wire.AddRequest, 2.0, keepalive=[decode]), wire.AddRequest)
+    client.close()
+
+
+@pytest.mark.parametrize("meta", [{**META, "dtype": "bfloat16"}, META], ids=["incompatible", "compatible"])
+def test_reregistering_a_live_decode_from_another_host_is_refused_and_frees_no_pin(coordinator, decode_process,
+                                                                                   meta):
+    """Issue 21, A7: an insider registers a live decode's identity "from another host". Before, the
+    registration was refused (incompatible) or accepted (compatible), and either way the prefill got
+    a Release for the live decode's routed request: its pins freed under a reader. Now it is refused
+    before anything changes, and the live decode's handoff completes as if nothing happened."""
+    prefill, decode, client, cid, rid = _handoff_to_decode(coordinator, decode_process.pid)
+    insider = ClientChannel(coordinator, SECRET.encode(), identity=b"d0/2")
+    insider.send(wire.Register("decode", "d0", "2", 4242, "another-host", "fp", [meta], 64))
+    reply = insider.recv(5.0)
+    assert isinstance(reply, wire.Registered) and not reply.ok, reply
+    if meta is META:
+        assert "'d0' is registered and alive" in reply.reason and "heartbeat_timeout_s" in reply.reason
+    assert prefill.expect(wire.Release, 1.5, keepalive=[prefill, decode]) is None, "a live reader's pins were freed"
+    stats = client.stats()
+    assert stats.engines["d0"]["alive"] and stats.engines["d0"]["incarnation"] == "1"
+    decode.send(wire.TransferReady(rid, 0, 2, 0.001))   # the real d0 finishes its pull
+    decode.send(wire.ReadDone(rid))
+    release = prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode])
+    assert release is not None and release.request_ids == [rid]
+    decode.send(wire.Finished(rid, [9, 8, 7, 6]))
+    assert _collect(client, cid, [prefill, decode]).tokens == (9, 8, 7, 6)
+    insider.close()
+
+
+def test_a_stuck_reader_costs_its_requests_pins_for_a_bounded_time_only():
+    """Issue 21, "a stuck reader": a live decode (heartbeating) that never reads its routed requests
+    kept their source pins forever: the request timed out and was aborted, but no Release ever came.
+    Now, ``stuck_reader_grace_s`` after the abort, the pins of a torn-read-checked request are freed (a
+    late read fails its check) and an unchecked one's are kept, counted in ``Stats.stuck_requests``."""
+    timeout_s, grace_s = 1.0, 1.0
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=2.0, request_timeout_s=timeout_s,
+                                                                stuck_reader_grace_s=grace_s, secret=SECRET))
+    try:
+        prefill = ScriptedEngine(address, "prefill", "p0", os.getpid())
+        decode = ScriptedEngine(address, "decode", "d0", os.getpid())
+        client = CoordinatorClient(address, secret=SECRET)
+        rids, cids = [], []
+        for generations in ([5, 6], []):
+            cids.append(client.submit([1, 2, 3, 4, 5], 4))
+            add = prefill.expect(wire.AddRequest, 5.0, keepalive=[decode])
+            prefill.send(wire.HandoffReady(add.request_id, {**DESCRIPTOR, "request_id": add.request_id,
+                                                            "generations": generations}, 0.01))
+            assert decode.expect(wire.StartDecode, 5.0, keepalive=[prefill]) is not None
+            rids.append(add.request_id)
+        t0 = time.monotonic()   # d0 heartbeats but never reads, never answers its Aborts
+        results = [_collect(client, cid, [prefill, decode], timeout_s=5.0) for cid in cids]
+        assert all("timed out" in r.error for r in results), results
+        release = prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode])
+        freed_s = time.monotonic() - t0
+        print(f"\nMEASURED stuck reader: request failed at its {timeout_s}s timeout, checked pins freed "
+              f"{freed_s:.2f}s after the handoff (timeout {timeout_s}s + grace {grace_s}s)")
+        assert release is not None and release.request_ids == [rids[0]]
+        assert timeout_s + grace_s - 0.1 < freed_s < timeout_s + grace_s + 2.0
+        assert prefill.expect(wire.Release, 1.0, keepalive=[prefill, decode]) is None   # unchecked: kept
+        stats = client.stats()
+        assert stats.stuck_requests == 1 and stats.engines["d0"]["alive"]
+        decode.send(wire.ReadDone(rids[1]))    # the reader reports at last: the rest is released
+        assert prefill.expect(wire.Release, 5.0, keepalive=[prefill, decode]).request_ids == [rids[1]]
+        assert client.stats().stuck_requests == 0
+        client.close()
+    finally:
         stop_coordinator_process(proc, timeout_s=5)

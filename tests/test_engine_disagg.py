@@ -7,7 +7,9 @@ crash test: the decode process is SIGKILLed mid-handoff and restarted.
 
 The same tests run on the etcd control plane (issue 16: no coordinator process; a
 private, secured etcd on loopback, TTL 2 s, poll 0.1 s) with ``ucx`` and ``nixl``: ids
-``ucx-etcd``, ``nixl-etcd``.
+``ucx-etcd``, ``nixl-etcd``. One engine class on both planes (``DisaggDynamicInferenceEngine``
+given a ``CoordinatorPlane`` or an ``EtcdPlane``), one launcher (``DisaggCluster``), and no
+test branches on the plane except the wording of a death in the error text.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import time
 
 import pytest
 
-from engine_integration.engine import DisaggDynamicInferenceEngine, RegistrationRefused
-from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, generate_colocated, make_cluster
-from engine_integration.reference import ModelConfig, build_reference_engine
+from engine_integration.engine import RegistrationRefused
+from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, DisaggCluster, generate_colocated
+from engine_integration.reference import ModelConfig
 from kvxfer.backends import available_backends
 
-from engine_helpers import ETCD_PLANE, varied_prompts
+from engine_helpers import ETCD_PLANE, build_engine_here, varied_prompts
 
 _INFOS = available_backends()
 # Push backends (nccl) have their own engine tests (tests/test_engine_push.py): a Gloo world cannot restart an engine.
@@ -48,7 +50,7 @@ def cluster(request):
     if request.param.endswith("-etcd"):
         request.getfixturevalue("etcd_required")
     config = _config(request.param)
-    with make_cluster(config) as c:
+    with DisaggCluster(config) as c:
         yield c
 
 
@@ -98,20 +100,9 @@ def test_decode_short_of_blocks_queues_fifo_and_finishes_all(cluster):
 
 
 def test_decode_with_mismatched_geometry_is_refused_with_reason(cluster):
-    if _on_etcd(cluster):
-        from engine_helpers import connect_etcd_engine
-
-        with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
-            connect_etcd_engine(cluster, ModelConfig(tokens_per_block=8), 20, role="decode", name="decode-bad")
-    else:
-        engine = build_reference_engine(ModelConfig(tokens_per_block=8), 20, engine_cls=DisaggDynamicInferenceEngine)
-        engine.set_disaggregation_config(role="decode", identity="decode-bad", spawn_coordinator=False,
-                                         coordinator_group=cluster.address)
-        try:
-            with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
-                engine.connect(backend=cluster.backend, register_timeout_s=20, secret=cluster.config.secret)
-        finally:
-            engine.disconnect("refused")
+    spec = cluster.spec("decode", "decode-bad", model=ModelConfig(tokens_per_block=8), num_blocks=20)
+    with pytest.raises(RegistrationRefused, match="'tokens_per_block' is 8 here but 4"):
+        build_engine_here(cluster, spec)
     assert "decode-bad" not in cluster.client.stats().engines
     [ok] = cluster.generate([[1, 2, 3]], 2, timeout_s=30)  # the cluster still serves
     assert ok.error is None

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine_integration.launch import ClusterConfig, generate_colocated, make_cluster
+from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 
 from engine_helpers import ETCD_PLANE, ETCD_POLL_S, ETCD_TTL_S, varied_prompts
 
@@ -29,7 +29,7 @@ DETECT_BOUND_S = ETCD_TTL_S + 0.5 + ETCD_POLL_S + 2.5   # + slack: shared 2-core
 def cluster(request):
     config = ClusterConfig(backend=request.param, decode_blocks=24, prefill_blocks=512, request_timeout_s=60.0,
                            transfer_timeout_s=TRANSFER_TIMEOUT_S, control_plane=ETCD_PLANE)
-    with make_cluster(config) as c:
+    with DisaggCluster(config) as c:
         yield c
 
 

@@ -49,7 +49,7 @@ def test_info_line_without_a_control_plane_names_the_embedded_coordinator():
 
 @needs_etcd
 def test_info_line_reports_etcd_health():
-    from engine_integration.control_plane.etcd_server import EtcdServer, free_port
+    from engine_integration.control_plane.etcd.server import EtcdServer, free_port
 
     with EtcdServer() as server:
         line = control_plane_line(f"etcd://{server.endpoint}/prod?ttl=5")

@@ -76,7 +76,7 @@ def hosts():
 
 def _etcd_in(ns: str, tmp: Path):
     """One etcd member started inside ``ns`` (a wrapper binary), secured; (server, password file)."""
-    from engine_integration.control_plane.etcd_server import EtcdServer, etcd_binary
+    from engine_integration.control_plane.etcd.server import EtcdServer, etcd_binary
 
     wrapper = tmp / "etcd-in-ns"
     wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {ns} {etcd_binary()} "$@"\n')
@@ -110,7 +110,7 @@ def _start_host(spec: EngineSpec, ns: str, dev: str, secret_file: str, timeout_s
 @pytest.mark.parametrize("backend", ["ucx", "nixl"])
 def test_two_hosts_one_etcd_token_exact_and_decode_kill_frees_pins(hosts, backend, tmp_path):
     from engine_integration.control_plane import open_control_plane
-    from engine_integration.etcd_engine import EtcdGenerationClient
+    from engine_integration.control_plane.etcd.client import EtcdGenerationClient
 
     (ns_a, dev_a), (ns_b, dev_b) = hosts["a"], hosts["b"]
     secret = tmp_path / "cluster.secret"

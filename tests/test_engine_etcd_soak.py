@@ -21,7 +21,7 @@ import time
 import pytest
 
 from engine_integration import procs
-from engine_integration.launch import ClusterConfig, generate_colocated, make_cluster
+from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 
 from engine_helpers import ETCD_PLANE
 
@@ -50,8 +50,8 @@ def test_soak_handoffs_through_generate_leave_nothing_behind():
     expected = {p: r.tokens for p, r in zip(distinct, generate_colocated([list(p) for p in distinct], NEW_TOKENS))}
     config = ClusterConfig(backend="ucx", decode_blocks=DECODE_BLOCKS, prefill_blocks=512, request_timeout_s=60.0,
                            transfer_timeout_s=20.0, control_plane=ETCD_PLANE)
-    with make_cluster(config) as cluster:
-        client, plane = cluster.client, cluster.plane
+    with DisaggCluster(config) as cluster:
+        client, plane = cluster.client, cluster.service.store
         cluster.generate(prompts[:4], NEW_TOKENS, timeout_s=60)   # warm-up (not counted): transports connected
         t0 = time.monotonic()
         results = []

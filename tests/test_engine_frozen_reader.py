@@ -117,8 +117,8 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine_integration.client import CoordinatorClient  # noqa: E402
-from engine_integration.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process  # noqa: E402
+from engine_integration.control_plane.zmq.client import CoordinatorClient  # noqa: E402
+from engine_integration.control_plane.zmq.coordinator import CoordinatorConfig, start_coordinator_process, stop_coordinator_process  # noqa: E402
 from engine_integration.launch import generate_colocated  # noqa: E402
 from engine_integration.worker import EngineSpec, build_engine, start_engine_host  # noqa: E402
 

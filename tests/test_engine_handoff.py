@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine_integration import wire
-from engine_integration.coordinator import compatibility_problem
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.policy import compatibility_problem
+from engine_integration.control_plane.zmq.coordinator import member
 from engine_integration.descriptor import HandoffDescriptor
 from engine_integration.engine import StateHandoffDynamicInferenceEngine, _EngineAdapter
 from engine_integration.launch import generate_colocated
@@ -180,6 +181,6 @@ def test_compatibility_problem_names_the_field():
         meta = {"backend": "local", "dtype": "float32", "tokens_per_block": tpb, "num_outer": 4}
         return wire.Register("decode", "d", "i", 1, "h", fp, [meta], 8)
 
-    assert compatibility_problem(reg(4), reg(4)) is None
-    assert "'tokens_per_block' is 8 here but 4" in compatibility_problem(reg(8), reg(4))
-    assert "fingerprint" in compatibility_problem(reg(4, "y"), reg(4))
+    assert compatibility_problem(member(reg(4)), member(reg(4))) is None
+    assert "'tokens_per_block' is 8 here but 4" in compatibility_problem(member(reg(8)), member(reg(4)))
+    assert "fingerprint" in compatibility_problem(member(reg(4, "y")), member(reg(4)))

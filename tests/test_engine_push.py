@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine_integration import wire
-from engine_integration.client import CoordinatorClient
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.client import CoordinatorClient
 from engine_integration.descriptor import HandoffDescriptor
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 from engine_integration.poll import KVPoll

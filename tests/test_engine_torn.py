@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from engine_integration import wire
-from engine_integration.coordinator import compatibility_problem
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.policy import compatibility_problem
+from engine_integration.control_plane.zmq.coordinator import member
 from engine_integration.launch import generate_colocated
 from engine_integration.poll import KVPoll
 from kvxfer.errors import TornReadError
@@ -111,7 +112,7 @@ def test_meta_carries_counters_and_descriptors_carry_generations(pair):
     assert meta["generations"]["dtype"] == "int64" and meta["dtype"] == "float32"
     assert "generations" not in decode.transfer_meta[0]  # a decode exports no counters
     reg = {e.role: wire.Register(e.role, e.identity, "1", 1, "h", "fp", e.transfer_meta, 8) for e in pair}
-    assert compatibility_problem(reg["decode"], reg["prefill"]) is None  # KV geometry compared, not the counters
+    assert compatibility_problem(member(reg["decode"]), member(reg["prefill"])) is None  # KV geometry compared, not the counters
     d = publish(prefill, 0, distinct_prompts(1)[0])
     assert len(d.generations) == len(d.block_ids)
     record, events = import_and_finish(prefill, decode, d)

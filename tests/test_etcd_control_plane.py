@@ -14,11 +14,13 @@ import time
 
 import pytest
 
-from engine_integration.control_plane import ControlPlaneUnavailable, HandoffState, LeaseLost, open_control_plane
-from engine_integration.control_plane.etcd_http import EtcdError, EtcdHttpClient
-from engine_integration.control_plane.etcd_server import EtcdServer
-from engine_integration.control_plane.records import KeyLayout, encode_record
-from etcd_support import Child, Fleet, TcpProxy, sealed_meta, wait_for
+from engine_integration.control_plane import ControlPlaneUnavailable, open_control_plane
+from engine_integration.control_plane.etcd.records import HandoffState
+from engine_integration.control_plane.etcd.store import LeaseLost
+from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient
+from engine_integration.control_plane.etcd.server import EtcdServer
+from engine_integration.control_plane.etcd.records import KeyLayout, encode_record
+from etcd_support import Child, Fleet, TcpProxy, sealed_meta, secured_etcd, wait_for
 
 pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(120)]
 
@@ -29,16 +31,7 @@ DETECT_BOUND_S = TTL_S + 0.5 + POLL_S + 1.5
 _clusters = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    """One secured etcd for the module: (server, the kvxfer user's password)."""
-    server = EtcdServer().start()
-    password = "kv-" + os.urandom(8).hex()
-    server.secure(root_password=os.urandom(8).hex(), user="kvxfer", password=password)
-    try:
-        yield server, password
-    finally:
-        server.stop()
+etcd = pytest.fixture(scope="module", name="etcd")(secured_etcd)
 
 
 @pytest.fixture

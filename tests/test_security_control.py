@@ -17,10 +17,11 @@ from dataclasses import asdict
 import pytest
 import zmq
 
-from engine_integration import procs, wire
-from engine_integration.channel import ClientChannel, InsecureNotRequested
-from engine_integration.client import CoordinatorClient
-from engine_integration.coordinator import (Coordinator, CoordinatorConfig, start_coordinator_process,
+from engine_integration import procs
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import ClientChannel, InsecureNotRequested
+from engine_integration.control_plane.zmq.client import CoordinatorClient
+from engine_integration.control_plane.zmq.coordinator import (Coordinator, CoordinatorConfig, start_coordinator_process,
                                             stop_coordinator_process)
 from kvxfer.errors import AuthenticationError
 from kvxfer.security.auth import (CLIENT_TO_SERVER, FrameDropped, SessionClient, SessionServer)
@@ -259,11 +260,11 @@ def test_spawned_coordinator_gets_a_private_secret_file(monkeypatch):
         path = engine.coordinator_secret_file
         assert path is not None and os.stat(path).st_mode & 0o777 == 0o600
         secret = open(path).read().strip()
-        assert secret.encode() not in _cmdline(engine._coordinator_process.pid)
+        assert secret.encode() not in _cmdline(engine.spawned_coordinator.process.pid)
         engine.connect(backend="local", register_timeout_s=20)
         with pytest.raises(AuthenticationError):  # no stats, no shutdown, for anyone without the file
-            ClientChannel(engine._coordinator_address, b"not-the-cluster-secret-at-all", handshake_timeout_s=1.0)
-        client = CoordinatorClient(engine._coordinator_address, secret_file=path)
+            ClientChannel(engine.spawned_coordinator.url, b"not-the-cluster-secret-at-all", handshake_timeout_s=1.0)
+        client = CoordinatorClient(engine.spawned_coordinator.url, secret_file=path)
         assert client.stats().engines["p-own"]["alive"]
         client.close()
     finally:
@@ -361,7 +362,7 @@ def test_connection_cap_refuses_more_with_a_log_line(coordinator, caplog):
 
 def test_decode_engine_survives_malformed_and_unserviceable_start_decodes():
     """Finding 4, decode side: the refused message is counted, a request it names is failed, the loop lives."""
-    from engine_integration.channel import ServerChannel
+    from engine_integration.control_plane.zmq.channel import ServerChannel
     from engine_integration.engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import ModelConfig, build_reference_engine
 
@@ -390,13 +391,183 @@ def test_decode_engine_survives_malformed_and_unserviceable_start_decodes():
         server.send(peer, wire.StartDecode(8, {**ok, "request_id": 8}, 4))      # fine, source unknown: queued
         server.send(peer, wire.Release([8], "a prefill's message sent to a decode"))  # its handler raises
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (len(engine.refused_messages) < 2 or not engine._handoff_sink.num_queued):
+        while time.monotonic() < deadline and (len(engine.plane.refused_messages) < 2
+                                               or not engine._handoff_sink.num_queued):
             engine.serve_step()
             time.sleep(0.01)
         assert engine.shutdown_reason is None
-        assert engine.refused_messages.get("invalid") == 1 and engine.refused_messages.get("handler error") == 1
+        refused = engine.plane.refused_messages
+        assert refused.get("invalid") == 1 and refused.get("handler error") == 1
         assert engine._handoff_sink.num_queued == 1
     finally:
         engine.disconnect("test over")
         server.close()
         ctx.term()
+
+
+def _nested(depth: int) -> list:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value  # type: ignore[return-value]
+
+
+def test_an_insiders_deeply_nested_frame_costs_one_frame_not_the_coordinator():
+    """Issue 21, A6: a 4 KB frame nested 2,000 deep, sealed with the cluster secret, used to make the
+    coordinator process exit (RecursionError in the decoder). Every message's depth and size are now
+    bounded before it is decoded (control_plane.limits): the frame is refused as invalid and counted."""
+    proc, address = start_coordinator_process(CoordinatorConfig(secret=SECRET))
+    try:
+        insider = ClientChannel(address, KEY, identity=b"mallory/1")
+        frames = []
+        for depth in (2000, 30):   # far past, and just past, the bound (32 levels: 3 + 30 here)
+            register = wire.encode(wire.Register("decode", "mallory", "1", os.getpid(), socket.gethostname(), "fp",
+                                                 [{"deep": "X"}], 8))
+            frames.append(register.replace(b'"X"', b"[" * depth + b"1" + b"]" * depth))
+        frames.append(b'{"type":"submit","client_request_id":1,"prompt":' + b"[" * 3000 + b"]" * 3000
+                      + b',"max_new_tokens":2}')
+        assert 4000 < len(frames[0]) < 4200
+        t0 = time.monotonic()
+        for frame in frames:
+            insider.sock.send(insider.session.seal(frame))
+        stats = _stats(address)
+        assert proc.poll() is None, f"the coordinator exited with status {proc.returncode}"
+        assert stats.dropped.get("invalid", 0) == len(frames) and "mallory" not in stats.engines
+        assert time.monotonic() - t0 < 3.0
+        # a meta as deep as the bound allows still registers, and the coordinator keeps serving
+        decode = ClientChannel(address, KEY, identity=b"d0/1")
+        decode.send(wire.Register("decode", "d0", "1", os.getpid(), socket.gethostname(), "fp",
+                                  [{**META, "nested": _nested(29)}], 8))   # 3 + 29 = 32: at the bound
+        reply = decode.recv(5.0)
+        assert isinstance(reply, wire.Registered) and reply.ok
+        assert _stats(address).engines["d0"]["alive"]
+        for ch in (insider, decode):
+            ch.close()
+    finally:
+        stop_coordinator_process(proc, timeout_s=5)
+
+
+def test_engine_and_client_refuse_a_deeply_nested_message_from_the_coordinator_side():
+    """A6, the other direction: an insider posing as the coordinator sends a PeerMeta nested 2,000
+    deep to a decode engine, and a Stats nested as deep to a client: each is refused and counted."""
+    from engine_integration.control_plane.zmq.channel import ServerChannel
+    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.reference import ModelConfig, build_reference_engine
+
+    ctx = zmq.Context()
+    server = ServerChannel(ctx, "127.0.0.1", 0, KEY)
+    engine = build_reference_engine(ModelConfig(), 24, engine_cls=DisaggDynamicInferenceEngine)
+    connected = threading.Thread(target=engine.connect, args=(f"tcp://127.0.0.1:{server.port}",),
+                                 kwargs=dict(role="decode", name="d-victim", backend="local", secret=SECRET,
+                                             register_timeout_s=10))
+    connected.start()
+    peers, deadline = {}, time.monotonic() + 10
+    client = None
+    try:
+        while "engine" not in peers and time.monotonic() < deadline:
+            server.events()
+            if server.sock.poll(50):
+                got = server.receive()
+                if got is not None and isinstance(got[1], wire.Register):
+                    peers["engine"] = got[0]
+                    server.send(got[0], wire.Registered(True))
+        connected.join(10)
+        deep = b"[" * 2000 + b"]" * 2000
+        peer_meta = b'{"type":"peer_meta","identity":"p0","incarnation":"1","transfer_meta":[{"a":' + deep + b"}]}"
+        server._send_raw(peers["engine"], server._sessions[peers["engine"]].seal(peer_meta))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not engine.plane.refused_messages.get("invalid"):
+            engine.serve_step()
+            time.sleep(0.01)
+        assert engine.plane.refused_messages.get("invalid") == 1 and engine.shutdown_reason is None
+
+        client_thread = threading.Thread(target=lambda: peers.setdefault(
+            "client", CoordinatorClient(f"tcp://127.0.0.1:{server.port}", secret=SECRET)))
+        client_thread.start()
+        while client_thread.is_alive():
+            server.events()
+            if server.sock.poll(50):
+                server.receive()   # the client's hello: answered with the welcome
+        client = peers["client"]
+        client.channel.send(wire.StatsRequest())
+        while not server.sock.poll(50):
+            pass
+        who, _, _ = server.receive()
+        stats = b'{"type":"stats","engines":{"x":{"a":' + deep + b'}},"requests_in_flight":0}'
+        server._send_raw(who, server._sessions[who].seal(stats))
+        with pytest.raises(TimeoutError):
+            client.stats(timeout_s=1.0)
+        assert client.channel.dropped.get("invalid") == 1
+    finally:
+        if client is not None:
+            client.close()
+        engine.disconnect("test over")
+        server.close()
+        ctx.term()
+
+
+def test_a_flood_of_idle_unauthenticated_connections_does_not_lock_clients_out():
+    """Issue 21, A8: 600 idle TCP connections (no handshake, never a byte) used to fill the connection
+    cap (512, counted over every TCP connection) and lock authenticated clients out until libzmq
+    closed them at the handshake timeout. The cap now counts authenticated connections only; the
+    flood costs a file descriptor each, for handshake_timeout_s at most, and is re-opened by the
+    attacker as fast as it is shed."""
+    handshake_s = 2.0
+    proc, address = start_coordinator_process(CoordinatorConfig(secret=SECRET, handshake_timeout_s=handshake_s))
+    port = int(address.rsplit(":", 1)[1])
+    flood: list[socket.socket] = []
+    stop = threading.Event()
+    shed_after: list[float] = []   # how long the coordinator kept an idle connection open
+
+    def keep_flooding() -> None:
+        opened = {}
+        for _ in range(600):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setblocking(False)
+            flood.append(s)
+            opened[s] = time.monotonic()
+        while not stop.wait(0.05):
+            for i, s in enumerate(flood):
+                try:
+                    if s.recv(1) == b"":   # closed by the coordinator: count it and come back
+                        shed_after.append(time.monotonic() - opened.pop(s))
+                        s.close()
+                        fresh = socket.create_connection(("127.0.0.1", port))
+                        fresh.setblocking(False)
+                        flood[i], opened[fresh] = fresh, time.monotonic()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    pass
+
+    attacker = threading.Thread(target=keep_flooding, daemon=True)
+    attacker.start()
+    try:
+        while len(flood) < 600:
+            time.sleep(0.05)
+        latencies, peak_tcp, peak_authenticated = [], 0, 0
+        t_end = time.monotonic() + 2.5 * handshake_s
+        while time.monotonic() < t_end:
+            t0 = time.monotonic()
+            client = CoordinatorClient(address, secret=SECRET, handshake_timeout_s=5.0)
+            stats = client.stats(5.0)
+            latencies.append(time.monotonic() - t0)
+            client.close()
+            peak_tcp, peak_authenticated = max(peak_tcp, stats.tcp_connections), max(peak_authenticated,
+                                                                                      stats.connections)
+            time.sleep(0.25)
+        latencies.sort()
+        print(f"\nMEASURED A8: 600 idle connections (peak {peak_tcp} TCP, {peak_authenticated} authenticated); "
+              f"{len(latencies)} clients answered in median {latencies[len(latencies) // 2] * 1e3:.0f} ms, "
+              f"max {latencies[-1] * 1e3:.0f} ms; idle connections shed after "
+              f"{min(shed_after or [0]):.2f}-{max(shed_after or [0]):.2f} s ({len(shed_after)} shed)")
+        assert peak_tcp >= 600, "the flood did not reach the coordinator"
+        assert peak_authenticated <= 2
+        assert latencies[-1] < 2.0, latencies
+        assert shed_after and max(shed_after) < 2 * handshake_s + 1.0   # libzmq closes what never handshakes
+    finally:
+        stop.set()
+        attacker.join(10)
+        for s in flood:
+            s.close()
+        stop_coordinator_process(proc, timeout_s=5)

@@ -1,45 +1,60 @@
-"""Fleet control planes: where instances, transfer metas and handoff state live.
+"""Control planes: where a fleet's engines meet. One interface, one policy, one package per plane.
 
-The ZeroMQ coordinator (``engine_integration.coordinator``) keeps all of it in one
-process: right for one machine, a single point of failure for a fleet. Here is the
-interface an engine needs from any control plane (``base.ControlPlane``) and an
-implementation whose state lives in etcd (``etcd.EtcdControlPlane``), which outlives
-every kvxfer process. Modules, one job each:
+  base     the contracts: ``ControlPlane`` (the engine's side), ``GenerationClient``,
+           ``PlaneService`` (what a launcher runs), errors, ``GenerationResult``
+  policy   compatibility, admission and routing, written once (pure; both planes call it)
+  zmq/     one coordinator process holds the fleet's picture (the default; one machine)
+  etcd/    the state lives in etcd, no coordinator (a fleet that outlives any process)
 
-  base         the interface, states, errors, ``Health``
-  records      key layout, records, signing and verification, ``FleetView`` decisions (pure)
-  etcd_http    a stdlib client for etcd's v3 HTTP/JSON gateway
-  etcd         ``EtcdControlPlane``: lease, keepalive, self-fencing, snapshots, handoff keys
-  etcd_server  start/secure/stop a local etcd (tests, demos)
-
-``open_control_plane("etcd://user@host:2379/cluster")`` builds one from a URL. Nothing
-here imports torch or zmq.
+``open_control_plane(url)`` gives an engine its plane from a URL; ``plane_service(url)``
+gives a launcher the fleet side it runs. Nothing here imports torch; the ZeroMQ modules
+import pyzmq, the etcd ones only the standard library.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from engine_integration.control_plane.base import (Change, ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
-                                                   HandoffState, Health, LeaseLost)
-from engine_integration.control_plane.records import (FleetView, HandoffPair, HandoffRecord, InstanceRecord,
-                                                      KeyLayout, Verdict)
+from engine_integration.control_plane.base import (ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
+                                                   FleetStats, GenerationClient, GenerationResult, Health,
+                                                   PlaneService, RegistrationRefused)
 
-__all__ = ["Change", "ControlPlane", "ControlPlaneError", "ControlPlaneUnavailable", "FleetView", "HandoffPair",
-           "HandoffRecord", "HandoffState", "Health", "InstanceRecord", "KeyLayout", "LeaseLost", "Verdict",
-           "open_control_plane"]
+__all__ = ["ControlPlane", "ControlPlaneError", "ControlPlaneUnavailable", "FleetStats", "GenerationClient",
+           "GenerationResult", "Health", "PlaneService", "RegistrationRefused", "open_control_plane",
+           "plane_service"]
 
 
 def open_control_plane(url: str, **options: Any) -> ControlPlane:
-    """A control plane from its URL: ``etcd://[user@]host:port[,host:port]/[cluster]?ttl=5&poll=0.25``.
+    """The engine's side of the plane at ``url``, not yet attached to an engine.
 
-    ``options`` override ``EtcdConfig`` fields (``password_file``, ``secret_file``, ...).
-    The embedded coordinator keeps its own entry point (``tcp://``) until the engine is
-    wired to this interface.
+    ``tcp://host:port``: a coordinator (``zmq.CoordinatorPlane``; options ``secret``,
+    ``secret_file``, ``insecure``, ``heartbeat_interval_s``, ``coordinator_timeout_s``).
+    ``etcd://[user@]host:port[,host:port]/[cluster]?ttl=5&poll=0.25``: the etcd fleet
+    (``etcd.EtcdPlane``; options ``password_file``, ``secret_file``, ``insecure`` and any
+    ``EtcdConfig`` field).
     """
     if url.startswith("etcd://"):
-        from engine_integration.control_plane.etcd import EtcdControlPlane, parse_etcd_url
+        from engine_integration.control_plane.etcd.plane import EtcdPlane
 
-        on_lease_lost = options.pop("on_lease_lost", None)
-        return EtcdControlPlane(parse_etcd_url(url, **options), on_lease_lost=on_lease_lost)
-    raise ValueError(f"unknown control plane URL {url!r}: expected etcd://host:port")
+        return EtcdPlane.open(url, **options)
+    if url.startswith("tcp://"):
+        from engine_integration.control_plane.zmq.plane import CoordinatorPlane
+
+        return CoordinatorPlane(url, **options)
+    raise ValueError(f"unknown control plane URL {url!r}: expected tcp://host:port (a coordinator) or etcd://host:port")
+
+
+def plane_service(url: Optional[str], **options: Any) -> PlaneService:
+    """The fleet side a launcher runs: ``None`` starts a coordinator (``zmq.CoordinatorService``;
+    options are ``CoordinatorConfig`` fields), ``etcd://...`` reaches or starts etcd
+    (``etcd.EtcdService``; options ``password_file``, ``secret``)."""
+    if not url:
+        from engine_integration.control_plane.zmq.coordinator import CoordinatorConfig
+        from engine_integration.control_plane.zmq.service import CoordinatorService
+
+        return CoordinatorService(CoordinatorConfig(**options))
+    if url.startswith("etcd://"):
+        from engine_integration.control_plane.etcd.service import EtcdService
+
+        return EtcdService(url, **options)
+    raise ValueError(f"unknown control plane URL {url!r}: expected etcd://host:port, or none for a coordinator")

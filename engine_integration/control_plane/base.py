@@ -1,32 +1,31 @@
-"""The control-plane interface the engines need, whatever holds the state.
+"""What an engine needs from a control plane, and what a launcher needs to run one.
 
-Today one ZeroMQ coordinator process holds the fleet's picture (who is alive, their
-transfer metas, every handoff's state); if it dies, every handoff is orphaned. This
-interface names what an engine needs from *any* control plane so that a store which
-outlives every kvxfer process (etcd, ``engine_integration.control_plane.etcd``) can hold
-the same state:
+A control plane is where a fleet's engines meet: it registers them (refusing one whose KV
+geometry or model differs), brings each prefill its requests, routes each pinned prompt
+to a decode, tells the decode where to read, and tells the prefill when its pins may go.
+kvxfer has two, one package each, behind the same three contracts:
 
-- ``register``: this instance and its transfer metas, under a lease it keeps alive;
-  a restart under the same name is a new incarnation (fresh metas, never the old ones).
-- ``snapshot``/``instances``: the live set, every record verified before it is returned.
-- ``publish_handoff`` (prefill) / ``set_reader_state`` (decode): a handoff's state in
-  keys owned by the lease of the side that owns that state, so a dead side's state
-  vanishes with it and the other side learns it within the lease TTL plus one poll.
-- ``clear_handoff``: the source removes a finished handoff (nothing left behind).
-- ``poll_changes``: what changed since the last call (instances up/down, handoffs).
-- ``health``: for ``kvxfer info`` and for self-fencing (``lease_valid``).
+- ``ControlPlane``: the engine's side. ``DisaggDynamicInferenceEngine`` takes one
+  (``engine.connect(plane, ...)``) and calls it from its loop; the plane calls back only
+  the engine's public handoff methods (``PlaneEngine``). ``zmq.CoordinatorPlane`` speaks
+  to a coordinator process; ``etcd.EtcdPlane`` keeps its state in etcd, no coordinator.
+- ``GenerationClient``: submit prompts, collect results in input order.
+- ``PlaneService``: the fleet side a launcher starts and stops on one machine
+  (the coordinator process; or an etcd, reached or started in demo mode).
 
-Pure data (records, verdicts) lives in ``records``; nothing here does I/O.
+Policy (compatibility, admission, routing) is not here and not in either package: both
+call ``control_plane.policy``. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from kvxfer.errors import KVXferError
+
+RequestId = int | str
 
 
 class ControlPlaneError(KVXferError):
@@ -37,37 +36,31 @@ class ControlPlaneUnavailable(ControlPlaneError):
     """The control-plane store could not be reached within the configured time."""
 
 
-class LeaseLost(ControlPlaneError):
-    """This instance's lease expired (or was revoked): it is dead to the fleet and must
-    re-register as a new incarnation; nothing it holds under the old lease may be trusted."""
-
-
-class HandoffState(str, enum.Enum):
-    """A handoff's states; ``PUBLISHED`` is the source's, the rest are the reader's."""
-
-    PUBLISHED = "published"   #: source: blocks pinned, descriptor routed to one reader
-    RESERVED = "reserved"     #: reader: destination blocks reserved, no read posted yet
-    PULLING = "pulling"       #: reader: one-sided reads may be in flight (written *before* posting)
-    READ_DONE = "read_done"   #: reader: every read completed; the source may unpin
-    FAILED = "failed"         #: reader: the pull failed and no read can still be in flight
-
-    @property
-    def side(self) -> str:
-        return "source" if self is HandoffState.PUBLISHED else "reader"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (HandoffState.READ_DONE, HandoffState.FAILED)
+class RegistrationRefused(KVXferError):
+    """The control plane refused this engine; the message says why (e.g. a geometry mismatch)."""
 
 
 @dataclass(frozen=True)
-class Change:
-    """One difference between two consecutive snapshots (``ControlPlane.poll_changes``)."""
+class GenerationResult:
+    """One prompt's outcome: ``tokens`` or an ``error`` saying why not."""
 
-    kind: str                 #: ``instance_up``, ``instance_down``, ``handoff``, ``handoff_gone``
-    name: str                 #: instance name, or ``source/request_id`` for handoffs
-    record: Any = None        #: the new record (``InstanceRecord`` / ``HandoffPair``), the old one when gone
-    reason: str = ""          #: for ``instance_down``: ``lease expired or deregistered`` / ``restarted``
+    tokens: Optional[tuple[int, ...]]
+    error: Optional[str] = None
+    timings: dict[str, float] = field(default_factory=dict)
+    cached_prefix_blocks: int = 0
+    pulled_blocks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class FleetStats:
+    """A fleet's figures as a client sees them (the coordinator's ``wire.Stats`` has these fields and more)."""
+
+    engines: dict[str, dict[str, Any]]      #: name -> its last load figures, with ``alive``
+    requests_in_flight: int
 
 
 @dataclass(frozen=True)
@@ -90,54 +83,150 @@ class Health:
     counters: dict[str, int] = field(default_factory=dict)
 
 
+class PlaneEngine(Protocol):
+    """The engine as a control plane sees it (``DisaggDynamicInferenceEngine`` implements it)."""
+
+    role: Optional[str]
+    identity: str
+    backend_name: str
+    is_push: bool
+    shutdown_reason: Optional[str]
+
+    @property
+    def transfer_meta(self) -> list[dict[str, Any]]: ...
+    @property
+    def model_fingerprint(self) -> str: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    def add_request(self, request_id: RequestId, prompt: Sequence[int], max_new_tokens: int) -> None: ...
+    def add_peer_transfer_meta(self, identity: str, metas: Sequence[dict[str, Any]]) -> None: ...
+    def add_handoff(self, descriptor: Any, max_new_tokens: int) -> None: ...
+    def release_handoff(self, request_id: RequestId) -> bool: ...
+    def push_handoff(self, request_id: RequestId, decode_metas: Sequence[dict[str, Any]],
+                     skip_blocks: int = 0) -> None: ...
+    def abort_request(self, request_id: RequestId, reason: str) -> None: ...
+    def handoff_stats(self) -> dict[str, int]: ...
+    def take_pull_stats(self, request_id: RequestId) -> Any: ...
+    def set_commit_guard(self, guard: Optional[Callable[[], Optional[str]]]) -> None: ...
+
+
 class ControlPlane(abc.ABC):
-    """A fleet control plane: registration, live set, handoff state, changes, health."""
+    """The engine's side of a control plane; the engine loop calls it, it calls ``PlaneEngine``.
 
-    backend: str = ""
+    Per ``serve_step`` the engine calls ``poll`` (act on what the plane says), runs one
+    engine step, hands every finished record to ``finished``, then ``tick`` (heartbeats,
+    load figures); between those the engine reports its handoffs as they happen
+    (``publish`` on a prefill, ``handoff_event`` on a decode).
+    """
 
-    @abc.abstractmethod
-    def register(self, *, name: str, role: str, transfer_meta: Sequence[dict[str, Any]], capacity_blocks: int,
-                 extra: Optional[dict[str, Any]] = None) -> Any:
-        """Register this instance under a fresh lease and incarnation; returns its record."""
-
-    @abc.abstractmethod
-    def deregister(self) -> None:
-        """Goodbye: drop this instance's lease, and with it every key it owns."""
+    kind: str = ""                 #: ``zmq`` / ``etcd``
+    supports_push: bool = False    #: push backends (``nccl``) need the plane to carry Megatron's SEND_KV
 
     @abc.abstractmethod
-    def snapshot(self) -> Any:
-        """A verified ``FleetView`` of the live instances and handoffs."""
-
-    def instances(self, role: Optional[str] = None) -> list[Any]:
-        """The live instances (optionally of one role), verified."""
-        return self.snapshot().live(role)
+    def attach(self, engine: PlaneEngine, *, timeout_s: float) -> None:
+        """Register ``engine`` (set up for its role already); ``RegistrationRefused`` with the reason."""
 
     @abc.abstractmethod
-    def publish_handoff(self, request_id: str, *, reader: str, reader_incarnation: str,
-                        descriptor: dict[str, Any]) -> None:
-        """Prefill: a request's blocks are pinned and routed to ``reader`` (under our lease)."""
+    def poll(self) -> int:
+        """Act on what the plane says now (requests, peer metas, handoffs, releases, aborts); how many."""
 
     @abc.abstractmethod
-    def set_reader_state(self, source: str, request_id: str, state: HandoffState, *, source_incarnation: str,
-                         detail: str = "") -> None:
-        """Decode: our state for one handoff (under our lease); PULLING must be acknowledged before reading."""
+    def publish(self, request_id: RequestId, descriptor: Any, prefill_s: float) -> None:
+        """Prefill: the request's blocks are pinned and described; route it to a decode."""
 
     @abc.abstractmethod
-    def clear_handoff(self, source: str, request_id: str) -> None:
-        """Remove every key of one handoff (the source, once it has acted on a terminal state)."""
+    def transfer_ready(self, request_id: RequestId, cached_prefix_blocks: int, stats: Any) -> None:
+        """Decode: the request's KV is committed here and it is decoding (``stats``: ``sink.PullStats``)."""
 
     @abc.abstractmethod
-    def poll_changes(self) -> list[Change]:
-        """What changed since the previous call (the first call reports everything as new)."""
+    def read_done(self, request_id: RequestId, failure: str = "") -> None:
+        """Decode: no read of this request can still be in flight; its source may release the pins.
+
+        ``failure`` is empty after a committed pull, else why the pull failed."""
 
     @abc.abstractmethod
-    def health(self) -> Health:
-        """The store's reachability and this instance's lease."""
+    def pull_failed(self, request_id: RequestId, reason: str) -> None:
+        """Decode: the request failed here (its pull failed, was refused or aborted)."""
 
     @abc.abstractmethod
-    def lease_valid(self) -> bool:
-        """False once our lease may have expired: a reader must not commit a pull then (self-fencing)."""
+    def finished(self, record: Mapping[str, Any]) -> None:
+        """A request ended in the engine's step: ``{"request_id", "tokens"}`` or ``{"request_id", "error"}``."""
+
+    def request_push(self, request_id: RequestId, skip_blocks: int) -> None:
+        """Decode, push backends: our receives are posted; have the prefill push (Megatron's SEND_KV)."""
+        raise RuntimeError(f"the {self.kind} control plane does not carry pushes")
+
+    def push_failed(self, request_id: RequestId, reason: str) -> None:
+        """Prefill, push backends: a push of ours failed (its pins are released already)."""
+
+    def tick(self) -> None:
+        """Once per ``serve_step``, after the engine step: heartbeats, load figures."""
+
+    def wait_s(self) -> float:
+        """How long an idle engine loop may sleep before the plane needs ``poll`` again."""
+        return 0.05
+
+    @property
+    def wake_socket(self) -> Any:
+        """A zmq socket that turns readable when the plane has news (``None``: poll on a timer)."""
+        return None
+
+    def figures(self) -> dict[str, int]:
+        """The plane's own load figures, added to ``engine.handoff_stats()``."""
+        return {}
+
+    def health(self) -> Optional[Health]:
+        """The plane's reachability (``None`` where the plane has nothing to say)."""
+        return None
+
+    @abc.abstractmethod
+    def detach(self, reason: str = "") -> None:
+        """Goodbye: leave the fleet and release connections; idempotent."""
+
+
+class GenerationClient(abc.ABC):
+    """Submit prompts to a fleet and collect each one's ``GenerationResult``, matched by id."""
+
+    @abc.abstractmethod
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Any:
+        """Send one request; returns its id (a refused one's result is ready at once)."""
+
+    @abc.abstractmethod
+    def collect(self, ids: Sequence[Any], timeout_s: float) -> list[GenerationResult]:
+        """Results for ``ids`` in that order; one not back within ``timeout_s`` is an error result."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 timeout_s: float = 120.0) -> list[GenerationResult]:
+        ids = [self.submit(p, max_new_tokens) for p in prompts]
+        return self.collect(ids, timeout_s)
+
+    @abc.abstractmethod
+    def stats(self) -> Any:
+        """``FleetStats``-shaped figures: ``engines`` (name -> figures with ``alive``), ``requests_in_flight``."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop keeping the lease alive and release connections (does not deregister)."""
+        """Release connections (and on etcd the client's lease, with its requests and results)."""
+
+
+class PlaneService(abc.ABC):
+    """A control plane's fleet side, as ``launch.DisaggCluster`` runs it on one machine."""
+
+    url: str = ""   #: what engines connect to: ``tcp://host:port`` or ``etcd://user@host:port/cluster?...``
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bring the plane up (a coordinator process; an etcd reached, or started and secured)."""
+
+    @abc.abstractmethod
+    def engine_options(self) -> dict[str, Any]:
+        """``EngineSpec`` fields an engine process needs to join (they travel on its pipe, never in argv)."""
+
+    @property
+    @abc.abstractmethod
+    def client(self) -> GenerationClient:
+        """This machine's client of the fleet (made on first use)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop what ``start`` started; idempotent."""

@@ -200,8 +200,8 @@ def control_plane_url(text: str) -> str:
             name, sep, port = host.rpartition(":")
             if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"endpoint {host!r} is not host:port")
-        from engine_integration.control_plane.etcd import parse_etcd_url
-        from engine_integration.control_plane.records import KeyLayout
+        from engine_integration.control_plane.etcd.records import KeyLayout
+        from engine_integration.control_plane.etcd.store import parse_etcd_url
 
         config = parse_etcd_url(text if hosts else text.replace("etcd://", "etcd://127.0.0.1:2379", 1))
         KeyLayout(config.cluster)

@@ -9,7 +9,7 @@ drops: an insider's malformed message (a descriptor without ``block_hashes``, a
 three calls later.
 
 Authentication and replay protection are *not* here: payloads travel inside a
-per-connection session (``engine_integration.channel``). This module only turns
+per-connection session (``channel``). This module only turns
 structs into bytes and back.
 """
 
@@ -19,23 +19,29 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
+from engine_integration.control_plane.limits import TooDeep, check_json
+from engine_integration.control_plane.policy import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, TOKEN_ID_LIMIT
+
 #: Limits of the schema; generous for real traffic, small enough that no field can be a weapon.
-MAX_TOKENS = 1 << 20
+#: The request limits are the fleet policy's (``control_plane.policy``), so admission refuses
+#: at submit anything a relayed message would fail here.
+MAX_TOKENS = max(MAX_PROMPT_TOKENS, MAX_NEW_TOKENS)
 MAX_BLOCKS = 1 << 24
 MAX_TEXT = 16384
 MAX_METAS = 4096
 MAX_BATCH = 65536
+MAX_MESSAGE_BYTES = 16 << 20   #: the channel's frame cap (``channel.MAX_FRAME_BYTES``) bounds it first
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Token = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-Prompt = Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
-NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+Prompt = Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
 
 
 class Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
@@ -214,7 +220,9 @@ class Stats(Msg, frozen=True, tag="stats"):
     requests_in_flight: Count
     dropped_frames: Count = 0  #: control frames refused, all reasons together
     dropped: dict[str, int] = {}  #: reason -> frames refused ("forged", "replayed", "reflected", "invalid", ...)
-    connections: Count = 0     #: control connections open now
+    connections: Count = 0     #: authenticated control connections open now (what ``max_connections`` caps)
+    tcp_connections: Count = 0  #: every TCP connection open now, handshakes in progress included
+    stuck_requests: Count = 0  #: failed requests whose live decode never released them (pins kept: no counters)
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, SendKV, Finished, Failed, Goodbye,
@@ -234,13 +242,22 @@ def encode(msg: Msg) -> bytes:
 
 
 def decode(payload: bytes) -> Msg:
-    """The message in ``payload``, every constraint checked; ``WireError`` otherwise."""
+    """The message in ``payload``, every constraint checked; ``WireError`` otherwise.
+
+    Its depth and size are bounded before msgspec sees it (``control_plane.limits``): the
+    metas inside messages are free-form dicts, and a value nested thousands deep must cost
+    one refused message, not the process.
+    """
     try:
-        return _DECODER.decode(payload)
+        return _DECODER.decode(check_json(payload, max_bytes=MAX_MESSAGE_BYTES, what="control message"))
+    except TooDeep as exc:
+        raise WireError(f"invalid control message: {exc}") from None
     except msgspec.ValidationError as exc:
         raise WireError(f"invalid control message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable control message: {exc}") from None
+    except RecursionError:   # cannot pass the depth check; a peer must still never crash us
+        raise WireError("invalid control message: nested too deep") from None
 
 
 def descriptor_dict(descriptor: Descriptor) -> dict[str, Any]:

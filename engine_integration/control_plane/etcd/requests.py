@@ -10,7 +10,7 @@ whole life is in keys (``<root>`` is ``/kvxfer/<cluster>``)::
 Everything is under the *client's* lease: a client that dies leaves nothing behind.
 Records are sealed and signed like every other record (``records.encode_record``), name
 their key and the lease they were written under; a request is taken with one atomic
-delete (``EtcdControlPlane.take``), so two prefills never run the same request.
+delete (``EtcdStore.take``), so two prefills never run the same request.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine_integration.control_plane.records import (KeyLayout, RecordRefused, _field, _lease_matches, _load,
-                                                      check_name)
+from engine_integration.control_plane.etcd.records import (KeyLayout, RecordRefused, _field, _lease_matches, _load,
+                                                           check_name, refusing)
 
 REQUEST_KIND = "kvxfer/request/1"
 RESULT_KIND = "kvxfer/result/1"
@@ -65,6 +65,7 @@ class ResultRecord:
                 "error": self.error[:2048], "info": dict(self.info)}
 
 
+@refusing
 def decode_request(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                    allow_unauthenticated: bool = False) -> RequestRecord:
     view = _load(value, cluster_key, allow_unauthenticated)
@@ -81,9 +82,11 @@ def decode_request(key: str, value: bytes, lease: int, layout: KeyLayout, cluste
     _lease_matches(view, lease)
     if not rec.prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in rec.prompt):
         raise RecordRefused("prompt must be a non-empty list of token ids")
+    check_name("request id", rec.request_id)
     return rec
 
 
+@refusing
 def decode_result(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                   allow_unauthenticated: bool = False) -> ResultRecord:
     view = _load(value, cluster_key, allow_unauthenticated)
@@ -112,6 +115,7 @@ def stats_body(name: str, incarnation: str, lease: int, figures: dict[str, int])
             "figures": {k: int(v) for k, v in figures.items()}}
 
 
+@refusing
 def decode_stats(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                  allow_unauthenticated: bool = False) -> tuple[str, str, dict[str, int]]:
     """(name, incarnation, figures) of one engine's load record."""

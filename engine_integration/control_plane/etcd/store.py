@@ -1,4 +1,11 @@
-"""The fleet control plane on etcd: state that outlives every kvxfer process.
+"""The fleet's state in etcd: this instance's lease, its records, the verified snapshot.
+
+``EtcdStore`` is what an etcd-plane process holds: registration under a lease (a
+restart under the same name is a new incarnation, with fresh metas, never the old ones),
+a verified ``FleetView`` per ``snapshot``, each side's handoff key written under its own
+lease (``publish_handoff`` / ``set_reader_state``), ``clear_handoff``, and the
+request/result/stats keys beside them (``put_record``, ``range_raw``, ``take``). The engine
+logic on top is ``etcd.plane.EtcdPlane``; clients use ``etcd.client``.
 
 Each instance holds one etcd lease (``ttl_s``, kept alive every ``ttl_s / 3`` by a
 daemon thread) and writes under it its instance record and its side of each handoff
@@ -32,14 +39,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
-from engine_integration.control_plane.base import (Change, ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
-                                                   Health, HandoffState, LeaseLost)
-from engine_integration.control_plane.etcd_http import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
-from engine_integration.control_plane.records import (ROLES, FleetView, HandoffPair, HandoffRecord, InstanceRecord,
-                                                      KeyLayout, RecordRefused, check_name, decode_handoff,
-                                                      decode_instance, diff_views, encode_record)
+from engine_integration.control_plane.base import ControlPlaneError, ControlPlaneUnavailable, Health
+from engine_integration.control_plane.etcd.gateway import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
+from engine_integration.control_plane.etcd.records import (MAX_RECORD_BYTES, ROLES, Change, FleetView, HandoffPair,
+                                                           HandoffRecord, HandoffState, InstanceRecord, KeyLayout,
+                                                           RecordRefused, check_name, decode_handoff,
+                                                           decode_instance, diff_views, encode_record)
+from engine_integration.control_plane.limits import check_json
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+
+
+class LeaseLost(ControlPlaneError):
+    """This instance's lease expired (or was revoked): it is dead to the fleet and must
+    re-register as a new incarnation; nothing it holds under the old lease may be trusted."""
 
 
 class LeaseGone(ControlPlaneError):
@@ -122,8 +135,8 @@ def _resolve_cluster_key(config: EtcdConfig) -> Optional[bytes]:
     return load_secret(secret_file=config.secret_file) if config.secret_file else meta_key_from_env()
 
 
-class EtcdControlPlane(ControlPlane):
-    """``ControlPlane`` on etcd (see the module docstring for the lease and fencing rules)."""
+class EtcdStore:
+    """One process's view of and writes to the fleet in etcd (see the module docstring for the lease and fencing rules)."""
 
     backend = "etcd"
 
@@ -151,11 +164,14 @@ class EtcdControlPlane(ControlPlane):
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._mutex = threading.Lock()
-        self.counters: dict[str, int] = {"puts": 0, "snapshots": 0, "keepalives": 0, "keepalive_errors": 0}
+        self.counters: dict[str, int] = {"puts": 0, "snapshots": 0, "keepalives": 0, "keepalive_errors": 0,
+                                         "repairs": 0, "awaiting_repair": 0}
+        self._last_instances: dict[str, InstanceRecord] = {}   # the previous snapshot's live instances
+        self._awaiting_repair: set[tuple[str, str]] = set()      # (name, incarnation) logged as awaiting repair
 
     def __repr__(self) -> str:
         who = f"{self.record.name}/{self.record.incarnation}" if self.record else "unregistered"
-        return f"EtcdControlPlane({','.join(self.config.endpoints)}, cluster={self.config.cluster!r}, {who})"
+        return f"EtcdStore({','.join(self.config.endpoints)}, cluster={self.config.cluster!r}, {who})"
 
     # --- registration and lease -------------------------------------------------------------
     def register(self, *, name: str, role: str, transfer_meta: Sequence[dict[str, Any]], capacity_blocks: int,
@@ -206,13 +222,15 @@ class EtcdControlPlane(ControlPlane):
         if not kvs:
             return None
         try:
-            return str(json.loads(kvs[0].value).get("incarnation")), kvs[0].lease
-        except (ValueError, AttributeError):
+            return str(json.loads(check_json(kvs[0].value, max_bytes=MAX_RECORD_BYTES)).get("incarnation")), kvs[0].lease
+        except (ValueError, AttributeError, RecursionError):   # TooDeep is a ValueError
             return "?", kvs[0].lease
 
-    def _put(self, key: str, body: dict[str, Any], lease: int) -> None:
-        self.client.put(key.encode(), encode_record(body, self._key), lease=lease)
+    def _put(self, key: str, body: dict[str, Any], lease: int) -> int:
+        """Seal and store ``body``; the store's revision once it is written."""
+        revision = self.client.put(key.encode(), encode_record(body, self._key), lease=lease)
         self.counters["puts"] += 1
+        return revision
 
     def _keepalive_loop(self) -> None:
         interval = self.config.keepalive_interval_s or self._lease_ttl / 3.0
@@ -222,7 +240,7 @@ class EtcdControlPlane(ControlPlane):
             sent = time.monotonic()
             try:
                 ttl = self.client.lease_keepalive(record.lease)
-                owner = self._instance_at(record.name)
+                owner = self._own_record(record) if ttl > 0 else None
             except EtcdError as exc:
                 self.counters["keepalive_errors"] += 1
                 self._last_error = str(exc)
@@ -236,13 +254,44 @@ class EtcdControlPlane(ControlPlane):
             with self._mutex:
                 self._lease_deadline = sent + ttl
                 self._last_error = ""
-                if owner is not None and owner[0] != record.incarnation and not self._superseded:
+                if owner is not None and owner.incarnation != record.incarnation and not self._superseded:
                     self._superseded = True
                     log.error("%r was registered again by another process (incarnation %s): this incarnation %s "
-                              "is superseded and must stop", record.name, owner[0], record.incarnation)
+                              "is superseded and must stop", record.name, owner.incarnation, record.incarnation)
             if self._superseded:
                 self._lose(record, "superseded by a newer incarnation")
                 return
+
+    def _own_record(self, record: InstanceRecord) -> Optional[InstanceRecord]:
+        """The verified record at our key, after repairing it if it was deleted or overwritten.
+
+        Anyone with the etcd password can delete or rewrite our instance record; until it is
+        back the fleet cannot route to us (issue 21, A12). A missing record, or one that does
+        not verify as a record of this cluster, is rewritten (ours, under our lease) and
+        logged. Only a *verified* record of another incarnation (someone holding the cluster
+        key registered our name) supersedes us.
+        """
+        key = self.layout.instance(record.name)
+        _, kvs = self.client.range(key.encode())
+        if kvs:
+            try:
+                found = decode_instance(key, kvs[0].value, kvs[0].lease, self.layout, self._key,
+                                        allow_unauthenticated=self.config.allow_unauthenticated)
+            except RecordRefused as exc:
+                why = f"overwritten with a record that does not verify ({exc})"
+            else:
+                if found.incarnation == record.incarnation and found.lease == record.lease:
+                    return found
+                if found.incarnation != record.incarnation:
+                    return found   # registered again, by a process holding the cluster key
+                why = f"rewritten under lease {found.lease}"
+        else:
+            why = "deleted"
+        self._put(key, record.body(), record.lease)
+        self.counters["repairs"] += 1
+        log.warning("the instance record of %s %r incarnation %s was %s: rewritten under our lease %d", record.role,
+                    record.name, record.incarnation, why, record.lease)
+        return record
 
     def _lose(self, record: InstanceRecord, why: str) -> None:
         with self._mutex:
@@ -295,7 +344,7 @@ class EtcdControlPlane(ControlPlane):
     def snapshot(self) -> FleetView:
         """One range over our cluster's prefix, every record verified (refused ones listed, never used)."""
         try:
-            # handoffs/ .. instances/ only: requests, results and stats (engine_integration.etcd_engine)
+            # handoffs/ .. instances/ only: requests, results and stats (etcd.plane, etcd.client)
             # live beside them and are read by whoever needs them, not by every poll of every instance
             revision, kvs = self.client.range(self.layout.handoffs.encode(),
                                               prefix_end(self.layout.instances.encode()))
@@ -320,6 +369,9 @@ class EtcdControlPlane(ControlPlane):
                     raise RecordRefused("unknown key")
             except RecordRefused as exc:
                 refused.append((key, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - no stored value may stop a snapshot; refused like the rest
+                refused.append((key, f"unreadable: {type(exc).__name__}: {str(exc)[:200]}"))
+        self._carry_vanished(instances)
         handoffs: dict[tuple[str, str], HandoffPair] = {}
         for key, rec in raw_handoffs:
             owner = instances.get(rec.owner)
@@ -337,6 +389,36 @@ class EtcdControlPlane(ControlPlane):
                 log.warning("refused etcd record %s: %s", *item)
         return FleetView(revision, instances, handoffs, refused)
 
+    def _carry_vanished(self, instances: dict[str, InstanceRecord]) -> None:
+        """Keep live an instance whose record vanished while its lease lives (``instances`` updated).
+
+        An instance's record goes with its lease when it dies or says goodbye; a record that
+        is gone (or no longer verifies) while its lease still lives was deleted or rewritten
+        by someone else, and its owner rewrites it at its next keepalive (``_own_record``).
+        Until then the fleet keeps acting on the record it verified last: its handoffs are
+        not declared dead, and no pin is freed for it. One lease lookup per vanished record
+        per snapshot, only while it is missing.
+        """
+        carried = set()
+        for name, previous in self._last_instances.items():
+            if name in instances:
+                continue
+            try:
+                alive = self.client.lease_ttl(previous.lease) > 0
+            except EtcdError:
+                alive = False
+            if not alive:
+                continue
+            instances[name] = previous
+            carried.add((name, previous.incarnation))
+            self.counters["awaiting_repair"] += 1
+            if (name, previous.incarnation) not in self._awaiting_repair:
+                log.warning("the instance record of %s %r vanished while its lease %d lives (deleted or rewritten "
+                            "by someone else): still treated as live until its owner rewrites it",
+                            previous.role, name, previous.lease)
+        self._awaiting_repair = carried
+        self._last_instances = dict(instances)
+
     def poll_changes(self) -> list[Change]:
         view = self.snapshot()
         changes = diff_views(self._last_view, view)
@@ -349,13 +431,14 @@ class EtcdControlPlane(ControlPlane):
 
     # --- handoff state ----------------------------------------------------------------------
     def publish_handoff(self, request_id: str, *, reader: str, reader_incarnation: str,
-                        descriptor: dict[str, Any]) -> None:
+                        descriptor: dict[str, Any]) -> int:
+        """Prefill: the handoff's source key, under our lease; the store's revision once written."""
         me = self._require_lease()
         rec = HandoffRecord(source=me.name, request_id=check_name("request id", request_id),
                             state=HandoffState.PUBLISHED, owner=me.name, owner_incarnation=me.incarnation,
                             lease=me.lease, source_incarnation=me.incarnation, reader=check_name("reader", reader),
                             reader_incarnation=reader_incarnation, descriptor=dict(descriptor))
-        self._write(self.layout.handoff(me.name, request_id, "source"), rec)
+        return self._write(self.layout.handoff(me.name, request_id, "source"), rec)
 
     def set_reader_state(self, source: str, request_id: str, state: HandoffState, *, source_incarnation: str,
                          detail: str = "") -> None:
@@ -369,9 +452,9 @@ class EtcdControlPlane(ControlPlane):
                             reader_incarnation=me.incarnation, detail=detail[:512])
         self._write(self.layout.handoff(source, request_id, "reader"), rec)
 
-    def _write(self, key: str, rec: HandoffRecord) -> None:
+    def _write(self, key: str, rec: HandoffRecord) -> int:
         try:
-            self._put(key, rec.body(), rec.lease)
+            return self._put(key, rec.body(), rec.lease)
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(f"{rec.state.value} for {rec.source}/{rec.request_id}: {exc}") from None
         except EtcdError as exc:
@@ -389,7 +472,7 @@ class EtcdControlPlane(ControlPlane):
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
 
-    # --- records beside the fleet's (requests, results, stats: engine_integration.etcd_engine) ----
+    # --- records beside the fleet's (requests, results, stats: etcd.plane, etcd.client) ----
     @property
     def cluster_key(self) -> Optional[bytes]:
         return self._key

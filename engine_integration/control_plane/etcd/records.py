@@ -29,25 +29,57 @@ as unsigned metas), unless unauthenticated records are allowed by name.
 
 from __future__ import annotations
 
+import enum
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from engine_integration.control_plane.base import HandoffState
+from engine_integration.control_plane.limits import TooDeep, check_json
 from kvxfer.errors import PeerMetadataError
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 log = logging.getLogger("kvxfer.engine.control_plane")
 
 ROLES = ("prefill", "decode")
+
+
+class HandoffState(str, enum.Enum):
+    """A handoff's states; ``PUBLISHED`` is the source's, the rest are the reader's."""
+
+    PUBLISHED = "published"   #: source: blocks pinned, descriptor routed to one reader
+    RESERVED = "reserved"     #: reader: destination blocks reserved, no read posted yet
+    PULLING = "pulling"       #: reader: one-sided reads may be in flight (written *before* posting)
+    READ_DONE = "read_done"   #: reader: every read completed; the source may unpin
+    FAILED = "failed"         #: reader: the pull failed and no read can still be in flight
+
+    @property
+    def side(self) -> str:
+        return "source" if self is HandoffState.PUBLISHED else "reader"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (HandoffState.READ_DONE, HandoffState.FAILED)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference between two consecutive snapshots (``EtcdStore.poll_changes``)."""
+
+    kind: str                 #: ``instance_up``, ``instance_down``, ``handoff``, ``handoff_gone``
+    name: str                 #: instance name, or ``source/request_id`` for handoffs
+    record: Any = None        #: the new record (``InstanceRecord`` / ``HandoffPair``), the old one when gone
+    reason: str = ""          #: for ``instance_down``: ``lease expired or deregistered`` / ``restarted``
 INSTANCE_KIND = "kvxfer/instance/1"
 HANDOFF_KIND = "kvxfer/handoff/1"
 GENERATIONS_META_KEY = "generations"     # same as engine_integration.descriptor (kept import-free of torch)
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: The largest value read as a record (etcd's own request limit is 1.5 MiB): bigger is refused unread.
+MAX_RECORD_BYTES = 1 << 20
 
 
 def check_name(what: str, value: str) -> str:
@@ -191,11 +223,36 @@ class RecordRefused(ValueError):
     """A stored value that failed verification: logged, counted, never acted on."""
 
 
+def refusing(decode: Callable[..., Any]) -> Callable[..., Any]:
+    """Make every way ``decode`` can fail on a stored value a ``RecordRefused``.
+
+    A record signed with the cluster key may still carry fields that are not what its kind
+    says (a name that is no key segment, a prompt of strings): the check that finds it
+    raises ``ValueError`` or ``TypeError``, and a caller that refuses only ``RecordRefused``
+    would die of it (issue 21, A13).
+    """
+    @functools.wraps(decode)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return decode(*args, **kwargs)
+        except RecordRefused:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise RecordRefused(f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return wrapper
+
+
 def _load(value: bytes, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> dict[str, Any]:
+    """The verified body of a stored value. Size and nesting depth are bounded before it is parsed
+    (``control_plane.limits``): anyone with the etcd password can write any value."""
     try:
-        raw = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordRefused(f"not JSON: {exc}") from None
+        raw = json.loads(check_json(value, max_bytes=MAX_RECORD_BYTES, what="record"))
+    except TooDeep as exc:
+        raise RecordRefused(str(exc)) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise RecordRefused(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise RecordRefused(f"a record is a JSON object, not {type(raw).__name__}")
     try:
         return check_meta_seal(raw, record_key(cluster_key), allow_unauthenticated=allow_unauthenticated)
     except PeerMetadataError as exc:
@@ -215,6 +272,7 @@ def _lease_matches(view: Mapping[str, Any], lease: int) -> None:
         raise RecordRefused(f"written under lease {lease}, signed for lease {view.get('lease')!r} (replayed?)")
 
 
+@refusing
 def decode_instance(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                     allow_unauthenticated: bool = False) -> InstanceRecord:
     """Verify and parse an instance record stored at ``key`` under ``lease``; ``RecordRefused`` if anything is off."""
@@ -246,6 +304,7 @@ def decode_instance(key: str, value: bytes, lease: int, layout: KeyLayout, clust
                           extra=_field(view, "extra", dict))
 
 
+@refusing
 def decode_handoff(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
                    allow_unauthenticated: bool = False) -> HandoffRecord:
     """Verify and parse one side's handoff record; ``RecordRefused`` if anything is off."""
@@ -288,7 +347,8 @@ class Verdict:
 
     source: str
     request_id: str
-    action: str      #: source: ``read_done``/``failed``/``reader_dead``; reader: ``start``/``source_gone``/``cleanup``
+    action: str      #: source: ``read_done``/``failed``/``reader_dead``; reader: ``start``/``source_gone``/
+                     #: ``source_missing`` (key deleted while the source lives)/``cleanup``
     detail: str = ""
     record: Optional[HandoffRecord] = None
 
@@ -354,6 +414,12 @@ class FleetView:
                 continue
             if not source_alive or pub.owner_incarnation != mine.source_incarnation:  # type: ignore[union-attr]
                 now = self.instances.get(source)
+                if pub is None and now is not None and now.incarnation == mine.source_incarnation:
+                    # the source lives and never withdraws a handoff it has not cleared: its key was
+                    # deleted by someone else, and the source restores it at its next poll
+                    out.append(Verdict(source, rid, "source_missing", f"the source key of {source}/{rid} is gone "
+                                       f"while {source!r} lives", record=mine))
+                    continue
                 why = (f"source {source!r} restarted" if now is not None and now.incarnation != mine.source_incarnation
                        else f"source {source!r} lease expired or deregistered" if now is None
                        else f"source {source!r} withdrew the handoff")
@@ -361,10 +427,8 @@ class FleetView:
         return out
 
 
-def diff_views(old: Optional[FleetView], new: FleetView) -> list["Any"]:
-    """Changes from ``old`` to ``new`` (``base.Change``), instances first, in name order."""
-    from engine_integration.control_plane.base import Change
-
+def diff_views(old: Optional[FleetView], new: FleetView) -> list[Change]:
+    """Changes from ``old`` to ``new``, instances first, in name order."""
     before_i = old.instances if old is not None else {}
     before_h = old.handoffs if old is not None else {}
     changes: list[Change] = []

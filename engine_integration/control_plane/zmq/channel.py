@@ -12,9 +12,13 @@ Three layers, each against a finding of the security review:
   without CURVE, so the protocol does not rest on one mechanism.
 - **Limits**: ``ZMQ_MAXMSGSIZE`` makes libzmq drop a connection announcing a frame
   larger than ``max_frame_bytes`` before buffering or hashing any of it; a ZAP handler
-  (served from the coordinator's own loop, no thread) refuses connections beyond
-  ``max_connections`` with a log line; a connection that has not finished its handshake
-  within ``handshake_timeout_s`` is closed by libzmq.
+  (served from the coordinator's own loop, no thread) refuses a handshake once
+  ``max_connections`` *authenticated* connections are open (through our session
+  handshake, or admitted within the last ``handshake_timeout_s``), with a log line; a
+  connection that has not finished its handshake within ``handshake_timeout_s`` is
+  closed by libzmq. Idle unauthenticated TCP connections count against nothing but their
+  file descriptor, for ``handshake_timeout_s`` at most: 600 of them used to fill the cap
+  (then counted over every TCP connection) and lock real clients out (issue 21, A8).
 
 Without a secret nothing runs unless ``insecure=True`` is asked for by name, and that
 is logged at WARNING on every socket it builds.
@@ -25,11 +29,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from typing import Optional, Union
 
 import zmq
 
-from engine_integration import wire
+from engine_integration.control_plane.zmq import wire
 from kvxfer.errors import AuthenticationError, KVXferError
 from kvxfer.security.auth import (FrameDropped, SessionChannel, SessionClient, SessionServer, curve_server_keys,
                                   load_secret)
@@ -80,6 +85,8 @@ class ServerChannel:
         self._sessions: dict[bytes, SessionChannel] = {}
         self._server = SessionServer(secret) if secret is not None else None
         self._open: set[int] = set()           # fds of the TCP connections open now
+        self._session_fds: set[int] = set()    # of those, the ones through our session handshake (the cap counts them)
+        self._admitted: deque[float] = deque()  # ZAP admissions not yet through the session handshake
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(_ZAP_ENDPOINT)
@@ -100,6 +107,7 @@ class ServerChannel:
             port = sock.bind_to_random_port(f"tcp://{host}")
         self.port = port
         self.sock = sock
+        self.handshake_timeout_s = handshake_timeout_s
         self.monitor = sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -111,6 +119,12 @@ class ServerChannel:
 
     @property
     def connections(self) -> int:
+        """Authenticated control connections open now (through the session handshake; what the cap counts)."""
+        return len(self._session_fds)
+
+    @property
+    def tcp_connections(self) -> int:
+        """Every TCP connection open now, handshakes in progress included."""
         return len(self._open)
 
     def sockets(self) -> list[zmq.Socket]:
@@ -134,6 +148,13 @@ class ServerChannel:
                     _count(self.dropped, exc.reason)
                     return None
                 self._sessions[peer] = session  # a new hello from a peer replaces its old session
+                try:
+                    self._session_fds.add(int(frame.get(zmq.SRCFD)))
+                except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+                    pass   # no fd information: the connection is counted among the admitted for a while
+                else:
+                    if self._admitted:
+                        self._admitted.popleft()
                 self._send_raw(peer, welcome)
                 return None
             session = self._sessions.get(peer)
@@ -189,6 +210,7 @@ class ServerChannel:
                 self._open.add(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._open.discard(fd)
+                self._session_fds.discard(fd)
                 closed.append(fd)
             else:
                 _count(self.dropped, "handshake failed")
@@ -196,27 +218,35 @@ class ServerChannel:
         return closed
 
     def _serve_zap(self) -> None:
-        """Admit a connection at its handshake unless more than ``max_connections`` are open.
+        """Admit a connection at its handshake unless ``max_connections`` authenticated ones are open.
 
-        ZAP is asked once per connection, after the TCP accept; the count is of open TCP
-        connections (this one included), so the cap bounds file descriptors too. A peer
-        that never finishes its handshake holds a slot for ``handshake_timeout_s`` at most.
+        ZAP is asked once per connection, during its handshake (with CURVE: after the peer
+        proved it holds the cluster key); the count is of connections through our session
+        handshake (known by their fd, ``ZMQ_SRCFD``) plus those admitted in the last
+        ``handshake_timeout_s`` that have not got there yet, so a flood of idle TCP
+        connections, which never get that far, cannot lock real clients out. Such a connection holds one file descriptor for
+        ``handshake_timeout_s`` at most (libzmq closes it); the soft descriptor limit is
+        raised to the hard one (``coordinator._raise_fd_limit``).
         """
         while self._zap.poll(0):
             request = self._zap.recv_multipart()
             if len(request) < 6:
                 continue
             version, request_id = request[0], request[1]
-            if len(self._open) > self.max_connections:
+            now = time.monotonic()
+            while self._admitted and now - self._admitted[0] > self.handshake_timeout_s:
+                self._admitted.popleft()
+            if len(self._session_fds) + len(self._admitted) >= self.max_connections:
                 _count(self.dropped, "connection cap")
-                now = time.monotonic()
                 if now - self._at_cap_logged > 5.0:
                     self._at_cap_logged = now
-                    log.error("control connection cap reached (%d open, max_connections=%d): refusing new "
-                              "connections from %s until some close", len(self._open), self.max_connections,
+                    log.error("control connection cap reached (%d authenticated connections open, "
+                              "max_connections=%d): refusing new connections from %s until some close",
+                              len(self._session_fds) + len(self._admitted), self.max_connections,
                               request[3].decode(errors="replace"))
                 self._zap.send_multipart([version, request_id, b"400", b"connection cap reached", b"", b""])
             else:
+                self._admitted.append(now)
                 self._zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
 
     def close(self) -> None:

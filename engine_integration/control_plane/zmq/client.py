@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from engine_integration import wire
-from engine_integration.channel import ClientChannel, resolve_secret
+from engine_integration.control_plane.base import GenerationClient, GenerationResult
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import ClientChannel, resolve_secret
+
+__all__ = ["CoordinatorClient", "GenerationResult"]
 
 
-@dataclass(frozen=True)
-class GenerationResult:
-    """One prompt's outcome: ``tokens`` or an ``error`` saying why not."""
-
-    tokens: Optional[tuple[int, ...]]
-    error: Optional[str] = None
-    timings: dict[str, float] = field(default_factory=dict)
-    cached_prefix_blocks: int = 0
-    pulled_blocks: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-class CoordinatorClient:
+class CoordinatorClient(GenerationClient):
     """Results are matched by id, so ``stats()`` may be called while requests are in flight.
 
-    The connection is encrypted and replay-proof (``engine_integration.channel``); with no
+    The connection is encrypted and replay-proof (``channel``); with no
     ``secret``/``secret_file``/``$KVXFER_SECRET_FILE`` it refuses to start unless
     ``insecure=True`` is asked for.
     """
@@ -68,11 +55,6 @@ class CoordinatorClient:
             self._receive(int(min(left, 1.0) * 1000) + 1)
         missing = GenerationResult(None, f"no result from the coordinator within {timeout_s}s")
         return [self._results.pop(i, missing) for i in ids]
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 timeout_s: float = 120.0) -> list[GenerationResult]:
-        ids = [self.submit(p, max_new_tokens) for p in prompts]
-        return self.collect(ids, timeout_s)
 
     def stats(self, timeout_s: float = 10.0) -> wire.Stats:
         self.channel.send(wire.StatsRequest())

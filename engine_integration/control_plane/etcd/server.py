@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engine_integration.control_plane.etcd_http import EtcdError, EtcdHttpClient, b64, prefix_end
+from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient, b64, prefix_end
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
 

@@ -5,8 +5,13 @@ decode (``PeerMeta`` once per prefill incarnation, then ``StartDecode``) -> the 
 ``TransferReady`` and ``ReadDone`` (forwarded to the prefill as ``Release``) -> the
 decode's ``Finished`` -> the client's ``Result``.
 
-Registration refuses an engine whose model, geometry or transport differs from the
-engines already registered, and sends the reason back. An engine is removed when its
+Every fleet decision is ``control_plane.policy``'s, the same the etcd plane makes:
+registration refuses an engine whose model, geometry or transport differs from the
+engines already registered (``fleet_refusal``, the reason sent back; and, before
+anything changes, a registration naming a live engine's identity), admission refuses
+at submit what no live pool could hold (``admission_problem``), and routing picks the
+prefill (``pick_prefill``) and the decode (``pick_decode``, from each decode's last
+heartbeat, the blocks and prefixes routed there since, its pulls pending). An engine is removed when its
 control connection closes (socket monitor), when its heartbeats stop
 (``heartbeat_timeout_s``), or when its process is gone (same host: its pid is checked
 every tick); its requests fail with an error naming it.
@@ -17,21 +22,20 @@ memory handles). When that process has exited, the kernel has torn the endpoint
 down, so no read of it can be in flight or be posted later. A decode that merely
 went *silent* may still be reading (a paused process resumes with its reads posted),
 so for it the prefill keeps the pins until its death is confirmed: its pid is gone
-(same host), it said ``Goodbye``, or (other hosts, where we cannot see the pid) the
-same identity registers again, meaning its operator restarted it. Past that, a reader
-silent for ``pin_grace_s`` is *presumed* dead and its pins are freed, but only for
+(same host) or it said ``Goodbye``. Past that, a reader silent for ``pin_grace_s`` (or
+whose identity registers again from another host: the only news of a restart there, but
+an insider can claim it too) is *presumed* dead and its pins are freed, but only for
 requests whose descriptor carries the source's generation counters: a zombie reader
 that wakes up later re-reads those counters after the data and fails its torn-read
 check, so it can never commit the reused blocks (``kvxfer.runtime.generations``). A
 request without counters keeps its pins until death is confirmed: without the check, a
 timer must never free a pin.
 
-Trust: every frame arrives through ``engine_integration.channel`` (encrypted,
+Trust: every frame arrives through ``channel`` (encrypted,
 authenticated, replay-proof) and is schema-validated by ``wire``; on top, a message
 must fit the sender's role and state (only the decode a request was routed to may say
 it was read, only its prefill may hand it off, naming itself as the source). Anything
-else is refused and counted in ``Stats.dropped``, never a crash. Admission refuses a
-request that no live decode pool could ever hold, at submit, with the reason.
+else is refused and counted in ``Stats.dropped``, never a crash.
 
 This module imports no torch, so the coordinator process starts fast.
 """
@@ -51,10 +55,11 @@ from typing import Any, Optional
 
 import zmq
 
-from engine_integration.fleet_rules import GEOMETRY_FIELDS, process_gone
-from engine_integration import wire
-from engine_integration.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES, ServerChannel,
-                                        resolve_secret)
+from engine_integration.control_plane import policy
+from engine_integration.control_plane.policy import process_gone
+from engine_integration.control_plane.zmq import wire
+from engine_integration.control_plane.zmq.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES,
+                                                          ServerChannel, resolve_secret)
 
 log = logging.getLogger("kvxfer.engine.coordinator")
 
@@ -75,6 +80,10 @@ class CoordinatorConfig:
     #: a decode silent this long past its removal is presumed dead: pins of requests whose reads are
     #: torn-read checked (generation counters) are freed. None: only confirmed death frees pins.
     pin_grace_s: Optional[float] = 10.0
+    #: a live decode that has not released a failed request's source this long after it was told to
+    #: drop it (``Abort``) is a stuck reader: the pins of that request are freed if its reads are
+    #: torn-read checked, else kept (and counted in ``Stats.stuck_requests``) until it reports or dies.
+    stuck_reader_grace_s: Optional[float] = 30.0
 
 
 @dataclass
@@ -88,7 +97,7 @@ class _Engine:
     death_confirmed: bool = False
     removed_at: float = 0.0
     peers_sent: set = field(default_factory=set)       # decode: (prefill identity, incarnation) metas sent
-    routed_hashes: set = field(default_factory=set)    # decode: block hashes we routed there (prefix score)
+    routed: policy.RoutedPrefixes = field(default_factory=policy.RoutedPrefixes)  # decode: hashes routed there
     blocks_sent_since_hb: int = 0
     requests: set = field(default_factory=set)
 
@@ -111,15 +120,16 @@ class _Request:
     descriptor: Optional[wire.Descriptor] = None
     source_pinned: bool = False            # the prefill may still hold pins for it
     push_forwarded: bool = False           # push backends: the prefill was told to push (PushKV)
+    aborted_at: float = 0.0                # failed while a live decode held it: when it was told to drop it
+    stuck: bool = False                    # its decode never released it within stuck_reader_grace_s
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
     pulled_blocks: int = 0
 
 
-def _tokens_per_block(reg: wire.Register) -> Optional[int]:
-    """The engine's block size, from its first registered meta (``None`` if it does not say)."""
-    value = reg.transfer_meta[0].get("tokens_per_block")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+def member(reg: wire.Register) -> policy.Member:
+    """A registered engine as the fleet policy sees it."""
+    return policy.Member(reg.identity, reg.role, reg.capacity_blocks, tuple(reg.transfer_meta), reg.model_fingerprint)
 
 
 def _raise_fd_limit() -> None:
@@ -133,27 +143,6 @@ def _raise_fd_limit() -> None:
                                                         hard))
     except (ImportError, ValueError, OSError):
         pass
-
-
-def compatibility_problem(new: wire.Register, ref: wire.Register) -> Optional[str]:
-    """Why ``new`` cannot exchange KV with ``ref`` (``None`` if it can).
-
-    Only the KV geometry fields at the top of each rank's meta are compared; a
-    prefill's generation-counter meta nested under ``generations`` is not KV and is
-    deliberately left out (decode instances have none).
-    """
-    where = f"{ref.role} {ref.identity!r}"
-    if len(new.transfer_meta) != len(ref.transfer_meta):
-        return f"{len(new.transfer_meta)} transfer metas (ranks) here, {len(ref.transfer_meta)} on {where}"
-    for i, (a, b) in enumerate(zip(new.transfer_meta, ref.transfer_meta)):
-        for name in GEOMETRY_FIELDS:
-            if a.get(name) != b.get(name):
-                return (f"transfer meta [{i}] field {name!r} is {a.get(name)!r} here but {b.get(name)!r} on {where}; "
-                        "prefill and decode must use the same transport and KV geometry")
-    if new.model_fingerprint != ref.model_fingerprint:
-        return (f"model fingerprint {new.model_fingerprint} differs from {ref.model_fingerprint} on {where}: "
-                "the engines run different models or model configs")
-    return None
 
 
 class Coordinator:
@@ -211,7 +200,12 @@ class Coordinator:
             self.ctx.term()
 
     def _receive(self) -> None:
-        got = self.channel.receive()
+        try:
+            got = self.channel.receive()
+        except Exception:  # the channel refuses by counting; anything else must cost one frame, not the plane
+            self.channel.count("invalid")
+            log.exception("coordinator: a control frame could not be read; dropped")
+            return
         if got is None:  # a handshake, or refused and counted
             return
         zmq_id, msg, frame = got
@@ -312,7 +306,7 @@ class Coordinator:
                             f"{msg.request_id} from {eng.identity!r}")
                 if d.meta_index >= len(eng.reg.transfer_meta):
                     return f"descriptor meta_index {d.meta_index} but {len(eng.reg.transfer_meta)} metas registered"
-                tpb = _tokens_per_block(eng.reg)
+                tpb = policy.tokens_per_block(eng.reg.transfer_meta)
                 if tpb and (len(d.block_ids) != -(-len(d.prompt) // tpb) or len(d.block_hashes) != len(d.prompt) // tpb):
                     return (f"descriptor has {len(d.block_ids)} blocks and {len(d.block_hashes)} hashes for a "
                             f"{len(d.prompt)}-token prompt at {tpb} tokens per block")
@@ -333,22 +327,43 @@ class Coordinator:
         existing = self.engines.get(zmq_id)
         if existing is not None and existing.alive:
             return self.send(zmq_id, wire.Registered(True))  # a retry of the same incarnation
-        for other in list(self.engines.values()):
+        # A refused registration changes nothing: every check comes before any removal.
+        problem = policy.fleet_refusal(member(reg), (member(e.reg) for e in self.engines.values() if e.alive))
+        if problem is None:
+            problem = self._identity_taken(reg)
+        if problem is not None:
+            log.warning("coordinator: refused the registration of %s %r (host %s, pid %d): %s", reg.role,
+                        reg.identity, reg.host[:64], reg.pid, problem)
+            return self.send(zmq_id, wire.Registered(False, problem))
+        for other in list(self.engines.values()):   # the same identity, whose process is gone
             if other.alive and other.identity == reg.identity:
-                self._remove(other, f"{other.reg.role} {other.identity!r} was replaced by a new incarnation",
-                             confirmed=other.reg.host != reg.host or process_gone(other.reg.pid))
+                self._remove(other, f"{other.reg.role} {other.identity!r} was replaced by a new incarnation "
+                                    f"(its pid {other.reg.pid} exited)", confirmed=True)
         for dead in list(self.dead):  # a restart on another host is the only news we get of the old one
             if dead.identity == reg.identity and dead.reg.host != self.host:
-                self._confirm_death(dead, "its identity registered again")
-        for other in self.engines.values():
-            if other.alive:
-                problem = compatibility_problem(reg, other.reg)
-                if problem is not None:
-                    return self.send(zmq_id, wire.Registered(False, problem))
+                self._presume_dead(dead, "its identity registered again")
         self.engines[zmq_id] = _Engine(zmq_id, reg, time.monotonic())
         self.removed.pop(zmq_id, None)
         self.send(zmq_id, wire.Registered(True))
         self._dispatch()
+
+    def _identity_taken(self, reg: wire.Register) -> Optional[str]:
+        """Why ``reg`` may not take its identity now: a live engine holds it (``None`` if none does).
+
+        A live engine's identity is never handed over on a newcomer's word: whoever holds the
+        secret can claim any host, and taking over a live decode would release the pins of
+        requests it may still be reading. A restart is let in once the old process is gone
+        (its pid on this host), its connection closed, or its heartbeats stopped.
+        """
+        for other in self.engines.values():
+            if other.alive and other.identity == reg.identity:
+                if other.reg.host == self.host and process_gone(other.reg.pid):
+                    continue
+                return (f"{other.reg.role} {other.identity!r} is registered and alive (pid {other.reg.pid} on "
+                        f"{other.reg.host}, heard {time.monotonic() - other.last_seen:.1f}s ago): stop it, or wait "
+                        f"until the coordinator sees it gone (at most heartbeat_timeout_s="
+                        f"{self.config.heartbeat_timeout_s}s), before registering that name again")
+        return None
 
     def _submit(self, client: bytes, msg: wire.Submit) -> None:
         why = self._inadmissible(list(msg.prompt), msg.max_new_tokens)
@@ -362,26 +377,8 @@ class Coordinator:
         self._dispatch()
 
     def _inadmissible(self, prompt: list[int], max_new_tokens: int) -> Optional[str]:
-        """Why no live pool could ever hold this request (``None``: it fits one, or no engine is known yet).
-
-        A request no decode can hold would otherwise be routed anyway and sit at the head
-        of a decode's FIFO until it times out, blocking everything behind it.
-        """
-        if not prompt:
-            return "the prompt is empty"
-        if max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {max_new_tokens}"
-        tokens = len(prompt) + max_new_tokens - 1  # the decode holds the prompt and all outputs but the last
-        for role, need_tokens in (("prefill", len(prompt)), ("decode", tokens)):
-            pools = [(e.reg.capacity_blocks, _tokens_per_block(e.reg)) for e in self._alive(role)]
-            if not pools or any(tpb is None for _, tpb in pools):
-                continue
-            if all(-(-need_tokens // tpb) > cap for cap, tpb in pools):
-                cap, tpb = max(pools)
-                return (f"{len(prompt)} prompt tokens + {max_new_tokens} new tokens need "
-                        f"{-(-need_tokens // tpb)} KV blocks of {tpb} tokens on a {role} instance; the largest live "
-                        f"{role} pool has {cap} blocks")
-        return None
+        """Why the fleet refuses this request at submit (``policy.admission_problem``, over the live engines)."""
+        return policy.admission_problem(prompt, max_new_tokens, (member(e.reg) for e in self.engines.values() if e.alive))
 
     def _handoff_ready(self, prefill: _Engine, msg: wire.HandoffReady) -> None:
         req = self.requests.get(msg.request_id)
@@ -440,45 +437,48 @@ class Coordinator:
         return [e for e in self.engines.values() if e.alive and e.reg.role == role]
 
     def _dispatch(self) -> None:
-        prefills = self._alive("prefill")
+        """Route what waits: requests to prefills, prefilled requests to decodes (``policy`` decides)."""
+        prefills = {e.identity: e for e in self._alive("prefill")}
         while self.pending and prefills:
             req = self.requests.get(self.pending.popleft())
             if req is None:
                 continue
-            target = min(prefills, key=lambda e: len(e.requests))
+            target = prefills[policy.pick_prefill({name: len(e.requests) for name, e in prefills.items()})]  # type: ignore[index]
             req.stage, req.prefill = "prefill", target.zmq_id
             target.requests.add(req.rid)
             self.send(target.zmq_id, wire.AddRequest(req.rid, req.prompt, req.max_new_tokens))
-        decodes = self._alive("decode")
-        while self.pending_handoff and decodes:
+        decodes = {e.identity: e for e in self._alive("decode")}
+        if not (self.pending_handoff and decodes):
+            return
+        pulling: dict[bytes, int] = {}
+        for r in self.requests.values():
+            if r.stage == "handoff" and r.decode is not None:
+                pulling[r.decode] = pulling.get(r.decode, 0) + 1
+        while self.pending_handoff:
             req = self.requests.get(self.pending_handoff.popleft())
             if req is None or req.descriptor is None:
                 continue
             prefill = self.engines.get(req.prefill) if req.prefill else None
             if prefill is None or not prefill.alive:
                 continue
-            fits = [e for e in decodes if not self._too_big(e, req)]
-            if not fits:
+            candidates = [self.decode_candidate(e, req.descriptor.block_hashes, pulling.get(e.zmq_id, 0))
+                          for e in decodes.values()]
+            choice = policy.pick_decode(candidates, len(req.prompt) + req.max_new_tokens - 1)
+            if choice is None:
                 self._fail_request(req, "request refused: " + (self._inadmissible(req.prompt, req.max_new_tokens)
                                                                 or "no live decode pool can hold it"))
                 continue
-            target = max(fits, key=lambda e: self._decode_score(e, req))
+            target = decodes[choice.name]
+            pulling[target.zmq_id] = pulling.get(target.zmq_id, 0) + 1
             self._send_to_decode(target, prefill, req)
 
     @staticmethod
-    def _too_big(eng: _Engine, req: _Request) -> bool:
-        tpb = _tokens_per_block(eng.reg)
-        return tpb is not None and -(-(len(req.prompt) + req.max_new_tokens - 1) // tpb) > eng.reg.capacity_blocks
-
-    def _decode_score(self, eng: _Engine, req: _Request) -> tuple[int, int]:
-        """(cached-prefix blocks we expect there, free blocks): prefix first, then room."""
-        match = 0
-        for h in req.descriptor.block_hashes if req.descriptor else ():
-            if h not in eng.routed_hashes:
-                break
-            match += 1
+    def decode_candidate(eng: _Engine, block_hashes: Any, in_flight: int) -> policy.DecodeCandidate:
+        """A live decode as ``policy.pick_decode`` sees it: its room (last heartbeat minus blocks routed
+        there since), the prefix routed there before, its handoffs not yet pulled."""
         free = (eng.hb.free_blocks if eng.hb else eng.reg.capacity_blocks) - eng.blocks_sent_since_hb
-        return match, free
+        return policy.DecodeCandidate(eng.identity, eng.reg.capacity_blocks, policy.tokens_per_block(eng.reg.transfer_meta),
+                                      free, eng.routed.expected_prefix(block_hashes), in_flight)
 
     def _send_to_decode(self, decode: _Engine, prefill: _Engine, req: _Request) -> None:
         key = (prefill.identity, prefill.reg.incarnation)
@@ -489,7 +489,7 @@ class Coordinator:
         assert req.descriptor is not None
         req.decode = decode.zmq_id
         decode.requests.add(req.rid)
-        decode.routed_hashes.update(req.descriptor.block_hashes)
+        decode.routed.add(req.descriptor.block_hashes)
         decode.blocks_sent_since_hb += len(req.descriptor.block_ids)
         self.send(decode.zmq_id, wire.StartDecode(req.rid, req.descriptor, req.max_new_tokens))
 
@@ -519,6 +519,8 @@ class Coordinator:
             eng = self.engines.get(zmq_id) if zmq_id else None
             if eng is not None and eng.alive:
                 self.send(eng.zmq_id, wire.Abort(req.rid, error))
+                if zmq_id == req.decode and req.source_pinned:
+                    req.aborted_at = time.monotonic()   # a live reader must now settle and release it
         if req.source_pinned and req.decode is None:  # prefilled, never handed to a reader
             self._read_done(req.rid)
         self._finish(req.rid, error=error)
@@ -555,8 +557,9 @@ class Coordinator:
             if req.decode == eng.zmq_id and req.source_pinned:
                 self._read_done(req.rid)
 
-    def _presume_dead(self, eng: _Engine) -> None:
-        """Past the grace: free the pins a late read of which would fail its torn-read check.
+    def _presume_dead(self, eng: _Engine, why: str = "") -> None:
+        """Past the grace (or its identity registered again): free the pins a late read of which
+        would fail its torn-read check.
 
         Requests read without generation counters keep their pins (a zombie could commit
         reused bytes); the reader stays in ``dead`` for them until death is confirmed.
@@ -568,9 +571,10 @@ class Coordinator:
                 freed.append(req.rid)
                 self._read_done(req.rid)
         if freed:
-            log.warning("coordinator: decode %r silent for %.1fs past its removal (pin_grace_s=%s), presumed dead: "
-                        "freed the source pins of requests %s; a late read of them fails its torn-read check",
-                        eng.identity, time.monotonic() - eng.removed_at, self.config.pin_grace_s, freed)
+            why = why or f"silent for {time.monotonic() - eng.removed_at:.1f}s past its removal " \
+                         f"(pin_grace_s={self.config.pin_grace_s})"
+            log.warning("coordinator: decode %r %s, presumed dead: freed the source pins of requests %s; a late read "
+                        "of them fails its torn-read check", eng.identity, why, freed)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -594,6 +598,31 @@ class Coordinator:
             if req.stage != "done" and now - req.submitted > self.config.request_timeout_s:
                 self._fail_request(req, f"request timed out after {self.config.request_timeout_s}s "
                                         f"(stage: {req.stage})")
+        stuck_grace = self.config.stuck_reader_grace_s
+        if stuck_grace is not None:
+            for req in list(self.requests.values()):
+                if req.source_pinned and req.aborted_at and not req.stuck and now - req.aborted_at > stuck_grace:
+                    self._stuck_reader(req, now - req.aborted_at)
+
+    def _stuck_reader(self, req: _Request, waited_s: float) -> None:
+        """A live decode told to drop a request has not released its source: bound what that costs.
+
+        Its pins are freed when its reads are torn-read checked (a read that lands later fails
+        its check and is never committed, as for a reader presumed dead); otherwise they stay
+        until the reader reports or dies, counted in ``Stats.stuck_requests``.
+        """
+        req.stuck = True
+        eng = self.engines.get(req.decode) if req.decode else None
+        who = f"decode {eng.identity!r}" if eng is not None else "its decode"
+        if req.descriptor is not None and req.descriptor.generations:
+            log.warning("coordinator: %s has not released request %s %.1fs after it was aborted (stuck reader): "
+                        "its source pins are freed; a late read of them fails its torn-read check", who, req.rid,
+                        waited_s)
+            self._read_done(req.rid)
+        else:
+            log.error("coordinator: %s has not released request %s %.1fs after it was aborted (stuck reader); it "
+                      "is read without generation counters, so its source pins stay until %s reports or dies",
+                      who, req.rid, waited_s, who)
 
     def stats(self) -> wire.Stats:
         engines: dict[str, dict[str, Any]] = {}
@@ -606,8 +635,9 @@ class Coordinator:
                 **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__} if eng.hb else {}),
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
+        stuck = sum(1 for r in self.requests.values() if r.stuck and r.source_pinned)
         return wire.Stats(engines, live, self.channel.dropped_total, dict(self.channel.dropped),
-                          self.channel.connections)
+                          self.channel.connections, self.channel.tcp_connections, stuck)
 
 
 # --- running it as a process ------------------------------------------------------------
@@ -618,7 +648,7 @@ def start_coordinator_process(config: CoordinatorConfig = CoordinatorConfig(), *
 
     # the same check the child makes, here, so a missing secret is a clear error and not a dead child
     resolve_secret(config.secret, secret_file=config.secret_file, insecure=config.insecure, who="the coordinator")
-    proc, ready = procs.spawn("engine_integration.coordinator", asdict(config), start_timeout_s=start_timeout_s)
+    proc, ready = procs.spawn("engine_integration.control_plane.zmq.coordinator", asdict(config), start_timeout_s=start_timeout_s)
     return proc, ready["address"]
 
 
