@@ -217,7 +217,7 @@ class KVTransportBackend(ABC):
         except BaseException:
             self._stats.failed(timed_out=False)  # counted as started above: never left "in flight"
             raise
-        handle._count_in(self._stats, total)
+        handle._count_in(self._stats, total, plan.num_descriptors)
         return handle
 
     def _staging_chunk_bytes(self) -> int:

@@ -92,6 +92,7 @@ class TransferHandle(ABC):
         self._raised: dict[bool, TransferError] = {}  # the error as raised, per storage state
         self._stats: Optional[TransferStats] = None  # set by the backend that posted it
         self._num_bytes = 0
+        self._num_descriptors = 0
 
     @property
     def state(self) -> TransferState:
@@ -161,9 +162,19 @@ class TransferHandle(ABC):
             raised = self._raised[safe] = failure_for_caller(self._error, safe)
         return raised
 
-    def _count_in(self, stats: TransferStats, num_bytes: int) -> None:
+    @property
+    def bytes_requested(self) -> int:
+        """Bytes this pull reads (every part of it), as counted in the backend's ``stats()``."""
+        return self._num_bytes
+
+    @property
+    def descriptors_posted(self) -> int:
+        """Descriptors it posted after coalescing, as counted in the backend's ``stats()``."""
+        return self._num_descriptors
+
+    def _count_in(self, stats: TransferStats, num_bytes: int, num_descriptors: int = 0) -> None:
         """Attach the posting backend's counters; a handle already finished is counted now."""
-        self._stats, self._num_bytes = stats, num_bytes
+        self._stats, self._num_bytes, self._num_descriptors = stats, num_bytes, num_descriptors
         if self._state is TransferState.DONE:
             stats.completed(num_bytes)
         elif self._state is TransferState.ERR and not self._storage_safe:

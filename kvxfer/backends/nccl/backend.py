@@ -390,12 +390,13 @@ class NcclBackend(KVTransportBackend):
             raise PeerMetadataError("decode meta names no destination (empty tp_metas/pp_metas)")
         sends = self._plan_sends(records, src_ids)
         total = sum(plan.total_bytes for _, plan in sends)
-        self._stats.started(total, sum(plan.num_descriptors for _, plan in sends))
+        descriptors = sum(plan.num_descriptors for _, plan in sends)
+        self._stats.started(total, descriptors)
         if not sends:
             handle: TransferHandle = CompletedHandle(label)
         else:
             handle = self._post_sends(sends, src_ids, label, notify=request_id is not None)
-        handle._count_in(self._stats, total)
+        handle._count_in(self._stats, total, descriptors)
         if isinstance(handle, CompletedHandle) and request_id is not None:
             self._deliver_read_done(request_id)
         return handle

@@ -239,7 +239,6 @@ class Receiver:
         assert ticket is not None and handshake is not None
         metas = handshake.rank_kv_metas[self._tp_rank]
         for backend, meta in zip(self._regions, metas):
-            before = backend.stats()
             try:
                 handle = backend.begin_pull_blocks(meta, remote, local, request_id=ticket.request_id, notify=False)
             except KVXferError as exc:
@@ -248,9 +247,8 @@ class Receiver:
                 if not load.data and not isinstance(exc, TransferStartError):
                     return self._refuse(load, f"{exc}")
                 return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
-            after = backend.stats()
-            load.bytes += after["bytes_requested"] - before["bytes_requested"]
-            load.descriptors += after["descriptors_posted"] - before["descriptors_posted"]
+            load.bytes += handle.bytes_requested
+            load.descriptors += handle.descriptors_posted
             load.data.append(handle)
         load.marks["data_posted"] = self._clock()
         self._advance_data(load)
