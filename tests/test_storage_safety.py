@@ -151,8 +151,11 @@ def reuse_and_check_no_late_byte(dst: Any, stalled: Any, reuse: SourceProcess, *
     read end (``resume``); the blocks must hold exactly the second request's bytes."""
     if free_now:
         dst.begin_pull_blocks(reuse.meta, ALL, ALL, request_id="reuse").wait()
+    resumed_at = time.monotonic()
     resume()
     assert wait_until(lambda: stalled.storage_safe, SETTLE_S), "the stalled read never ended"
+    print(f"{stalled.request_id}: storage {'safe at the failure' if free_now else 'unsafe at the failure'}; "
+          f"safe {time.monotonic() - resumed_at:.2f}s after the source resumed or died")
     assert wait_for_transfer_handles(stalled), "storage safe, yet the waiter was told to keep it"
     if not free_now:
         dst.begin_pull_blocks(reuse.meta, ALL, ALL, request_id="reuse").wait()

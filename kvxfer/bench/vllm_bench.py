@@ -136,12 +136,13 @@ def run_target(name: str, model: str, prompts: list[list[int]], side_port: int) 
 
 def _kvxfer_phases(recent: list[dict[str, Any]], count: int) -> Optional[dict[str, float]]:
     """KvxferConnector only: where a timed handoff's time went (p50 ms from the step's metadata):
-    reads posted (ticket, handshake, planning), lease read posted (data landed), done."""
+    ticket, handshake and layouts checked; reads posted (planning); lease read posted (data landed); done."""
     timed = [r for r in recent if "handoff_s" in r][-count:] if count else []
     if not timed:
         return None
     out = {}
-    for key, name in (("data_posted_s", "data_posted"), ("lease_posted_s", "lease_posted"), ("handoff_s", "done")):
+    for key, name in (("checked_s", "checked"), ("data_posted_s", "data_posted"), ("lease_posted_s", "lease_posted"),
+                      ("handoff_s", "done")):
         values = [r[key] for r in timed if key in r]
         if values:
             out[name] = 1000 * statistics.median(values)

@@ -59,7 +59,11 @@ _NOTICE_RETRY_FIRST_S = 0.25  # first retry of a notice that could not leave; do
 _NOTICE_RETRY_MAX_S = 2.0     # ...up to this
 _NOTICE_STALL_S = 4.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
 _NOTICE_KEEP_S = 120.0  # a notice still undelivered after this is dropped (logged)
-_NOTICE_MAX_PENDING = 4096  # notices kept for retry, all sources together; beyond, new ones are dropped (logged)
+_NOTICE_MAX_PENDING = 4096
+#: Pulls up to this size are progressed once by the posting thread: on shared memory or CMA they
+#: usually complete there, and waking the progress thread for them cost more than the read
+#: (measured in vLLM: the wake-up and the lock it then holds were a quarter of a handoff).
+INLINE_PROGRESS_BYTES = 4 << 20  # notices kept for retry, all sources together; beyond, new ones are dropped (logged)
 
 
 def _b64(data: bytes) -> str:
@@ -367,7 +371,10 @@ class UcxBackend(KVTransportBackend):
             handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=pull.notify,
                                report_failure=pull.report_failure)
             self._live.add(handle)
-        self._worker.signal(only_if_idle=True)
+            if plan.total_bytes <= INLINE_PROGRESS_BYTES:
+                self._worker.progress()  # a small zero-copy read often completes right here
+        if not batch.done:
+            self._worker.signal(only_if_idle=True)  # else the progress thread need not wake for it
         return handle
 
     def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:

@@ -261,9 +261,9 @@ class Worker:
         """
         if only_if_idle and not self._idle_sleep:
             return
-        with self.lock:
-            if self.handle is not None:
-                _lib.ucp_worker_signal(self.handle)
+        handle = self.handle
+        if handle is not None:  # UCX: safe from any thread, no lock needed (so a poster never waits here)
+            _lib.ucp_worker_signal(handle)
 
     def start_progress_thread(self, name: str) -> None:
         self._thread = threading.Thread(target=self._progress_loop, name=name, daemon=True)

@@ -225,6 +225,7 @@ class Receiver:
             load.failing = str(exc)
             self.counters["refused"] += 1
             return self._post_lease(load)  # a verified ticket: let the producer free its blocks now
+        load.marks["checked"] = self._clock()
         local = list(spec.local_block_ids)
         remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
         if len(remote) < len(local):
