@@ -16,16 +16,26 @@ at the commit named in ``docs/megatron.md``; no code of theirs is used. What it 
 * decode: ``drop_transfer_prefix_blocks`` for a cached prefix, then
   ``begin_pull_blocks(transfer_meta, transfer_src_blocks, imported_blocks)`` and per
   SSM kind ``begin_pull_blocks(ssm_meta[kind], [], [live_slot])``; handles polled with
-  ``all(h.poll() for h in handles)``.
+  ``all(h.poll() for h in handles)``;
+* the wire: static metas pickled once by ``all_gather_object`` at setup, then the request's
+  ``kv_meta`` through Megatron's four msgpack hops (prefill engine -> coordinator -> client ->
+  coordinator -> decode engine) with Megatron's ``packb``/``unpackb`` options;
+* the decode's failure path (``MegatronImport``): the start error kept, not raised,
+  ``transfer_destinations_safe`` read off it, ``_wait_for_transfer_handles`` over the KV and
+  SSM handles before the storage is released, quarantine otherwise, retried at reset.
 
 Run as a script it is the prefill process: ``python tests/megatron_driver.py BACKEND CASES_JSON``
-prints ``METAS {json}`` (each case's transfer meta and source ids) and serves until stdin closes.
+prints ``METAS {json}`` (each case's transfer meta and source ids as JSON, and the same request
+as a pickle and as the msgpack frame Megatron's coordinator sends the decode engine, base64)
+and serves until stdin closes.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import pickle
 import sys
 import time
 from dataclasses import dataclass, field
@@ -85,7 +95,8 @@ class Case:
     ssm_slots: int = 6
     request_blocks: int = 9
     cached_prefix: int = 0
-    seed: int = 1
+    seed: int = 1  # the request's block ids, and the pools' values unless data_seed says otherwise
+    data_seed: Optional[int] = None  # another request's bytes into the same blocks
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -127,7 +138,7 @@ def ssm_window(case: Case, side: Side, pp_rank: int) -> tuple[int, int]:
 
 # --- the global truth every shard is cut from ------------------------------------------------------
 def global_tensors(case: Case) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(case.seed)
+    gen = torch.Generator().manual_seed(case.seed if case.data_seed is None else case.data_seed)
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen).to(case.torch_dtype)
     out = {"kv": rand(2, case.num_layers, case.pool_blocks, case.tokens_per_block, case.num_heads, case.head_dim)}
@@ -227,11 +238,12 @@ def prefill_kv_meta(case: Case, ranks: list[Rank]) -> tuple[dict[str, Any], list
     stages: list[Any] = []
     ssm_stages: list[dict[str, Any]] = []
     for p in range(side.pp):
-        stage = [r for r in ranks if r.spec.pp_rank == p]
-        kv_static = [r.kv.export_meta() for r in stage]
+        stage = gathered([{"kv": r.kv.export_meta(), "ssm": {k: b.export_meta() for k, b in r.ssm.items()}}
+                          for r in ranks if r.spec.pp_rank == p])
+        kv_static = [entry["kv"] for entry in stage]
         stages.append(kv_static if side.tp > 1 else kv_static[0])
         if case.ssm_dims:
-            with_slot = {kind: [{**r.ssm[kind].export_meta(), "block_ids": [slot]} for r in stage]
+            with_slot = {kind: [{**entry["ssm"][kind], "block_ids": [slot]} for entry in stage]
                          for kind in ("conv", "recurrent")}
             ssm_stages.append({k: (v if side.tp > 1 else v[0]) for k, v in with_slot.items()})
     if side.pp > 1:
@@ -247,15 +259,147 @@ def prefill_kv_meta(case: Case, ranks: list[Rank]) -> tuple[dict[str, Any], list
     return kv_meta, block_ids
 
 
-def decode_import(rank: Rank, case: Case, kv_meta: dict[str, Any], src_block_ids: list[int]) -> list[Any]:
-    """Megatron's decode side: trim the cached prefix, one KV pull, one pull per SSM kind."""
+def gathered(obj: Any) -> Any:
+    """What ``torch.distributed.all_gather_object`` hands every rank: ``obj`` pickled and unpickled
+    (Megatron's ``setup_kv_transfer`` gathers the static metas over TP, then PP, this way)."""
+    return pickle.loads(pickle.dumps(obj))
+
+
+# --- Megatron's wire: how one request's kv_meta reaches the decode engine ---------------------------
+#: Header values of ``megatron/core/inference/headers.py`` (class ``Request``).
+ENGINE_REPLY, SUBMIT_REQUEST_WITH_KV = 21, 24
+
+
+def _packb(obj: Any) -> bytes:
+    import msgpack  # the ``test`` extra; Megatron imports it the same way, on first use
+
+    return msgpack.packb(obj, use_bin_type=True)  # Megatron's options, everywhere
+
+
+def _unpackb(frame: bytes) -> Any:
+    import msgpack
+
+    return msgpack.unpackb(frame, raw=False)
+
+
+def msgpack_handoff_frame(engine_request_id: int, kv_meta: dict[str, Any], block_ids: list[int]) -> bytes:
+    """The frame Megatron's coordinator sends the decode engine for one handoff.
+
+    Each hop is a real ``packb``/``unpackb`` of the message Megatron sends there:
+    1. prefill engine -> coordinator: ``[ENGINE_REPLY, [record]]``, the finished request's
+       record carrying ``disaggregated_params = {request_id, block_ids, kv_meta}``
+       (``_send_request_records_to_coordinator``);
+    2. coordinator -> client: ``[ENGINE_REPLY, client_request_id, record]`` (``handle_engine_reply``);
+    3. client -> coordinator: ``[SUBMIT_REQUEST_WITH_KV, client_request_id, prompt, sampling_params,
+       kv_meta, block_ids]`` (``InferenceClient.add_request_with_kv_handoff``);
+    4. coordinator -> decode engine: the same with the coordinator's request id
+       (``handle_submit_request_with_kv``): returned, for the decode process to unpack.
+    """
+    record = {"request_id": engine_request_id, "status": "COMPLETED",
+              "disaggregated_params": {"request_id": engine_request_id, "block_ids": block_ids, "kv_meta": kv_meta}}
+    _, (at_coordinator,) = _unpackb(_packb([ENGINE_REPLY, [record]]))
+    _, client_request_id, reply = _unpackb(_packb([ENGINE_REPLY, 7, at_coordinator]))
+    params = reply["disaggregated_params"]
+    submitted = _unpackb(_packb([SUBMIT_REQUEST_WITH_KV, client_request_id, [1, 2, 3], {"num_tokens_to_generate": 4},
+                                 params["kv_meta"], list(params["block_ids"])]))
+    return _packb([SUBMIT_REQUEST_WITH_KV, 1000 + engine_request_id, *submitted[2:]])
+
+
+def decode_handoff_frame(frame: bytes) -> tuple[dict[str, Any], list[int]]:
+    """The decode engine's reading of that frame (its ``_drain_zmq_socket`` loop): ``kv_meta, src_block_ids``."""
+    data = _unpackb(frame)
+    if data[0] != SUBMIT_REQUEST_WITH_KV:
+        raise ValueError(f"not a SUBMIT_REQUEST_WITH_KV frame: header {data[0]!r}")
+    _request_id, _prompt, _sampling_params, kv_meta, src_block_ids = data[1:]
+    return kv_meta, src_block_ids
+
+
+#: How a request crosses from the prefill process to the decode process in the tests.
+WIRES = ("json", "pickle", "msgpack")
+
+
+def encode_request(kv_meta: dict[str, Any], block_ids: list[int], engine_request_id: int) -> dict[str, Any]:
+    """One request for the METAS line: JSON as is, the pickle and the msgpack frame in base64."""
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    return {"kv_meta": kv_meta, "block_ids": block_ids, "pickle": b64(pickle.dumps((kv_meta, block_ids))),
+            "msgpack": b64(msgpack_handoff_frame(engine_request_id, kv_meta, block_ids))}
+
+
+def decode_request(wire: str, entry: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """``kv_meta, src_block_ids`` as the decode process reads them off ``wire``."""
+    if wire == "json":
+        return entry["kv_meta"], entry["block_ids"]
+    if wire == "pickle":
+        return pickle.loads(base64.b64decode(entry["pickle"]))
+    if wire == "msgpack":
+        return decode_handoff_frame(base64.b64decode(entry["msgpack"]))
+    raise ValueError(f"unknown wire {wire!r}; one of {WIRES}")
+
+
+# --- the decode side ---------------------------------------------------------------------------------
+@dataclass
+class MegatronImport:
+    """What Megatron's decode keeps for one import (its ``PendingKvImport``), and its verdicts."""
+
+    kv_handle: Any
+    ssm_handles: list[Any]
+    start_error: Optional[Exception]  # Megatron's ``local_error``
+    destinations_safe: bool  # read once, off the start error
+    terminal_state_reported: bool = False
+
+    @property
+    def handles(self) -> list[Any]:
+        """``_pending_transfer_handles``: the KV handle, then the SSM handles, None dropped."""
+        return [h for h in (self.kv_handle, *self.ssm_handles) if h is not None]
+
+    def report(self) -> Optional[bool]:
+        """``_report_completed_kv_imports``: None while in flight, else whether the import failed.
+        A start error is reported as a failure at once, without polling the posted handles."""
+        failed = self.start_error is not None
+        if not failed:
+            try:
+                if not all(h.poll() for h in self.handles):
+                    return None
+            except Exception as exc:  # noqa: BLE001 - Megatron keeps any exception as the local error
+                self.start_error = exc
+                failed = True
+        self.terminal_state_reported = True
+        return failed
+
+    def may_release_after_failure(self) -> bool:
+        """The ``except`` path of ``_admit_pending_kv_imports``: True frees the blocks and live
+        slot (``_release_pending_kv_import``), False quarantines them."""
+        safe = self.destinations_safe and self.terminal_state_reported
+        return safe and wait_for_transfer_handles(*self.handles)
+
+    def may_release_at_reset(self) -> bool:
+        """``_reset_pending_kv_imports`` for a quarantined import (False: reset raises RuntimeError)."""
+        return self.destinations_safe and wait_for_transfer_handles(*self.handles)
+
+
+def start_import(rank: Rank, case: Case, kv_meta: dict[str, Any], src_block_ids: list[int]) -> MegatronImport:
+    """``_try_start_kv_handoff_import``: trim the cached prefix, post the KV pull, then one pull per
+    SSM kind (``_start_ssm_handoff_import``, conv before recurrent); the first exception stops the
+    posting and is kept, with ``getattr(error, "transfer_destinations_safe", True)``."""
     _, dst, _, live_slot = request_ids(case)
-    imported = dst[case.cached_prefix:]
-    transfer_meta, transfer_src = drop_transfer_prefix_blocks(kv_meta, src_block_ids, case.cached_prefix)
-    handles = [rank.kv.begin_pull_blocks(transfer_meta, transfer_src, imported)]
-    for kind, backend in rank.ssm.items():
-        handles.append(backend.begin_pull_blocks(kv_meta["ssm"][kind], [], [live_slot]))
-    return handles
+    kv_handle, ssm_handles, start_error = None, [], None
+    try:
+        transfer_meta, transfer_src = drop_transfer_prefix_blocks(kv_meta, src_block_ids, case.cached_prefix)
+        kv_handle = rank.kv.begin_pull_blocks(transfer_meta, transfer_src, dst[case.cached_prefix:])
+        for kind in rank.ssm:
+            ssm_handles.append(rank.ssm[kind].begin_pull_blocks(kv_meta["ssm"][kind], [], [live_slot]))
+    except Exception as exc:  # noqa: BLE001 - Megatron's start path catches everything
+        start_error = exc
+    safe = start_error is None or getattr(start_error, "transfer_destinations_safe", True)
+    return MegatronImport(kv_handle, ssm_handles, start_error, bool(safe))
+
+
+def decode_import(rank: Rank, case: Case, kv_meta: dict[str, Any], src_block_ids: list[int]) -> list[Any]:
+    """Megatron's decode side, for a request that must start: its handles (a start error raised)."""
+    started = start_import(rank, case, kv_meta, src_block_ids)
+    if started.start_error is not None:
+        raise started.start_error
+    return started.handles
 
 
 def wait_for_transfer_handles(*handles: Any) -> bool:
@@ -304,7 +448,7 @@ def pools(rank: Rank) -> dict[str, torch.Tensor]:
 
 
 def serve_prefill(backend: str, cases: list[Case], **extra: Any) -> tuple[dict[str, Any], list[Rank]]:
-    """Every case's prefill ranks; returns {case name: {"kv_meta", "block_ids"}} and the ranks to close."""
+    """Every case's prefill ranks; returns {case name: ``encode_request``} and the ranks to close."""
     metas, ranks = {}, []
     for case in cases:
         truth = global_tensors(case)
@@ -312,7 +456,7 @@ def serve_prefill(backend: str, cases: list[Case], **extra: Any) -> tuple[dict[s
                       for spec in rank_specs(case.prefill, case.num_layers)]
         ranks += case_ranks
         kv_meta, block_ids = prefill_kv_meta(case, case_ranks)
-        metas[case.name] = {"kv_meta": kv_meta, "block_ids": block_ids}
+        metas[case.name] = encode_request(kv_meta, block_ids, engine_request_id=len(metas))
     return metas, ranks
 
 

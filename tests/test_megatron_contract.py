@@ -2,17 +2,24 @@
 
 The driver (``megatron_driver``) builds backends with Megatron's constructor arguments,
 wraps per-request metas the way its prefill side does and pulls with its decode side's
-calls. For ``nixl`` and ``ucx`` the prefill ranks live in another process and the metas
-arrive as JSON; for ``local`` they go through JSON and pickle in-process. Every case
-checks every decode pool byte for byte against the global tensors it was cut from.
+calls. For ``nixl`` and ``ucx`` the prefill ranks live in another process; every request
+crosses to the decode as JSON, as a pickle, and as the msgpack frame Megatron's coordinator
+sends the decode engine after the meta's four msgpack hops (for ``local``, in-process).
+Every case checks every decode pool byte for byte against the global tensors it was cut from.
+
+The last tests drive Megatron's decode failure path (``MegatronImport``): the KV pull is
+posted before the SSM pulls, so a refused SSM meta leaves posted reads behind, and the
+storage must be released only when no byte of them can land.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +35,8 @@ from kvxfer.errors import BackendUnavailableError, PeerMetadataError, TransferEr
 from kvxfer.plan.geometry import LAYOUT_FIELDS, compute_buffer_geometry, export_geometry_meta, kv_layout_from_meta
 from kvxfer.plan.peer_records import drop_transfer_prefix_blocks, transfer_peer_records
 from megatron_driver import (
-    Case, Side, decode_import, expected_decode, global_tensors, poll_all, pools, rank_specs, serve_prefill, setup_rank,
+    WIRES, Case, Side, decode_import, decode_request, expected_decode, global_tensors, poll_all, pools, rank_specs,
+    serve_prefill, setup_rank, start_import,
 )
 
 DRIVER = Path(__file__).with_name("megatron_driver.py")
@@ -99,19 +107,35 @@ def prefill(request) -> Iterator[tuple[str, dict[str, Any]]]:
         _stop(proc)
 
 
+def _typed(value: Any) -> Any:
+    """``value`` with each leaf's type kept (``1``, ``1.0``, ``True`` and ``b"1"`` all differ);
+    lists and tuples alike (JSON and msgpack both make lists of tuples, which the seal allows)."""
+    if isinstance(value, dict):
+        return {(type(k).__name__, k): _typed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_typed(v) for v in value]
+    return type(value).__name__, value
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_megatron_call_shapes_move_exact_bytes(prefill, case):
+def test_megatron_call_shapes_move_exact_bytes(prefill, case, wire):
     backend, metas = prefill
-    request = metas[case.name]
+    kv_meta, block_ids = decode_request(wire, metas[case.name])
+    assert _typed((kv_meta, block_ids)) == _typed(decode_request("json", metas[case.name])), \
+        f"{wire} changed a value's type somewhere in the request"
     truth = global_tensors(case)
     ranks = [setup_rank(backend, "decode", case, case.decode, spec, None) for spec in rank_specs(case.decode, case.num_layers)]
     try:
         for rank in ranks:
-            poll_all(decode_import(rank, case, request["kv_meta"], request["block_ids"]), 30)
+            poll_all(decode_import(rank, case, kv_meta, block_ids), 30)
             want = expected_decode(case, truth, rank)
             for name, pool in pools(rank).items():
-                assert torch.equal(pool.view(torch.uint8), want[name].view(torch.uint8)), \
-                    f"{case.name}: decode rank {rank.spec.global_rank} {name} pool differs"
+                assert _same_bytes(pool, want[name]), f"{case.name} over {wire}: decode rank {rank.spec.global_rank} {name} pool differs"
     finally:
         for rank in ranks:
             rank.close()
@@ -284,3 +308,112 @@ def test_install_points_megatrons_lookup_at_kvxfer():
     assert handoff.construct_kv_transfer_backend_class("ucx").name == "ucx"
     with pytest.raises(ImportError, match="Megatron-LM"):
         kvxfer.megatron.install()
+
+
+# --- Megatron posts the KV pull before the SSM pulls: a refused SSM meta behind posted reads -------------
+#: (backend, decode keyword arguments), as in tests/test_storage_safety.py: nixl (which cannot cancel
+#: an active READ); ucx with UCX's peer failure mode (over TCP it has it); ucx without it (its gets
+#: end only when the source does)
+STALL_MODES = {"nixl": ("nixl", {}), "ucx": ("ucx", {}), "ucx-no-peer-mode": ("ucx", {"peer_error_handling": False})}
+TAMPER_CASE = Case("tamper", Side(1), Side(1, rank_base=10), ssm_dims=SSM, seed=12)
+REUSE_CASE = dataclasses.replace(TAMPER_CASE, name="reuse", data_seed=13)  # the same blocks and slot, other bytes
+STALL_TIMEOUT_S = 5.0  # the decode handles' own timeout: Megatron's waiter calls wait() without one
+SETTLE_S = 15.0  # a resumed source must end its late reads within this
+
+
+@pytest.fixture(scope="module")
+def tcp_prefills() -> Iterator[Any]:
+    """Per backend, two prefill processes on UCX's TCP transport only, where a read needs the source's
+    CPU, so that a SIGSTOPped source really stalls it: the request's, and the one whose bytes reuse
+    its blocks. Started on first use; resumed and stopped at the end of the module."""
+    started: dict[str, tuple[tuple[subprocess.Popen, dict[str, Any]], ...]] = {}
+
+    def get(backend: str) -> tuple[tuple[subprocess.Popen, dict[str, Any]], ...]:
+        if backend not in started:
+            started[backend] = tuple(_start_prefill(backend, [case], UCX_TLS="tcp") for case in (TAMPER_CASE, REUSE_CASE))
+        return started[backend]
+
+    yield get
+    for pair in started.values():
+        for proc, _ in pair:
+            _resume(proc)
+            _stop(proc)
+
+
+def _resume(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["kv-read-completes", "kv-source-stalled"])
+@pytest.mark.parametrize("mode", list(STALL_MODES))
+def test_refused_ssm_meta_behind_posted_kv_reads_frees_storage_only_when_no_byte_can_land(
+        mode, stalled, tcp_prefills, monkeypatch):
+    """Megatron's ``_try_start_kv_handoff_import`` posts the KV pull, then conv, then recurrent; here the
+    recurrent meta is tampered with, so its call is refused with the KV and conv reads already posted.
+
+    kvxfer cannot see the SSM call when it posts the KV one: what holds is per call. The refused call
+    posts nothing and says so (a plain ``PeerMetadataError``: Megatron reads
+    ``transfer_destinations_safe`` as True); the posted calls' handles then decide, through Megatron's
+    own waiter, whether the request's blocks and live slot may be released. Whenever that path frees
+    them, they are reused at once by another request, and not one byte of the first lands after.
+    """
+    backend, decode_kwargs = STALL_MODES[mode]
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the decode's UCX context is made
+    (source, metas), (_, reuse_metas) = tcp_prefills(backend)
+    kv_meta, src_ids = decode_request("msgpack", metas[TAMPER_CASE.name])
+    reuse_meta, reuse_src = decode_request("msgpack", reuse_metas[REUSE_CASE.name])
+    spec = rank_specs(TAMPER_CASE.decode, TAMPER_CASE.num_layers)[0]
+    rank = setup_rank(backend, "decode", TAMPER_CASE, TAMPER_CASE.decode, spec, None, timeout_s=STALL_TIMEOUT_S,
+                      **decode_kwargs)
+    try:
+        for meta, ids in ((kv_meta, src_ids), (reuse_meta, reuse_src)):  # connected: a stall hits the reads
+            poll_all(decode_import(rank, TAMPER_CASE, meta, ids), 30)
+        for pool in pools(rank).values():
+            pool.zero_()
+        ssm = kv_meta["ssm"]
+        tampered = {**kv_meta, "ssm": {**ssm, "recurrent": {**ssm["recurrent"], "num_blocks": ssm["recurrent"]["num_blocks"] + 1}}}
+        if stalled:
+            os.kill(source.pid, signal.SIGSTOP)
+
+        started = start_import(rank, TAMPER_CASE, tampered, src_ids)
+        assert isinstance(started.start_error, PeerMetadataError), started.start_error
+        assert "integrity check" in str(started.start_error)
+        assert started.kv_handle is not None and len(started.ssm_handles) == 1, "the KV and conv pulls were posted first"
+        assert started.destinations_safe, "the refused call posted nothing, and Megatron reads that off its error"
+        assert not rank.ssm["recurrent"].memory_buffer.any(), "the refused recurrent pull moved bytes"
+        assert started.report() is True  # Megatron reports the start error as the failure, polling nothing
+        if stalled:
+            time.sleep(0.2)
+            assert not any(h.poll() for h in started.handles), "a read from a stopped source completed"
+
+        free = started.may_release_after_failure()
+        assert free == all(h.storage_safe for h in started.handles), "the waiter's verdict is not the storage's"
+        if not stalled:
+            assert free, "reads that completed left the storage quarantined"
+            want = expected_decode(TAMPER_CASE, global_tensors(TAMPER_CASE), rank)
+            assert _same_bytes(rank.kv.memory_buffer, want["kv"]) and _same_bytes(rank.ssm["conv"].memory_buffer, want["conv"])
+        elif mode != "ucx":  # nixl cannot cancel the READs; ucx without the peer failure mode cannot end the gets
+            assert not free
+            assert not started.may_release_at_reset(), "a reset released storage a stopped source's reads can still hit"
+        print(f"{mode}: released {'at once' if free else 'after the source resumed'}")
+
+        reuse = lambda: poll_all(decode_import(rank, TAMPER_CASE, reuse_meta, reuse_src), 30)  # noqa: E731
+        if free:
+            reuse()  # Megatron's allocator hands the blocks and the slot to the next request at once
+        _resume(source)
+        if not free:  # Megatron retries quarantined storage at each reset: it is released once the reads end
+            deadline = time.monotonic() + SETTLE_S
+            while not started.may_release_at_reset():
+                assert time.monotonic() < deadline, "the source resumed, yet no reset released the storage"
+                time.sleep(0.05)
+            assert all(h.storage_safe for h in started.handles), "a reset released storage that is not safe"
+            reuse()
+        if stalled:
+            time.sleep(1.0)  # room for a late byte to land, were one still coming
+        want = expected_decode(REUSE_CASE, global_tensors(REUSE_CASE), rank)
+        for name, pool in pools(rank).items():
+            assert _same_bytes(pool, want[name]), f"{name}: a byte of the refused request landed in reused storage"
+    finally:
+        _resume(source)
+        rank.close()
