@@ -325,3 +325,32 @@ def nothing_of_ucx_left_behind() -> Iterator[None]:
 
     yield
     assert _ucp.live_objects() == {}
+
+
+def test_nixl_same_host_mode_reads_zero_copy_refuses_other_hosts_and_survives_a_killed_source(monkeypatch, sources):
+    """``KVXFER_NIXL_SAME_HOST=1``: NIXL's UCX without peer failure handling (CMA between processes).
+    Bytes exact; a meta signed on another host refused before any byte moves; a source killed
+    mid-pull fails its reads (or they completed), storage safe, the process unharmed."""
+    from kvxfer.security.meta_seal import HOST_FIELD, seal_meta
+
+    monkeypatch.setenv("KVXFER_NIXL_SAME_HOST", "1")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    source = SourceProcess(SourceSpec("nixl", "same-host-src", 13, SHAPE))
+    sources.append(source)
+    with decode_backend("nixl", "same-host-decode") as dst:
+        dst.begin_pull_blocks(source.meta, ALL, ALL, request_id="whole").wait(30)
+        assert same_bytes(dst.memory_buffer, source.expected_pool())
+        key = b"k" * 32
+        elsewhere = seal_meta({**{k: v for k, v in source.meta.items() if k != "meta_seal"}, HOST_FIELD: "elsewhere"}, key)
+        with decode_backend("nixl", "same-host-keyed", meta_key=key) as keyed:
+            with pytest.raises(PeerMetadataError, match="same-host mode"):
+                keyed.begin_pull_blocks(elsewhere, [1], [1])
+            assert keyed.stats()["transfers_started"] == 0
+        handles = [dst.begin_pull_blocks(source.meta, ALL, ALL, request_id=f"k{i}") for i in range(4)]
+        source.kill()
+        for handle in handles:
+            try:
+                handle.wait(10)
+            except TransferError:
+                pass
+            assert handle.storage_safe

@@ -30,6 +30,8 @@ TARGETS = {  # name -> (driver connector, kv_connector_extra_config, environment
     "kvxfer-nixl": ("timed-kvxfer", {"backend": "nixl"}, {}),
     # NIXL's progress thread as vLLM's NixlConnector runs it: a busy loop (kvxfer's default pauses 2 ms)
     "kvxfer-nixl-busy": ("timed-kvxfer", {"backend": "nixl"}, {"KVXFER_NIXL_PROGRESS_DELAY_US": "0"}),
+    # a one-host deployment: NIXL's UCX without peer failure handling reads over CMA (docs/environment.md)
+    "kvxfer-nixl-same-host": ("timed-kvxfer", {"backend": "nixl"}, {"KVXFER_NIXL_SAME_HOST": "1"}),
     "kvxfer-ucx": ("timed-kvxfer", {"backend": "ucx"}, {}),
     "vllm-nixl": ("timed-nixl", {"backends": ["UCX"]}, {}),
 }
