@@ -2,8 +2,11 @@
 
 Megatron's handoff module imports ``construct_kv_transfer_backend_class`` from its own
 ``transfer_backends.base``, which knows ``nixl`` and ``nccl`` only. ``install()`` points
-that one name at kvxfer's registry; backend names in the launcher config then select
-kvxfer's backends (``nixl``, ``ucx``, ``local``, ``nccl`` and plugins).
+that one name at kvxfer's registry, so the name given to
+``DisaggDynamicInferenceEngine.setup_kv_transfer(role, backend=...)`` (default ``"nixl"``;
+Megatron has no launcher flag for it) selects kvxfer's backends (``nixl``, ``ucx``, ``local``,
+``nccl`` and plugins). The lookup happens when ``setup_kv_transfer`` runs, so ``install()``
+must run before it, in every engine process.
 """
 
 from __future__ import annotations

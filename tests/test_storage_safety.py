@@ -354,3 +354,25 @@ def test_nixl_same_host_mode_reads_zero_copy_refuses_other_hosts_and_survives_a_
             except TransferError:
                 pass
             assert handle.storage_safe
+
+
+def test_a_part_failing_to_start_behind_a_stalled_part_returns_a_failed_handle(tcp, sources):
+    """Megatron reads a raised ``TransferStartError`` once and, unsafe, quarantines for good. So when
+    part 2 of a TP 2->1 request cannot start (its source is dead) while part 1 is stalled mid-read,
+    ``begin_pull_blocks`` returns a handle that has failed: a TimeoutError until part 1's read is
+    over, then a plain error Megatron's waiter frees on."""
+    stalled, dead = (start(sources, "nixl", f"start-fail-tp{r}", 14, tp_size=2, tp_rank=r, global_rank=r)
+                     for r in (0, 1))
+    stalled.meta, dead.meta  # both started
+    dead.kill()  # never contacted by the decode: loading its agent fails
+    with decode_backend("nixl", "start-fail-decode", staging_bytes=0) as dst:
+        dst.begin_pull_blocks(stalled.meta, [0], [0]).wait()  # connected to the stalled one (a bare meta: its heads)
+        stalled.stop()
+        handle = dst.begin_pull_blocks({"tp_metas": [stalled.meta, dead.meta]}, ALL, ALL, request_id="half")
+        assert handle.state.value == "ERR" and not handle.storage_safe
+        with pytest.raises(TransferTimeoutError):
+            handle.poll()
+        assert not wait_for_transfer_handles(handle)
+        assert dst.stats()["storage_unsafe"] == 1 and dst.stats()["in_flight"] == 0
+        reuse_and_check_no_late_byte(dst, handle, shared("nixl", 2), free_now=False, resume=stalled.resume)
+        assert dst.stats()["storage_unsafe"] == 0

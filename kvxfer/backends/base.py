@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -49,9 +50,10 @@ from kvxfer.backends.transfer import (  # the handle and request types: importab
     abort_parts,
     failure_for_caller,
 )
-from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError
+from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry, dtype_name, export_geometry_meta, parse_geometry_meta
+from kvxfer.plan.peer_records import transfer_peer_records
 from kvxfer.plan.request import LocalPool, RequestPlan, plan_pull, plan_request
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.security.meta_seal import (
@@ -64,6 +66,26 @@ __all__ = ["CompletedHandle", "GroupHandle", "KVTransportBackend", "PullRequest"
            "TransferHandle", "TransferStartError", "TransferState", "abort_parts", "failure_for_caller"]
 
 DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "KVXFER_TRANSFER_TIMEOUT_S"
+
+
+def transfer_timeout_from_env() -> float:
+    """The handle timeout when the caller names none: ``KVXFER_TRANSFER_TIMEOUT_S`` (seconds), else 30.
+
+    Megatron constructs backends with fixed arguments and its waiter blocks the decode's
+    scheduling step on ``wait()`` up to this long for a stalled source: this is how its users
+    bound that.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value < float("inf")):
+        raise BackendUnavailableError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
 
 #: Read-done / read-failed reports a source keeps undrained before it drops (and counts) new ones.
 MAX_PENDING_NOTICES = 65536
@@ -112,7 +134,7 @@ class KVTransportBackend(ABC):
         ssm_layout: Any = None,
         ssm_state_kind: Optional[str] = None,
         *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: Optional[float] = None,
         meta_key: Optional[bytes] = None,
         allow_unauthenticated_metas: Optional[bool] = None,
         staging_bytes: Optional[int] = None,
@@ -123,6 +145,8 @@ class KVTransportBackend(ABC):
             raise BackendUnavailableError(f"backend {self.name!r} cannot run here: {why}")
         if not isinstance(agent_name, str) or not agent_name:
             raise PeerMetadataError(f"agent_name must be a non-empty string, got {agent_name!r}")
+        if timeout_s is None:  # Megatron passes no kvxfer arguments: the environment sets it
+            timeout_s = transfer_timeout_from_env()
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.agent_name = agent_name
@@ -154,6 +178,9 @@ class KVTransportBackend(ABC):
         self.local_pool = LocalPool(self.geometry, dtype_name(self.dtype), self.ssm_layout, ssm_state_kind)
         self._closed = False
         self._verified = _VerifiedMetas()
+        #: SSM pools registered beside this one, by state kind: a KV pull checks the request's SSM
+        #: metas against them before it posts (``_check_request_ssm``).
+        self._ssm_siblings: dict[str, "KVTransportBackend"] = {}
         self._warned_unauthenticated = False
         self._stats = TransferStats()
         self._request_counter = itertools.count()
@@ -206,6 +233,7 @@ class KVTransportBackend(ABC):
             label = request_id
         if self._arena is not None and self._arena.quarantined:
             self._arena.reclaim()  # staging behind reads that have ended since comes back (and tells their sources)
+        self._check_request_ssm(peer_meta)
         plan = plan_request(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
                             staging_chunk_bytes=self._staging_chunk_bytes())
         self._check_plan(plan)
@@ -219,6 +247,26 @@ class KVTransportBackend(ABC):
             raise
         handle._count_in(self._stats, total, plan.num_descriptors)
         return handle
+
+    def _check_request_ssm(self, peer_meta: Any) -> None:
+        """Megatron posts a request's KV pull before its SSM pulls, and the KV call's meta carries
+        the SSM metas under ``"ssm"``: check each against the sibling pool of its state kind now,
+        so a tampered SSM meta refuses the request before its KV reads are posted. Kinds without a
+        sibling here are left to their own call."""
+        ssm = peer_meta.get("ssm") if isinstance(peer_meta, Mapping) else None
+        if not isinstance(ssm, Mapping) or not self._ssm_siblings:
+            return
+        for kind, meta in ssm.items():
+            sibling = self._ssm_siblings.get(kind) if isinstance(kind, str) else None
+            if sibling is None or sibling.closed:
+                continue
+            try:
+                records = transfer_peer_records(meta, [])
+                slots = len(records[0][1]) if records else 0
+                plan_request(meta, [], list(range(slots)), sibling.local_pool, sibling.parse_peer_meta)
+            except KVXferError as exc:
+                raise PeerMetadataError(
+                    f"the request's SSM {kind} meta (under 'ssm') is refused, so nothing was posted: {exc}") from exc
 
     def _staging_chunk_bytes(self) -> int:
         """The chunk size a staged reshard may use now; 0 when this transport cannot stage.
@@ -249,7 +297,12 @@ class KVTransportBackend(ABC):
         return self._post_read(pull)
 
     def _post_pulls(self, pulls: Sequence[Optional["PullRequest"]], request_id: RequestId) -> TransferHandle:
-        """Post every planned part; one part's handle, or a ``GroupHandle`` over all records."""
+        """Post every planned part; one part's handle, or a ``GroupHandle`` over all records.
+
+        A part that fails to start: nothing posted -> its error; posted parts aborted and none can
+        still write -> ``TransferStartError(storage_safe=True)``; otherwise a handle already failed
+        (raising ``TransferTimeoutError`` until its reads are over), never an error read only once.
+        """
         handles: list[TransferHandle] = []
         try:
             for pull in pulls:
@@ -259,12 +312,21 @@ class KVTransportBackend(ABC):
             if not posted and not isinstance(exc, TransferStartError):
                 raise  # nothing was posted: plainly safe
             safe = abort_parts(posted, f"request {request_id!r}: aborted, another part failed to start: {exc}")
+            parts = posted + list(getattr(exc, "cleanup_handles", ()))
             safe &= getattr(exc, "storage_safe", True)
-            raise TransferStartError(
-                f"request {request_id!r}: part {len(handles) + 1} of {len(pulls)} failed to start after "
-                f"{len(posted)} part(s) were posted ({exc}); storage_safe={safe}",
-                storage_safe=safe, cleanup_handles=posted,
-            ) from exc
+            message = (f"request {request_id!r}: part {len(handles) + 1} of {len(pulls)} failed to start after "
+                       f"{len(posted)} part(s) were posted ({exc})")
+            if safe:
+                raise TransferStartError(f"{message}; no byte can land", storage_safe=True,
+                                         cleanup_handles=posted) from exc
+            # A byte may still land. A raised error is read once (Megatron copies its
+            # transfer_destinations_safe and quarantines for good); a failed handle is waited on
+            # again, and turns storage safe (and raises a plain error) once those reads are over.
+            failed = GroupHandle(request_id, parts, self.timeout_s)
+            with failed._lock:
+                failed._fail(TransferError(message))
+            failed._error.__cause__ = exc
+            return failed
         return handles[0] if len(handles) == 1 else GroupHandle(request_id, handles, self.timeout_s)
 
     def drain_read_done(self) -> list[RequestId]:
@@ -307,7 +369,10 @@ class KVTransportBackend(ABC):
         kwargs.setdefault("timeout_s", self.timeout_s)
         kwargs.setdefault("meta_key", self._meta_key)
         kwargs.setdefault("allow_unauthenticated_metas", self._allow_unauthenticated)
-        return type(self)(**kwargs, _parent=self)
+        sibling = type(self)(**kwargs, _parent=self)
+        if sibling.ssm_state_kind is not None:
+            self._ssm_siblings[sibling.ssm_state_kind] = sibling
+        return sibling
 
     def close(self) -> None:
         """Deregister the buffer and release the transport. Idempotent."""

@@ -177,8 +177,10 @@ class TransferHandle(ABC):
         self._stats, self._num_bytes, self._num_descriptors = stats, num_bytes, num_descriptors
         if self._state is TransferState.DONE:
             stats.completed(num_bytes)
-        elif self._state is TransferState.ERR and not self._storage_safe:
-            stats.unsafe(+1)
+        elif self._state is TransferState.ERR:  # failed before it was counted (a start that failed)
+            stats.failed(timed_out=False)
+            if not self._storage_safe:
+                stats.unsafe(+1)
 
     def _advance(self) -> None:
         try:
