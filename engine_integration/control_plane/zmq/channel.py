@@ -44,6 +44,7 @@ log = logging.getLogger("kvxfer.engine.channel")
 MAX_FRAME_BYTES = 16 << 20
 MAX_CONNECTIONS = 512
 HANDSHAKE_TIMEOUT_S = 5.0
+LISTEN_BACKLOG = 4096  #: pending TCP connections the kernel may queue for us (a flood must not delay clients)
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"kvxfer"
 
@@ -96,6 +97,10 @@ class ServerChannel:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_timeout_s * 1000))
         sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+        # libzmq's default listen backlog is 100: under a connection flood the kernel's accept
+        # queue fills, a client's final ACK is dropped and the connection only arrives after
+        # SYN-ACK retries (seconds). The kernel caps this at net.core.somaxconn.
+        sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         self.encrypted = secret is not None and curve and curve_available()
         if self.encrypted:
             public, secret_key = curve_server_keys(secret)
