@@ -10,6 +10,7 @@ Run as a script, this module *is* the child.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -67,6 +68,22 @@ def secured_etcd():
         server.stop()
 
 
+_cluster_ids = itertools.count()
+
+
+def fresh_fleet(etcd: Any, prefix: str, **over: Any) -> Fleet:
+    """A ``Fleet`` on the module's secured etcd (``secured_etcd``) with its own cluster prefix and key."""
+    server, password = etcd
+    return Fleet(endpoint=server.endpoint, user="kvxfer", password=password, cluster_key=os.urandom(32),
+                 cluster=f"{prefix}{next(_cluster_ids)}", **over)
+
+
+def register_stand_in(store: EtcdStore, name: str, role: str, key: Optional[bytes], capacity_blocks: int = 64) -> Any:
+    """Register ``store`` as ``name`` with a stand-in transport meta (``sealed_meta``)."""
+    return store.register(name=name, role=role, transfer_meta=[sealed_meta(name, "in-proc", key)],
+                          capacity_blocks=capacity_blocks)
+
+
 def sealed_meta(name: str, incarnation_hint: str, key: Optional[bytes]) -> dict[str, Any]:
     """A stand-in for a backend's ``export_meta()``: sealed (and signed) the same way."""
     from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
@@ -88,7 +105,9 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> Any:
 
 
 class TcpProxy:
-    """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while."""
+    """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while, and which
+    can lose the answer to a request etcd has applied (``lose_answers``): the real failure behind a
+    repeated call."""
 
     def __init__(self, target: str) -> None:
         host, _, port = target.rpartition(":")
@@ -102,7 +121,15 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._down = threading.Event()
         self._closed = False
+        self._lose: dict[bytes, int] = {}
+        self.lost_answers = 0
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_answers(self, path: bytes, count: int = 1) -> None:
+        """The next ``count`` requests to ``path`` reach etcd (which applies them) and their answers are
+        dropped: the client's connection is reset instead, as when a link or a member fails mid-call."""
+        with self._lock:
+            self._lose[path] = self._lose.get(path, 0) + count
 
     def _accept(self) -> None:
         while not self._closed:
@@ -123,6 +150,7 @@ class TcpProxy:
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        doomed = False   # the request in flight on this connection is to lose its answer
         try:
             while True:
                 ready, _, _ = select.select([a, b], [], [], 0.5)
@@ -130,6 +158,14 @@ class TcpProxy:
                     data = s.recv(65536)
                     if not data:
                         raise OSError("closed")
+                    if s is a:
+                        with self._lock:
+                            for path, left in self._lose.items():
+                                if left and b"POST " + path + b" " in data:
+                                    self._lose[path], doomed = left - 1, True
+                    elif doomed:
+                        self.lost_answers += 1
+                        raise OSError("answer lost")   # etcd answered (so it applied it); the client never hears
                     (b if s is a else a).sendall(data)
         except (OSError, ValueError):
             pass

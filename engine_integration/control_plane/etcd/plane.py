@@ -252,14 +252,14 @@ class EtcdPlane(ControlPlane):
                 continue
             if request.prefill_incarnation != me.incarnation or request.request_id in self._claimed:
                 continue   # routed to an earlier incarnation of this name: its client fails it
-            got = store.take(key)
-            if got is None or got.value != kv.value:
-                continue
+            if not store.claim(key, kv.mod_revision, request.request_id):
+                continue   # taken back by its client (re-routed), or rewritten since we read it
             taken += 1
             why = policy.admission_problem(request.prompt, request.max_new_tokens, (member(r) for r in view.live()))
             if why is not None:
                 self._result(request.client, request.client_lease, request.request_id, FAILED,
                              error=f"request refused at submit: {why}")
+                store.release_claim(request.request_id)
                 continue
             self._claimed[request.request_id] = _Claimed(request, time.monotonic())
             engine.add_request(request.request_id, request.prompt, request.max_new_tokens)
@@ -304,17 +304,21 @@ class EtcdPlane(ControlPlane):
             payload = {"descriptor": descriptor.to_dict(), "max_new_tokens": rec.max_new_tokens,
                        "client": rec.client, "client_lease": str(rec.client_lease), "prefill_s": claim.prefill_s}
             self._unpublished.remove((request_id, descriptor))
+            claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
+            claim.published_at = time.monotonic()
+            claim.checked = bool(descriptor.generations)
             try:
                 claim.published_revision = store.publish_handoff(str(request_id), reader=decode.name,
                                                                  reader_incarnation=decode.incarnation,
                                                                  descriptor=payload)
-            except ControlPlaneError as exc:   # not published: no reader knows it, the pins may go
-                self._fail_claim(request_id, f"prefill {self.me.name if self.me else '?'!r} could not publish: {exc}")
-                continue
+            except ControlPlaneError as exc:
+                # Unanswered is not unwritten: the put may have been applied and its answer lost, and the
+                # reader may start on it. So the handoff counts as published (pins kept); a snapshot that
+                # does not show it makes ``_restore_published`` write it again (the same value).
+                claim.published_revision = 0
+                log.warning("prefill %r: handoff %s to %r not confirmed by etcd (%s); kept as published",
+                            self.me.name if self.me else "?", request_id, decode.name, exc)
             published += 1
-            claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
-            claim.published_at = time.monotonic()
-            claim.checked = bool(descriptor.generations)
             self.routed(decode, descriptor.block_hashes, len(descriptor.block_ids))
         return published
 
@@ -371,6 +375,7 @@ class EtcdPlane(ControlPlane):
         claim = self._claimed.pop(request_id, None)
         assert self.engine is not None
         self.engine.release_handoff(request_id)
+        self.store.release_claim(str(request_id))
         if claim is not None:
             self._result(claim.request.client, claim.request.client_lease, str(request_id), FAILED, error=error)
 
