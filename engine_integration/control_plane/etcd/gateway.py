@@ -201,10 +201,11 @@ class EtcdHttpClient:
         for endpoint in list(getattr(self._local, "conns", {})):
             self._drop(endpoint)
 
-    def _http(self, method: str, path: str, body: Optional[dict[str, Any]],
-              token: Optional[str]) -> tuple[int, Any, bool]:
+    def _http(self, method: str, path: str, body: Optional[dict[str, Any]], token: Optional[str],
+              timeout_s: Optional[float] = None) -> tuple[int, Any, bool]:
         """(status, reply, retried): ``retried`` when an earlier attempt may have reached a server."""
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if token:
@@ -237,7 +238,7 @@ class EtcdHttpClient:
                 self._drop(endpoint)
             attempt += 1
             if time.monotonic() >= deadline:
-                raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {self.timeout_s}s "
+                raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {timeout_s}s "
                                           f"(last: {type(last).__name__}: {last})", path)
             if attempt % len(self.endpoints) == 0:
                 time.sleep(min(0.05 * attempt, 0.25))
@@ -250,11 +251,14 @@ class EtcdHttpClient:
                             f"{reply.get('message') or reply.get('error')}", "/v3/auth/authenticate")
         return str(reply["token"])
 
-    def call(self, path: str, body: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        """POST ``body`` to ``path``; the reply, or ``EtcdError``/``EtcdUnavailable``."""
-        return self._call(path, body)[0]
+    def call(self, path: str, body: Optional[dict[str, Any]] = None, *,
+             timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """POST ``body`` to ``path``; the reply, or ``EtcdError``/``EtcdUnavailable`` (after ``timeout_s``,
+        default the client's, of attempts on every endpoint)."""
+        return self._call(path, body, timeout_s=timeout_s)[0]
 
-    def _call(self, path: str, body: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], bool]:
+    def _call(self, path: str, body: Optional[dict[str, Any]] = None, *,
+              timeout_s: Optional[float] = None) -> tuple[dict[str, Any], bool]:
         """(reply, retried). A repeated call answered "already exists" (a user, a role, a lease
         under our own ID) is the first attempt's success: ``({}, True)``."""
         retried = False
@@ -265,7 +269,7 @@ class EtcdHttpClient:
                     if self._token is None:
                         self._token = self._authenticate()
                     token = self._token
-            status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token)
+            status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token, timeout_s)
             retried = retried or retried_now
             if "error" in reply or ("code" in reply and "message" in reply):
                 code = int(reply.get("code", -1))
@@ -382,9 +386,9 @@ class EtcdHttpClient:
             return int(reply["ID"]), int(reply["TTL"])
         raise EtcdError(CODE_FAILED_PRECONDITION, "three random lease IDs already existed", "/v3/lease/grant")
 
-    def lease_keepalive(self, lease: int) -> int:
+    def lease_keepalive(self, lease: int, *, timeout_s: Optional[float] = None) -> int:
         """The renewed TTL, or 0 if the lease no longer exists (expired or revoked)."""
-        return int(self.call("/v3/lease/keepalive", {"ID": str(lease)}).get("TTL", 0))
+        return int(self.call("/v3/lease/keepalive", {"ID": str(lease)}, timeout_s=timeout_s).get("TTL", 0))
 
     def lease_revoke(self, lease: int) -> None:
         try:

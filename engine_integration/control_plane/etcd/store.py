@@ -338,8 +338,8 @@ class EtcdStore:
         assert record is not None
         while not self._stop.wait(interval):
             sent = time.monotonic()
-            try:
-                ttl = self.client.lease_keepalive(record.lease)
+            try:   # no longer than one interval: a keepalive stuck on a dead link must not delay the next one
+                ttl = self.client.lease_keepalive(record.lease, timeout_s=max(0.5, interval))
                 owner = self._own_record(record) if ttl > 0 else None
             except EtcdError as exc:
                 self.counters["keepalive_errors"] += 1
