@@ -104,6 +104,74 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> Any:
         time.sleep(interval_s)
 
 
+def make_certificates(folder: Path, *, client_names: tuple[str, ...] = ("root", "kvxfer")) -> dict[str, Any]:
+    """A throwaway PKI for TLS tests, made with ``cryptography``: a CA, etcd's server certificate (for
+    127.0.0.1 and localhost), one client certificate per name in ``client_names``, one client certificate
+    that carries a Common Name, and a stranger's CA with a client certificate of its own.
+
+    Client certificates carry **no Common Name** (the name goes in a subjectAltName): with auth on,
+    etcd's JSON gateway refuses every ``/v3`` request whose client certificate has one (it cannot map a
+    CN to a user: ``embed/serve.go``). Returns paths: ``ca``, ``server_cert``, ``server_key``,
+    ``client[name] = (cert, key)``, ``client_with_cn``, ``rogue_ca``, ``rogue_client = (cert, key)``, and
+    ``tls``, the ``TlsFiles`` an ``EtcdServer`` serves with.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from engine_integration.control_plane.etcd.server import TlsFiles
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def write(name: str, key: Any, cert: Any) -> tuple[str, str]:
+        cert_path, key_path = folder / f"{name}.pem", folder / f"{name}-key.pem"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return str(cert_path), str(key_path)
+
+    def issue(common_name: str, issuer: Any, issuer_key: Any, *, ca: bool = False, server: bool = False,
+              with_cn: bool = True) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if with_cn else [])
+        builder = (x509.CertificateBuilder().subject_name(subject)
+                   .issuer_name(issuer.subject if issuer is not None else subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        elif not with_cn:   # an empty subject needs its name here, marked critical
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(common_name)]), critical=True)
+        if not ca:
+            usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else \
+                [ExtendedKeyUsageOID.CLIENT_AUTH]
+            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        cert = builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
+        return key, cert
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = issue("kvxfer test CA", None, None, ca=True)
+    ca_path, _ = write("ca", ca_key, ca_cert)
+    server_cert, server_key = write("server", *issue("etcd", ca_cert, ca_key, server=True))
+    clients = {name: write(f"client-{name}", *issue(name, ca_cert, ca_key, with_cn=False)) for name in client_names}
+    with_cn = write("client-with-cn", *issue("kvxfer", ca_cert, ca_key))
+    rogue_key, rogue_cert = issue("someone else's CA", None, None, ca=True)
+    rogue_ca, _ = write("rogue-ca", rogue_key, rogue_cert)
+    rogue_client = write("rogue-client", *issue("kvxfer", rogue_cert, rogue_key, with_cn=False))
+    tls = TlsFiles(ca_file=ca_path, cert_file=server_cert, key_file=server_key,
+                   client_cert_file=clients[client_names[0]][0], client_key_file=clients[client_names[0]][1])
+    return {"ca": ca_path, "server_cert": server_cert, "server_key": server_key, "client": clients,
+            "client_with_cn": with_cn, "rogue_ca": rogue_ca, "rogue_client": rogue_client, "tls": tls}
+
+
 class TcpProxy:
     """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while, and which
     can lose the answer to a request etcd has applied (``lose_answers``): the real failure behind a
