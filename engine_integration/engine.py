@@ -404,7 +404,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         """How a committed request's pull went (once; ``None`` if not known)."""
         return self._handoff_sink.pull_stats.pop(request_id, None) if self._handoff_sink else None
 
-    def set_commit_guard(self, guard: Optional[Callable[[], Optional[str]]]) -> None:
+    def set_commit_guard(self, guard: Optional[Callable[[RequestId], Optional[str]]]) -> None:
         """Decode: asked before each pull is committed; a returned reason fails the request instead."""
         if self._handoff_sink is not None:
             self._handoff_sink.commit_guard = guard

@@ -95,10 +95,11 @@ class HandoffSink:
         self._quarantine: list[_Import] = []
         self.pull_stats: dict[RequestId, PullStats] = {}  #: per admitted request; the engine pops it
         self._admitted = 0
-        #: called before a completed pull is committed (hashes registered, request admitted); a
-        #: returned reason fails the request instead (e.g. the etcd lease may have expired, so the
-        #: source may already have freed the blocks: ``control_plane.etcd.plane``)
-        self.commit_guard: Optional[Callable[[], Optional[str]]] = None
+        #: called with the request id before a completed pull is committed (hashes registered, request
+        #: admitted); a returned reason fails the request instead (e.g. the etcd lease may have expired,
+        #: so the source may already have freed the blocks, or the client gave this attempt up:
+        #: ``control_plane.etcd.plane``)
+        self.commit_guard: Optional[Callable[[RequestId], Optional[str]]] = None
         #: push backends (``backend.is_push``): called as ``on_posted(request_id, skip_blocks)`` once a
         #: request's receives are posted, to ask its prefill to push (Megatron's SEND_KV); ``skip_blocks``
         #: is the cached prefix that is not received. The pull path never calls it.
@@ -230,7 +231,8 @@ class HandoffSink:
                                                   time.monotonic() - entry.started_at, entry.admit_seq,
                                                   entry.verified)
         table = entry.cached + entry.fresh
-        fenced = self.commit_guard() if self.commit_guard is not None and not entry.abort_reason else None
+        fenced = (self.commit_guard(d.request_id) if self.commit_guard is not None and not entry.abort_reason
+                  else None)
         if fenced:  # the read completed (nothing in flight), but the bytes may not be this request's
             self.adapter.free_blocks(table)
             entry.state = KVPoll.Failed

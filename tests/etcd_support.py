@@ -10,6 +10,7 @@ Run as a script, this module *is* the child.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -67,6 +68,22 @@ def secured_etcd():
         server.stop()
 
 
+_cluster_ids = itertools.count()
+
+
+def fresh_fleet(etcd: Any, prefix: str, **over: Any) -> Fleet:
+    """A ``Fleet`` on the module's secured etcd (``secured_etcd``) with its own cluster prefix and key."""
+    server, password = etcd
+    return Fleet(endpoint=server.endpoint, user="kvxfer", password=password, cluster_key=os.urandom(32),
+                 cluster=f"{prefix}{next(_cluster_ids)}", **over)
+
+
+def register_stand_in(store: EtcdStore, name: str, role: str, key: Optional[bytes], capacity_blocks: int = 64) -> Any:
+    """Register ``store`` as ``name`` with a stand-in transport meta (``sealed_meta``)."""
+    return store.register(name=name, role=role, transfer_meta=[sealed_meta(name, "in-proc", key)],
+                          capacity_blocks=capacity_blocks)
+
+
 def sealed_meta(name: str, incarnation_hint: str, key: Optional[bytes]) -> dict[str, Any]:
     """A stand-in for a backend's ``export_meta()``: sealed (and signed) the same way."""
     from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
@@ -87,8 +104,78 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.02) -> Any:
         time.sleep(interval_s)
 
 
+def make_certificates(folder: Path, *, client_names: tuple[str, ...] = ("root", "kvxfer")) -> dict[str, Any]:
+    """A throwaway PKI for TLS tests, made with ``cryptography``: a CA, etcd's server certificate (for
+    127.0.0.1 and localhost), one client certificate per name in ``client_names``, one client certificate
+    that carries a Common Name, and a stranger's CA with a client certificate of its own.
+
+    Client certificates carry **no Common Name** (the name goes in a subjectAltName): with auth on,
+    etcd's JSON gateway refuses every ``/v3`` request whose client certificate has one (it cannot map a
+    CN to a user: ``embed/serve.go``). Returns paths: ``ca``, ``server_cert``, ``server_key``,
+    ``client[name] = (cert, key)``, ``client_with_cn``, ``rogue_ca``, ``rogue_client = (cert, key)``, and
+    ``tls``, the ``TlsFiles`` an ``EtcdServer`` serves with.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from engine_integration.control_plane.etcd.server import TlsFiles
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def write(name: str, key: Any, cert: Any) -> tuple[str, str]:
+        cert_path, key_path = folder / f"{name}.pem", folder / f"{name}-key.pem"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return str(cert_path), str(key_path)
+
+    def issue(common_name: str, issuer: Any, issuer_key: Any, *, ca: bool = False, server: bool = False,
+              with_cn: bool = True) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if with_cn else [])
+        builder = (x509.CertificateBuilder().subject_name(subject)
+                   .issuer_name(issuer.subject if issuer is not None else subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        elif not with_cn:   # an empty subject needs its name here, marked critical
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(common_name)]), critical=True)
+        if not ca:
+            usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else \
+                [ExtendedKeyUsageOID.CLIENT_AUTH]
+            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        cert = builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
+        return key, cert
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = issue("kvxfer test CA", None, None, ca=True)
+    ca_path, _ = write("ca", ca_key, ca_cert)
+    server_cert, server_key = write("server", *issue("etcd", ca_cert, ca_key, server=True))
+    clients = {name: write(f"client-{name}", *issue(name, ca_cert, ca_key, with_cn=False)) for name in client_names}
+    with_cn = write("client-with-cn", *issue("kvxfer", ca_cert, ca_key))
+    rogue_key, rogue_cert = issue("someone else's CA", None, None, ca=True)
+    rogue_ca, _ = write("rogue-ca", rogue_key, rogue_cert)
+    rogue_client = write("rogue-client", *issue("kvxfer", rogue_cert, rogue_key, with_cn=False))
+    tls = TlsFiles(ca_file=ca_path, cert_file=server_cert, key_file=server_key,
+                   client_cert_file=clients[client_names[0]][0], client_key_file=clients[client_names[0]][1])
+    return {"ca": ca_path, "server_cert": server_cert, "server_key": server_key, "client": clients,
+            "client_with_cn": with_cn, "rogue_ca": rogue_ca, "rogue_client": rogue_client, "tls": tls}
+
+
 class TcpProxy:
-    """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while."""
+    """A loopback TCP forwarder whose connections a test can cut (RST) and refuse for a while, and which
+    can lose the answer to a request etcd has applied (``lose_answers``): the real failure behind a
+    repeated call."""
 
     def __init__(self, target: str) -> None:
         host, _, port = target.rpartition(":")
@@ -102,7 +189,15 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._down = threading.Event()
         self._closed = False
+        self._lose: dict[bytes, int] = {}
+        self.lost_answers = 0
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_answers(self, path: bytes, count: int = 1) -> None:
+        """The next ``count`` requests to ``path`` reach etcd (which applies them) and their answers are
+        dropped: the client's connection is reset instead, as when a link or a member fails mid-call."""
+        with self._lock:
+            self._lose[path] = self._lose.get(path, 0) + count
 
     def _accept(self) -> None:
         while not self._closed:
@@ -123,6 +218,7 @@ class TcpProxy:
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        doomed = False   # the request in flight on this connection is to lose its answer
         try:
             while True:
                 ready, _, _ = select.select([a, b], [], [], 0.5)
@@ -130,6 +226,14 @@ class TcpProxy:
                     data = s.recv(65536)
                     if not data:
                         raise OSError("closed")
+                    if s is a:
+                        with self._lock:
+                            for path, left in self._lose.items():
+                                if left and b"POST " + path + b" " in data:
+                                    self._lose[path], doomed = left - 1, True
+                    elif doomed:
+                        self.lost_answers += 1
+                        raise OSError("answer lost")   # etcd answered (so it applied it); the client never hears
                     (b if s is a else a).sendall(data)
         except (OSError, ValueError):
             pass

@@ -8,7 +8,7 @@ surviving side must notice through the lease alone, within TTL + one poll (+ etc
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import os
 import time
 
@@ -16,11 +16,12 @@ import pytest
 
 from engine_integration.control_plane import ControlPlaneUnavailable, open_control_plane
 from engine_integration.control_plane.etcd.records import HandoffState
-from engine_integration.control_plane.etcd.store import LeaseLost
+from engine_integration.control_plane.etcd.store import LeaseLost, NameTaken
 from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient
 from engine_integration.control_plane.etcd.server import EtcdServer
 from engine_integration.control_plane.etcd.records import KeyLayout, encode_record
-from etcd_support import Child, Fleet, TcpProxy, sealed_meta, secured_etcd, wait_for
+from etcd_support import (Child, Fleet, TcpProxy, fresh_fleet, register_stand_in, sealed_meta, secured_etcd,
+                          wait_for)
 
 pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(120)]
 
@@ -28,22 +29,16 @@ TTL_S = 2
 POLL_S = 0.1
 #: TTL + etcd's lease-expiry sweep (500 ms) + one poll + slack for a loaded shared machine
 DETECT_BOUND_S = TTL_S + 0.5 + POLL_S + 1.5
-_clusters = itertools.count()
-
-
 etcd = pytest.fixture(scope="module", name="etcd")(secured_etcd)
 
 
 @pytest.fixture
 def fleet(etcd):
     """A fresh cluster prefix (isolated state) and cluster key per test."""
-    server, password = etcd
-    return Fleet(endpoint=server.endpoint, user="kvxfer", password=password, cluster_key=os.urandom(32),
-                 cluster=f"t{next(_clusters)}", ttl_s=TTL_S, poll_interval_s=POLL_S)
+    return fresh_fleet(etcd, "t", ttl_s=TTL_S, poll_interval_s=POLL_S)
 
 
-def _register(plane, name, role, key):
-    return plane.register(name=name, role=role, transfer_meta=[sealed_meta(name, "in-proc", key)], capacity_blocks=64)
+_register = register_stand_in
 
 
 def _handoff_keys(fleet, plane) -> int:
@@ -269,18 +264,28 @@ def test_prefill_restart_fails_pulls_of_its_old_incarnation(fleet):
         old.client.lease_revoke(opr.lease)
 
 
-def test_second_registration_supersedes_a_live_first(fleet):
-    a, b = fleet.plane(keepalive_interval_s=0.2), fleet.plane()
+def test_a_live_name_is_not_taken_over_but_an_insiders_record_supersedes(fleet):
+    """A second registrant of a live name is refused (the coordinator's rule, issue 21 A7); a verified
+    record of another incarnation written under the name (an insider) still supersedes the holder."""
+    a, b = fleet.plane(keepalive_interval_s=0.2), fleet.plane(name_wait_s=0.5)
     lost: list[str] = []
     a.on_lease_lost = lost.append
     try:
         ra = _register(a, "d0", "decode", fleet.cluster_key)
-        rb = _register(b, "d0", "decode", fleet.cluster_key)
+        t0 = time.monotonic()
+        with pytest.raises(NameTaken, match="'d0' incarnation .* is registered and its lease is alive"):
+            _register(b, "d0", "decode", fleet.cluster_key)
+        assert 0.4 < time.monotonic() - t0 < 2.0   # it waited name_wait_s for the lease to go
+        assert b.snapshot().instances["d0"].incarnation == ra.incarnation and not lost
+        lease, _ = b.client.lease_grant(TTL_S)
+        insider = dataclasses.replace(ra, incarnation="insider", lease=lease)
+        b.client.put(KeyLayout(fleet.cluster).instance("d0").encode(),
+                     encode_record(insider.body(), fleet.cluster_key), lease=lease)
         assert wait_for(lambda: lost, 3), "the superseded incarnation never noticed"
         assert "superseded" in lost[0] and a.health().superseded and not a.lease_valid()
-        assert b.snapshot().instances["d0"].incarnation == rb.incarnation != ra.incarnation
+        b.client.lease_revoke(lease)
     finally:
-        a.close(), b.deregister(), b.close()
+        a.close(), b.close()
 
 
 def test_soak_1000_handoff_transitions_leave_nothing_behind(fleet):

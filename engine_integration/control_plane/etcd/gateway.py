@@ -3,21 +3,32 @@
 Why not a client package: the gRPC clients on the index are either unmaintained
 (``etcd3`` 0.12, last release 2020, pinned to old protobuf/grpcio) or pull a gRPC stack
 into every engine process; ``etcd3gw`` (the maintained gateway client) brings
-``requests``, ``futurist`` and ``pbr``. kvxfer needs eight unary calls (put, range,
-delete, lease grant/keepalive/revoke/list, authenticate) and etcd serves every one of
-them as JSON over HTTP on its client port (``/v3/...``, keys and values base64), so a
-hundred lines of ``http.client`` do, with nothing to install.
+``requests``, ``futurist`` and ``pbr``. kvxfer needs a dozen unary calls (put, range,
+delete, txn, lease grant/keepalive/revoke/list, authenticate) and etcd serves every one
+of them as JSON over HTTP on its client port (``/v3/...``, keys and values base64), so a
+few hundred lines of ``http.client`` do, with nothing to install.
 
 Behaviour that matters to the fleet:
 
 - One persistent connection per thread (the lease keepalive thread never queues behind
-  a slow snapshot), re-opened on any socket error, trying each endpoint in turn until
-  ``timeout_s`` has passed; then ``EtcdUnavailable``. Every call is safe to repeat (puts
-  write the same value, deletes are idempotent, a repeated lease grant only leaves a
-  lease that expires unused).
+  a slow snapshot), re-opened on any socket error, trying each endpoint in turn (a
+  member that is down, or a leader lost mid-call, costs one attempt) until ``timeout_s``
+  has passed; then ``EtcdUnavailable``. TLS (``tls``: an ``ssl.SSLContext``, with a client
+  certificate where etcd asks for one) on every connection when given.
+- **A retried call may already have been applied**: the server can apply a request and
+  lose the connection before the answer arrives. Every call is therefore written to be
+  safe to repeat, and the repeats that answer differently are resolved here or by the
+  caller, never taken at face value: puts write the same value; deletes are idempotent;
+  a lease is granted under an ID chosen here, so a repeat answers "lease already exists"
+  for the very lease the first attempt made; "already exists" from a repeated user or
+  role creation is the first attempt's success; a transaction (``txn``) reports
+  ``retried`` so that its caller, seeing it not succeed, reads back whether its own
+  first attempt did (``store`` does that for every guarded write and for the claim of
+  a request).
 - etcd authentication: with a user, a token is fetched from ``/v3/auth/authenticate`` and
   sent as ``Authorization``; an "invalid auth token" answer (expired simple token, etcd
-  restarted) re-authenticates once. Passwords are never logged.
+  restarted) re-authenticates once. Passwords are never logged. With a client
+  certificate and no user, etcd takes the certificate's common name as the user.
 """
 
 from __future__ import annotations
@@ -26,9 +37,12 @@ import base64
 import http.client
 import json
 import logging
+import secrets
+import socket
+import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger("kvxfer.engine.control_plane.etcd")
@@ -74,26 +88,91 @@ class KV:
     value: bytes
     lease: int
     mod_revision: int
+    create_revision: int = 0
+
+
+def _kv(raw: dict[str, Any]) -> KV:
+    return KV(unb64(raw.get("key")), unb64(raw.get("value")), int(raw.get("lease", 0)),
+              int(raw.get("mod_revision", 0)), int(raw.get("create_revision", 0)))
+
+
+# --- transaction parts (``EtcdHttpClient.txn``) -------------------------------------------------
+def if_mod_revision(key: bytes, revision: int) -> dict[str, Any]:
+    """Compare: ``key`` was last written at ``revision`` (0: it does not exist)."""
+    return {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}
+
+
+def if_absent(key: bytes) -> dict[str, Any]:
+    """Compare: ``key`` does not exist."""
+    return {"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        body["lease"] = str(lease)
+    return {"request_put": body}
+
+
+def delete_op(key: bytes, range_end: Optional[bytes] = None, *, prev_kv: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key)}
+    if range_end is not None:
+        body["range_end"] = b64(range_end)
+    if prev_kv:
+        body["prev_kv"] = True
+    return {"request_delete_range": body}
+
+
+def range_op(key: bytes) -> dict[str, Any]:
+    return {"request_range": {"key": b64(key)}}
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """What a transaction answered. ``retried``: an earlier attempt of this very call may have been
+    applied (the connection broke after the request left), so a ``succeeded=False`` can be the
+    answer to our own first attempt; the caller reads back what it wrote to tell."""
+
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]] = field(default_factory=list)
+    retried: bool = False
+
+    def kvs(self, index: int) -> list[KV]:
+        """The key-values of response ``index`` (a range's ``kvs``, a delete's ``prev_kvs``)."""
+        if index >= len(self.responses):
+            return []
+        (reply,) = self.responses[index].values()
+        return [_kv(kv) for kv in (reply.get("kvs") or reply.get("prev_kvs") or [])]
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """The request cannot have reached a server: the connection itself was refused or unresolvable."""
+    return isinstance(exc, (ConnectionRefusedError, socket.gaierror))
 
 
 class EtcdHttpClient:
     """Unary etcd v3 calls over the JSON gateway; thread-safe."""
 
     def __init__(self, endpoints: Sequence[str], *, user: Optional[str] = None, password: Optional[str] = None,
-                 timeout_s: float = 3.0, request_timeout_s: float = 1.0) -> None:
+                 timeout_s: float = 3.0, request_timeout_s: float = 1.0, tls: Optional[ssl.SSLContext] = None) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint (host:port) is needed")
-        self.endpoints = [e.removeprefix("http://") for e in endpoints]
+        self.endpoints = [e.removeprefix("http://").removeprefix("https://") for e in endpoints]
         self.user, self._password = user, password
         self.timeout_s, self.request_timeout_s = timeout_s, request_timeout_s
+        self.tls = tls
         self._local = threading.local()
         self._lock = threading.Lock()
         self._token: Optional[str] = None
         self._preferred = 0
         self.reconnects = 0
+        self.failovers = 0          #: calls answered by another endpoint than the one tried first
+        self.retried_calls = 0      #: calls repeated after an attempt that may have been applied
+        self.calls: dict[str, int] = {}   #: answered calls by path (the plane's per-handoff cost)
 
     def __repr__(self) -> str:
-        return f"EtcdHttpClient({self.endpoints}, user={self.user!r})"
+        return f"EtcdHttpClient({self.endpoints}, user={self.user!r}, tls={self.tls is not None})"
 
     # --- transport --------------------------------------------------------------------------
     def _connection(self, endpoint: str) -> http.client.HTTPConnection:
@@ -103,7 +182,12 @@ class EtcdHttpClient:
         conn = conns.get(endpoint)
         if conn is None:
             host, _, port = endpoint.rpartition(":")
-            conn = conns[endpoint] = http.client.HTTPConnection(host, int(port), timeout=self.request_timeout_s)
+            host = host.strip("[]")
+            if self.tls is not None:
+                conn = http.client.HTTPSConnection(host, int(port), timeout=self.request_timeout_s, context=self.tls)
+            else:
+                conn = http.client.HTTPConnection(host, int(port), timeout=self.request_timeout_s)
+            conns[endpoint] = conn
         return conn
 
     def _drop(self, endpoint: str) -> None:
@@ -117,14 +201,17 @@ class EtcdHttpClient:
         for endpoint in list(getattr(self._local, "conns", {})):
             self._drop(endpoint)
 
-    def _http(self, method: str, path: str, body: Optional[dict[str, Any]], token: Optional[str]) -> tuple[int, Any]:
-        deadline = time.monotonic() + self.timeout_s
+    def _http(self, method: str, path: str, body: Optional[dict[str, Any]], token: Optional[str],
+              timeout_s: Optional[float] = None) -> tuple[int, Any, bool]:
+        """(status, reply, retried): ``retried`` when an earlier attempt may have reached a server."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = token
         last: Exception = OSError("no attempt")
-        attempt = 0
+        attempt, retried = 0, False
         while True:
             endpoint = self.endpoints[(self._preferred + attempt) % len(self.endpoints)]
             try:
@@ -132,57 +219,110 @@ class EtcdHttpClient:
                 conn.request(method, path, body=payload, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if attempt % len(self.endpoints):
+                    self.failovers += 1
                 self._preferred = (self._preferred + attempt) % len(self.endpoints)
+                if retried:
+                    self.retried_calls += 1
                 try:
-                    return resp.status, json.loads(data) if data else {}
+                    return resp.status, json.loads(data) if data else {}, retried
                 except ValueError:
-                    return resp.status, {"error": data[:200].decode(errors="replace"), "code": -1}
+                    return resp.status, {"error": data[:200].decode(errors="replace"), "code": -1}, retried
+            except ssl.SSLCertVerificationError as exc:   # never a transient error: say so at once
+                self._drop(endpoint)
+                raise EtcdUnavailable(-1, f"TLS: {endpoint} presented a certificate this client does not trust: "
+                                          f"{exc.verify_message}", path) from None
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
+                retried = retried or not _never_sent(exc)
                 self._drop(endpoint)
             attempt += 1
             if time.monotonic() >= deadline:
-                raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {self.timeout_s}s "
+                raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {timeout_s}s "
                                           f"(last: {type(last).__name__}: {last})", path)
             if attempt % len(self.endpoints) == 0:
                 time.sleep(min(0.05 * attempt, 0.25))
 
     def _authenticate(self) -> str:
-        status, reply = self._http("POST", "/v3/auth/authenticate", {"name": self.user, "password": self._password},
-                                   None)
+        status, reply, _ = self._http("POST", "/v3/auth/authenticate",
+                                      {"name": self.user, "password": self._password}, None)
         if "token" not in reply:
             raise EtcdError(int(reply.get("code", -1)), f"authentication as {self.user!r} failed: "
                             f"{reply.get('message') or reply.get('error')}", "/v3/auth/authenticate")
         return str(reply["token"])
 
-    def call(self, path: str, body: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        """POST ``body`` to ``path``; the reply, or ``EtcdError``/``EtcdUnavailable``."""
-        for retry in (False, True):
+    def call(self, path: str, body: Optional[dict[str, Any]] = None, *,
+             timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """POST ``body`` to ``path``; the reply, or ``EtcdError``/``EtcdUnavailable`` (after ``timeout_s``,
+        default the client's, of attempts on every endpoint)."""
+        return self._call(path, body, timeout_s=timeout_s)[0]
+
+    def _call(self, path: str, body: Optional[dict[str, Any]] = None, *,
+              timeout_s: Optional[float] = None) -> tuple[dict[str, Any], bool]:
+        """(reply, retried). A repeated call answered "already exists" (a user, a role, a lease
+        under our own ID) is the first attempt's success: ``({}, True)``."""
+        retried = False
+        for again in (False, True):
             token = None
             if self.user is not None:
                 with self._lock:
                     if self._token is None:
                         self._token = self._authenticate()
                     token = self._token
-            status, reply = self._http("POST", path, body if body is not None else {}, token)
+            status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token, timeout_s)
+            retried = retried or retried_now
             if "error" in reply or ("code" in reply and "message" in reply):
                 code = int(reply.get("code", -1))
                 message = str(reply.get("message") or reply.get("error"))
-                if self.user is not None and not retry and (
+                if self.user is not None and not again and (
                         code == CODE_UNAUTHENTICATED or "auth token" in message):
                     with self._lock:
                         if self._token == token:
                             self._token = None
                     continue
+                if retried and code == CODE_FAILED_PRECONDITION and "already exists" in message:
+                    log.info("etcd %s: a repeated call answered %r: its first attempt was applied", path, message)
+                    return {}, True
                 raise EtcdError(code, message, path)
+            self.calls[path] = self.calls.get(path, 0) + 1
             if "result" in reply and isinstance(reply["result"], dict):   # streaming endpoints wrap their answer
-                return reply["result"]
-            return reply
+                return reply["result"], retried
+            return reply, retried
         raise AssertionError("unreachable")
 
     def get(self, path: str) -> dict[str, Any]:
         """GET a non-v3 path (``/health``, ``/version``) without auth."""
         return self._http("GET", path, None, None)[1]
+
+    def metrics(self, endpoint: Optional[str] = None) -> dict[str, float]:
+        """etcd's Prometheus counters at ``endpoint`` (default: the first), summed over their labels.
+
+        The server side of the per-handoff cost (``etcd_mvcc_put_total``, ``..._txn_total``,
+        ``..._range_total``, ``..._delete_total``, ``grpc_server_handled_total``): what every
+        client together asked of this member."""
+        host, _, port = (endpoint or self.endpoints[0]).rpartition(":")
+        conn = (http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=self.timeout_s, context=self.tls)
+                if self.tls is not None else http.client.HTTPConnection(host.strip("[]"), int(port),
+                                                                        timeout=self.timeout_s))
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as exc:
+            raise EtcdUnavailable(-1, f"no metrics from {host}:{port}: {exc}", "/metrics") from None
+        finally:
+            conn.close()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            base = name.split("{", 1)[0]
+            out[base] = out.get(base, 0.0) + number
+        return out
 
     # --- KV ---------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
@@ -198,11 +338,9 @@ class EtcdHttpClient:
         if count_only:
             body["count_only"] = True
         reply = self.call("/v3/kv/range", body)
-        kvs = [KV(unb64(kv.get("key")), unb64(kv.get("value")), int(kv.get("lease", 0)),
-                  int(kv.get("mod_revision", 0))) for kv in reply.get("kvs", [])]
         if count_only:
             return int(reply.get("count", 0)), []
-        return int(reply["header"]["revision"]), kvs
+        return int(reply["header"]["revision"]), [_kv(kv) for kv in reply.get("kvs", [])]
 
     def range_prefix(self, prefix: bytes) -> tuple[int, list[KV]]:
         return self.range(prefix, prefix_end(prefix))
@@ -213,30 +351,44 @@ class EtcdHttpClient:
             body["range_end"] = b64(range_end)
         return int(self.call("/v3/kv/deleterange", body).get("deleted", 0))
 
-    def take(self, key: bytes) -> Optional[KV]:
-        """Delete ``key`` and return its value (``prev_kv``), or None if it did not exist.
-
-        etcd applies a delete atomically, so of several concurrent takers at most one gets the value.
-        """
-        reply = self.call("/v3/kv/deleterange", {"key": b64(key), "prev_kv": True})
-        if int(reply.get("deleted", 0)) != 1:
-            return None
-        prev = (reply.get("prev_kvs") or [{}])[0]
-        return KV(unb64(prev.get("key")), unb64(prev.get("value")), int(prev.get("lease", 0)),
-                  int(prev.get("mod_revision", 0)))
-
     def delete_prefix(self, prefix: bytes) -> int:
         return self.delete(prefix, prefix_end(prefix))
 
+    def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
+            failure: Sequence[dict[str, Any]] = ()) -> TxnResult:
+        """One atomic transaction: if every ``compare`` holds, ``success`` is applied, else ``failure``.
+
+        Built from ``if_mod_revision`` / ``if_absent`` and ``put_op`` / ``delete_op`` / ``range_op``.
+        ``TxnResult.retried`` says an earlier attempt may have been applied (see the module docstring).
+        """
+        reply, retried = self._call("/v3/kv/txn", {"compare": list(compare), "success": list(success),
+                                                   "failure": list(failure)})
+        return TxnResult(bool(reply.get("succeeded", False)), int(reply.get("header", {}).get("revision", 0)),
+                         list(reply.get("responses") or []), retried)
+
     # --- leases -----------------------------------------------------------------------------
     def lease_grant(self, ttl_s: int) -> tuple[int, int]:
-        """(lease id, granted TTL): etcd may raise a TTL below its minimum."""
-        reply = self.call("/v3/lease/grant", {"TTL": int(ttl_s)})
-        return int(reply["ID"]), int(reply["TTL"])
+        """(lease id, granted TTL): etcd may raise a TTL below its minimum.
 
-    def lease_keepalive(self, lease: int) -> int:
+        The ID is chosen here, so a grant repeated after a lost answer finds the lease its first
+        attempt made ("lease already exists") instead of granting a second one that would
+        outlive its purpose for a TTL."""
+        for _ in range(3):
+            lease = secrets.randbits(62) + 1
+            try:
+                reply, retried = self._call("/v3/lease/grant", {"TTL": int(ttl_s), "ID": str(lease)})
+            except EtcdError as exc:
+                if exc.code == CODE_FAILED_PRECONDITION and "already exists" in exc.message:
+                    continue   # another client's lease has this ID (2^-62): pick another
+                raise
+            if not reply:   # our repeated grant: the first attempt made it
+                return lease, max(int(ttl_s), self.lease_ttl(lease))
+            return int(reply["ID"]), int(reply["TTL"])
+        raise EtcdError(CODE_FAILED_PRECONDITION, "three random lease IDs already existed", "/v3/lease/grant")
+
+    def lease_keepalive(self, lease: int, *, timeout_s: Optional[float] = None) -> int:
         """The renewed TTL, or 0 if the lease no longer exists (expired or revoked)."""
-        return int(self.call("/v3/lease/keepalive", {"ID": str(lease)}).get("TTL", 0))
+        return int(self.call("/v3/lease/keepalive", {"ID": str(lease)}, timeout_s=timeout_s).get("TTL", 0))
 
     def lease_revoke(self, lease: int) -> None:
         try:
@@ -253,5 +405,17 @@ class EtcdHttpClient:
         return [int(item["ID"]) for item in self.call("/v3/lease/leases", {}).get("leases", [])]
 
     # --- cluster ----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        return self.call("/v3/maintenance/status", {})
+    def status(self, endpoint: Optional[str] = None) -> dict[str, Any]:
+        """``/v3/maintenance/status`` of the preferred member, or of ``endpoint`` only."""
+        if endpoint is None:
+            return self.call("/v3/maintenance/status", {})
+        one = EtcdHttpClient([endpoint], user=self.user, password=self._password, timeout_s=self.timeout_s,
+                             request_timeout_s=self.request_timeout_s, tls=self.tls)
+        try:
+            return one.call("/v3/maintenance/status", {})
+        finally:
+            one.close()
+
+    def members(self) -> list[dict[str, Any]]:
+        """The cluster's members (``name``, ``ID``, ``clientURLs``)."""
+        return list(self.call("/v3/cluster/member/list", {}).get("members", []))

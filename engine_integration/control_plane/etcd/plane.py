@@ -8,28 +8,38 @@ snapshot of the fleet and acts on the verdicts computed from it
 reaches the same decisions:
 
 prefill
-  takes the requests clients routed to it (``requests/<me>/<rid>``, one atomic delete
-  each: never run twice), refuses what the fleet cannot hold (``policy.admission_problem``),
-  computes, pins, picks a decode (``policy.pick_decode``, from the snapshot, the decodes'
-  published free blocks and the prefixes routed there before) and publishes the handoff
-  under its lease. Verdict ``read_done`` / ``failed``: unpin, clear the handoff.
-  ``reader_dead`` (the decode's lease expired, it said goodbye or restarted): fail the
-  request to its client and unpin when the descriptor carries block generations (a zombie
-  reader fails its torn-read check), else only once the death is *confirmed* (restarted
+  claims the requests clients routed to it (``requests/<me>/<rid>``, one revision-guarded
+  transaction each: never run twice, never lost to a repeated call), refuses what the
+  fleet cannot hold (``policy.admission_problem``), computes, pins, picks a decode
+  (``policy.pick_decode``, from the snapshot, the decodes' published free blocks and the
+  prefixes routed there before) and publishes the handoff under its lease. Verdict
+  ``read_done`` / ``failed``: unpin, clear the handoff. ``reader_dead`` (the decode's lease
+  expired, it said goodbye or restarted): fail the attempt to its client as retryable (it
+  runs again) and unpin when the descriptor carries block generations (a zombie reader
+  fails its torn-read check), else only once the death is *confirmed* (registered again
   under its name, or same host and its pid is gone), as the coordinator does.
 decode
   adds each new prefill incarnation's transfer metas; verdict ``start``: writes PULLING
-  (acknowledged by etcd before any read is posted) and queues the pull; a completed pull
-  is committed only while its own lease is valid (self-fencing: the engine's commit
-  guard), then it writes the client's result ``decoding`` and READ_DONE; a failed pull
-  writes FAILED once ``storage_safe`` (quarantine as today). ``source_gone`` (the prefill's
-  lease expired or it restarted): the request fails to its client at once, the pull is
-  aborted and its blocks stay quarantined until ``storage_safe``.
+  (acknowledged by etcd before any read is posted, and only while the source key it saw
+  still exists) and queues the pull; a completed pull is committed only while its own
+  lease is valid (self-fencing) and only if it creates the attempt's result first (the
+  engine's commit guard: an attempt its client gave up is never committed), then
+  READ_DONE; a failed pull writes FAILED once ``storage_safe`` (quarantine as today).
+  ``source_gone`` (the prefill's lease expired or it restarted): the attempt fails to its
+  client as retryable, the pull is aborted and its blocks stay quarantined until
+  ``storage_safe``.
+a lost lease (etcd unreachable past the TTL, the process paused; either role)
+  the instance fences itself (no poll acts, no pull commits, nothing is published past
+  its local lease deadline); once etcd says the lease is gone it drops what the lost
+  incarnation held (requests not handed off fail as retryable; published handoffs keep
+  their pins as orphans until their readers settle; a decode aborts every pull and running
+  request) and registers again as a new incarnation, in the same process: it serves again
+  without a restart. A name someone else holds by then is not fought for: it stops.
 
 Clients (``etcd.client.EtcdGenerationClient``) write requests under their own lease and
-read ``results/<client>/``. A request whose holder dies is failed by the survivor that
-notices (the decode for a dead prefill, the prefill for a dead decode) or, when no
-survivor holds it, by the client itself from the same snapshot: nothing waits for a timeout.
+read ``results/<client>/``. An attempt whose holder dies, or that fails as retryable, runs
+again on a live prefill (the client's choice); each attempt's result is created once, so
+each request is answered once.
 """
 
 from __future__ import annotations
@@ -38,15 +48,17 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+from urllib.parse import parse_qs, urlsplit
 
 from engine_integration.control_plane import policy
-from engine_integration.control_plane.base import (ControlPlane, ControlPlaneError, Health, PlaneEngine,
-                                                   RegistrationRefused, RequestId)
+from engine_integration.control_plane.base import (ControlPlane, ControlPlaneError, ControlPlaneUnavailable, Health,
+                                                   PlaneEngine, RegistrationRefused, RequestId)
 from engine_integration.control_plane.etcd.records import (FleetView, HandoffState, InstanceRecord, RecordRefused)
 from engine_integration.control_plane.etcd.requests import (DECODING, DONE, FAILED, RequestRecord, ResultRecord,
                                                             decode_request, decode_stats, stats_body)
-from engine_integration.control_plane.etcd.store import EtcdStore, LeaseGone, parse_etcd_url
+from engine_integration.control_plane.etcd.store import (PLANE_QUERY_KEYS, EtcdStore, LeaseGone, LeaseLost,
+                                                         NameTaken, parse_etcd_url)
 
 log = logging.getLogger("kvxfer.engine.etcd")
 
@@ -92,6 +104,19 @@ class _Read:
     state: HandoffState = HandoffState.PULLING   #: what our reader key says (restored if someone deletes it)
     finished: bool = False         #: the request left this engine; kept until the handoff's keys are cleared
     source_missing_since: Optional[float] = None  #: the source key vanished while the source lives
+    result_revision: int = 0       #: the revision of the result we created at commit (later writes update only it)
+    retryable: bool = False        #: it failed here before any token was committed, through no fault of its own
+
+
+@dataclass
+class _Orphan:
+    """Prefill: a handoff published by an incarnation of ours that lost its lease; its pins wait for its reader."""
+
+    reader: str
+    reader_incarnation: str
+    incarnation: str               #: ours, the lost one
+    checked: bool
+    absent_since: Optional[float] = None   #: when its reader key was first seen missing
 
 
 @dataclass
@@ -135,17 +160,33 @@ class EtcdPlane(ControlPlane):
         self._reads: dict[RequestId, _Read] = {}
         self._peer_incarnations: dict[str, str] = {}
         self._seen: dict[tuple[str, str], InstanceRecord] = {}        # (name, incarnation) -> its record
-        self._retry: list[Any] = []                                   # state writes etcd did not take yet
+        self._retry: list[tuple[str, Callable[[], None]]] = []        # ("state"/"result", write) etcd did not take yet
         self._detached = False
         self.repair_grace_s = float(store.config.ttl_s)               #: how long a missing source key is waited for
         self.repairs = 0                                              #: handoff keys of ours restored after a deletion
         self.detections: list[dict[str, Any]] = []                    #: verdicts about dead peers, with times
+        self._lost: Optional[str] = None                              # why our lease was lost (set by the keepalive)
+        self._lost_at = 0.0
+        self._dropped = False                                         # the lost incarnation's work was dropped
+        self._orphans: dict[RequestId, _Orphan] = {}                  # prefill: handoffs of a lost incarnation
+        self.fenced_polls = 0                                         #: polls skipped with our lease not confirmed
+        self.taken = 0                                                #: prefill: requests claimed
+        self.commits = 0                                              #: decode: pulls committed (result created)
+        self.refused_commits = 0                                      #: decode: completed pulls not committed
+        self.reincarnations: list[dict[str, Any]] = []                #: each re-registration after a lost lease
 
     @classmethod
     def open(cls, url: str, *, password_file: Optional[str] = None, secret_file: Optional[str] = None,
-             insecure: bool = False, handoff_timeout_s: float = 120.0, **config: Any) -> "EtcdPlane":
-        """From ``etcd://[user@]host:port[,...]/cluster?ttl=5&poll=0.25``; ``config`` overrides ``EtcdConfig`` fields."""
+             insecure: bool = False, handoff_timeout_s: Optional[float] = None, **config: Any) -> "EtcdPlane":
+        """From ``etcd://[user@]host:port[,...]/cluster?ttl=5&poll=0.25&handoff_timeout=120``; ``config``
+        overrides ``EtcdConfig`` fields. ``handoff_timeout`` (seconds, in the URL or as an argument) is
+        how long a routed handoff may take before its reader counts as stuck."""
         options = {k: v for k, v in (("password_file", password_file), ("secret_file", secret_file)) if v}
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items() if k in PLANE_QUERY_KEYS}
+        if handoff_timeout_s is None:
+            handoff_timeout_s = float(query.get("handoff_timeout", 120.0))
+        if handoff_timeout_s <= 0:
+            raise ValueError(f"handoff_timeout must be > 0 seconds, got {handoff_timeout_s}")
         return cls(EtcdStore(parse_etcd_url(url, **options, **config)), insecure=insecure,
                    handoff_timeout_s=handoff_timeout_s)
 
@@ -185,20 +226,56 @@ class EtcdPlane(ControlPlane):
         self._publish_stats(force=True)
 
     def _on_lease_lost(self, why: str) -> None:
-        # Everything of this incarnation is dead to the fleet; the peers act on that (decodes fail
-        # our handoffs, prefills free what we pulled). Stop; pins go with the process.
-        if self.engine is not None:
+        """The keepalive thread (or a refused write) learned our lease is gone: the engine's own loop acts
+        (``poll``), so the engine is never touched from two threads. Superseded (someone holding the
+        cluster key registered our name): stop, never fight for the name."""
+        self._lost = why
+        if self.store.superseded and self.engine is not None:
             self.engine.shutdown_reason = f"lost its etcd lease: {why}"
 
-    def _fence(self) -> Optional[str]:
+    def _fence(self, request_id: RequestId) -> Optional[str]:
+        """Decode, before a completed pull is committed: why it must not be (``None``: commit).
+
+        Our lease must be valid (self-fencing: past it the source may have freed the blocks), and
+        the attempt's result is created here, once (``create_record``): if the client already gave
+        this attempt up (it re-routed the request) or someone answered it, the KV is not committed,
+        so an abandoned attempt can never be served."""
+        name = self.engine.identity if self.engine else "?"
+        read = self._reads.get(str(request_id))
         if not self.store.lease_valid():
-            return (f"decode {self.engine.identity if self.engine else '?'!r} may have lost its etcd lease (cut off "
-                    "from etcd): the source may already have freed the blocks, KV not committed")
+            self.refused_commits += 1
+            if read is not None:
+                read.retryable = True
+            return (f"decode {name!r} may have lost its etcd lease (cut off from etcd): the source may already "
+                    "have freed the blocks, KV not committed")
+        if read is None or self.me is None:
+            return None
+        rec = ResultRecord(str(request_id), read.client, read.client_lease, DECODING, self.me.name,
+                           self.me.incarnation)
+        try:
+            revision = self.store.create_record(self.store.layout.result(read.client, str(request_id)), rec.body(),
+                                                read.client_lease)
+        except LeaseGone:
+            return f"client {read.client!r} is gone (its lease expired): nobody to answer, KV not committed"
+        except ControlPlaneError as exc:
+            read.retryable = True
+            return f"decode {name!r} could not record the commit in etcd ({exc}): KV not committed"
+        if revision is None:
+            read.result_written = True   # someone else's answer stands
+            self.refused_commits += 1
+            return f"request {request_id} was answered or re-routed by its client meanwhile: KV not committed"
+        read.result_revision = revision
+        self.commits += 1
         return None
 
     # --- the loop -------------------------------------------------------------------------
     def poll(self) -> int:
-        """One snapshot and the actions it calls for, when a poll is due; how many actions."""
+        """One snapshot and the actions it calls for, when a poll is due; how many actions.
+
+        Fenced (our lease not confirmed by etcd within its TTL: cut off, or this process was
+        paused) it does nothing at all: what it knows may be stale and etcd may already count us
+        dead. Once etcd says the lease is gone it drops the lost incarnation's work and
+        registers again (``_reincarnate``)."""
         engine = self.engine
         if engine is None or engine.shutdown_reason is not None:
             return 0
@@ -206,11 +283,121 @@ class EtcdPlane(ControlPlane):
         if now - self._last_poll < self.poll_interval_s:
             return 0
         self._last_poll = now
+        if self._lost is not None or self.store.lease_lost:
+            return self._reincarnate(self._lost or "lease lost")
+        if not self.store.lease_valid():
+            self.fenced_polls += 1
+            return 0
         try:
             return self._poll_plane()
         except ControlPlaneError as exc:   # etcd away: no verdict, nothing freed; fencing covers the rest
             log.warning("%s %r: control plane poll failed: %s", engine.role, engine.identity, exc)
             return 0
+
+    # --- a lost lease: fence, drop, register again --------------------------------------
+    def _reincarnate(self, why: str) -> int:
+        """Our lease is gone (etcd unreachable past the TTL, this process paused, or refused by etcd):
+        every peer already treats this incarnation as dead. Drop what it held (once), then register
+        again as a new incarnation (retried every poll until etcd takes it); the engine keeps running.
+
+        Before the new registration appears, every pull of the old incarnation has been aborted (none
+        is committed: the commit guard also refuses while fenced), so "registered again" still means
+        what a restart means to the prefills: no read of the old incarnation will be used.
+        """
+        engine, old = self.engine, self.me
+        assert engine is not None and old is not None
+        if not self._dropped:
+            self._drop_incarnation(old, why)
+            self._dropped = True
+            self._lost_at = time.monotonic()
+        try:
+            self.me = self.store.register(name=old.name, role=old.role, transfer_meta=engine.transfer_meta,
+                                          capacity_blocks=engine.capacity_blocks, extra=dict(old.extra))
+        except NameTaken as exc:   # someone else registered our name meanwhile: never fight for it
+            engine.shutdown_reason = f"lost its etcd lease ({why}) and cannot register again: {exc}"
+            log.error("%s %r: %s", old.role, old.name, engine.shutdown_reason)
+            return 0
+        except ControlPlaneError as exc:
+            log.warning("%s %r: lost its etcd lease (%s); registering again failed (%s): next poll", old.role,
+                        old.name, why, exc)
+            return 0
+        self._lost, self._dropped = None, False
+        self.reincarnations.append({"lost": old.incarnation, "new": self.me.incarnation, "why": why,
+                                    "at": time.time(), "dropped_to_registered_s": time.monotonic() - self._lost_at})
+        log.warning("%s %r lost its etcd lease (%s): registered again as incarnation %s (was %s)", old.role, old.name,
+                    why, self.me.incarnation, old.incarnation)
+        self._publish_stats(force=True)
+        return 1
+
+    def _drop_incarnation(self, old: InstanceRecord, why: str) -> None:
+        """Fail what the lost incarnation held, so nothing of it is ever served twice or served stale.
+
+        prefill: requests not handed off are aborted and failed to their clients as retryable (they run
+        again elsewhere); a published handoff keeps its pins as an orphan until its reader says no read
+        can be in flight (``_settle_orphans``). decode: every pull and every running request is aborted
+        and failed as retryable (nothing of the old incarnation's pulls is committed after its lease)."""
+        engine = self.engine
+        assert engine is not None
+        reason = f"{old.role} {old.name!r} lost its etcd lease ({why})"
+        if old.role == PREFILL:
+            for rid, claim in list(self._claimed.items()):
+                if claim.reader:
+                    self._orphans[rid] = _Orphan(claim.reader, claim.reader_incarnation, old.incarnation,
+                                                 claim.checked)
+                    continue
+                engine.abort_request(rid, reason)
+                engine.release_handoff(rid)   # pinned and never published: no reader knows it
+                self._result(claim.request.client, claim.request.client_lease, str(rid), FAILED, retryable=True,
+                             error=f"{reason} before handing the request off")
+            self._claimed.clear()
+            self._unpublished.clear()
+        else:
+            for rid, read in list(self._reads.items()):
+                if read.finished:
+                    continue
+                read.retryable = True
+                self._fail_to_client(rid, read, f"{reason} while it held the request")
+                engine.abort_request(rid, reason)
+            self._reads.clear()
+        # state writes of the old incarnation went with its lease; answers to clients (under their leases,
+        # created or updated only if still ours) are still owed
+        self._retry = [item for item in self._retry if item[0] == "result"]
+
+    def _settle_orphans(self, view: FleetView) -> int:
+        """Release the pins of handoffs our lost incarnation published, once no read of them can matter.
+
+        Their source keys went with the old lease, and a reader writes ``PULLING`` only while the
+        source key it saw exists (a guarded write), so from then on the reader key tells all: a
+        terminal one (the reader settled), a dead reader (torn-read-checked pins go now, others at
+        its confirmed death), or none at all (it never started, or finished and cleaned up; unchecked
+        pins wait ``repair_grace_s`` more, in case someone deleted the key and its reader restores it).
+        """
+        me, engine = self.me, self.engine
+        assert me is not None and engine is not None
+        now, acted = time.monotonic(), 0
+        for rid, orphan in list(self._orphans.items()):
+            pair = view.handoffs.get((me.name, str(rid)))
+            reader = pair.reader if pair is not None else None
+            if reader is not None and (reader.source_incarnation != orphan.incarnation
+                                       or reader.reader_incarnation != orphan.reader_incarnation):
+                reader = None
+            if reader is not None and not reader.state.terminal:
+                orphan.absent_since = None
+                continue   # still pulling: it sees our old incarnation gone, aborts, and writes FAILED when safe
+            if reader is None and view.is_live(orphan.reader, orphan.reader_incarnation):
+                orphan.absent_since = orphan.absent_since or now
+                if not orphan.checked and now - orphan.absent_since < self.repair_grace_s:
+                    continue
+                engine.release_handoff(rid)
+            elif reader is None and not (orphan.checked or self._death_confirmed(orphan.reader,
+                                                                                 orphan.reader_incarnation, view)):
+                self._awaiting_death[rid] = (orphan.reader, orphan.reader_incarnation)
+            else:
+                engine.release_handoff(rid)
+            del self._orphans[rid]
+            self._clear(me.name, str(rid))
+            acted += 1
+        return acted
 
     def wait_s(self) -> float:
         return max(0.0, self._last_poll + self.poll_interval_s - time.monotonic())
@@ -228,12 +415,12 @@ class EtcdPlane(ControlPlane):
             self._seen[(record.name, record.incarnation)] = record
         if len(self._seen) > 4096:
             self._seen = {k: v for k, v in self._seen.items() if view.is_live(*k)}
-        for retry in list(self._retry):
-            self._retry.remove(retry)
+        retries, self._retry = self._retry, []
+        for _, retry in retries:
             retry()
         if self.engine.role == PREFILL:
             return (self._take_requests(view) + self._publish_pending() + self._act_as_source(view)
-                    + self._restore_published(view) + self._bound_stuck_readers(view))
+                    + self._restore_published(view) + self._bound_stuck_readers(view) + self._settle_orphans(view))
         return self._act_as_reader(view)
 
     # --- prefill --------------------------------------------------------------------------
@@ -252,14 +439,15 @@ class EtcdPlane(ControlPlane):
                 continue
             if request.prefill_incarnation != me.incarnation or request.request_id in self._claimed:
                 continue   # routed to an earlier incarnation of this name: its client fails it
-            got = store.take(key)
-            if got is None or got.value != kv.value:
-                continue
+            if not store.claim(key, kv.mod_revision, request.request_id):
+                continue   # taken back by its client (re-routed), or rewritten since we read it
             taken += 1
+            self.taken += 1
             why = policy.admission_problem(request.prompt, request.max_new_tokens, (member(r) for r in view.live()))
             if why is not None:
                 self._result(request.client, request.client_lease, request.request_id, FAILED,
                              error=f"request refused at submit: {why}")
+                store.release_claim(request.request_id)
                 continue
             self._claimed[request.request_id] = _Claimed(request, time.monotonic())
             engine.add_request(request.request_id, request.prompt, request.max_new_tokens)
@@ -279,7 +467,7 @@ class EtcdPlane(ControlPlane):
 
     def _publish_pending(self) -> int:
         store = self.store
-        if not self._unpublished:
+        if not self._unpublished or not store.lease_valid():
             return 0
         view = self.view if self.view is not None else store.snapshot()
         if self._loads_view is not view:   # once per snapshot: the decodes' figures change at most every 0.2 s
@@ -304,17 +492,21 @@ class EtcdPlane(ControlPlane):
             payload = {"descriptor": descriptor.to_dict(), "max_new_tokens": rec.max_new_tokens,
                        "client": rec.client, "client_lease": str(rec.client_lease), "prefill_s": claim.prefill_s}
             self._unpublished.remove((request_id, descriptor))
+            claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
+            claim.published_at = time.monotonic()
+            claim.checked = bool(descriptor.generations)
             try:
                 claim.published_revision = store.publish_handoff(str(request_id), reader=decode.name,
                                                                  reader_incarnation=decode.incarnation,
                                                                  descriptor=payload)
-            except ControlPlaneError as exc:   # not published: no reader knows it, the pins may go
-                self._fail_claim(request_id, f"prefill {self.me.name if self.me else '?'!r} could not publish: {exc}")
-                continue
+            except ControlPlaneError as exc:
+                # Unanswered is not unwritten: the put may have been applied and its answer lost, and the
+                # reader may start on it. So the handoff counts as published (pins kept); a snapshot that
+                # does not show it makes ``_restore_published`` write it again (the same value).
+                claim.published_revision = 0
+                log.warning("prefill %r: handoff %s to %r not confirmed by etcd (%s); kept as published",
+                            self.me.name if self.me else "?", request_id, decode.name, exc)
             published += 1
-            claim.reader, claim.reader_incarnation, claim.payload = decode.name, decode.incarnation, payload
-            claim.published_at = time.monotonic()
-            claim.checked = bool(descriptor.generations)
             self.routed(decode, descriptor.block_hashes, len(descriptor.block_ids))
         return published
 
@@ -371,6 +563,7 @@ class EtcdPlane(ControlPlane):
         claim = self._claimed.pop(request_id, None)
         assert self.engine is not None
         self.engine.release_handoff(request_id)
+        self.store.release_claim(str(request_id))
         if claim is not None:
             self._result(claim.request.client, claim.request.client_lease, str(request_id), FAILED, error=error)
 
@@ -391,8 +584,8 @@ class EtcdPlane(ControlPlane):
                                         "at": time.time(), "detail": verdict.detail})
                 log.warning("prefill %r: handoff %s: %s", me.name, rid, verdict.detail)
                 client, lease = self._client_of(claim, pub)
-                if client and not (claim is not None and claim.stuck):
-                    self._result(client, lease, rid, FAILED,
+                if client and not (claim is not None and claim.stuck):   # no KV committed there: run it again
+                    self._result(client, lease, rid, FAILED, retryable=True,
                                  error=f"decode {reader!r} died mid-handoff: {verdict.detail}")
                 checked = claim.checked if claim is not None else bool(
                     ((pub.descriptor or {}).get("descriptor") or {}).get("generations"))  # type: ignore[union-attr]
@@ -546,6 +739,7 @@ class EtcdPlane(ControlPlane):
         self.detections.append({"verdict": "source_gone", "request_id": rid, "peer": source,
                                 "at": time.time(), "detail": detail})
         log.warning("decode %r: handoff %s: %s", me.name, rid, detail)
+        read.retryable = True   # the KV was never committed here: the client may run it again
         self._fail_to_client(rid, read, f"prefill {source!r} died mid-handoff: {detail}")
         engine.abort_request(rid, f"prefill {source!r} gone: {detail}")
 
@@ -567,8 +761,10 @@ class EtcdPlane(ControlPlane):
             return
         read = _Read(source, pub.owner_incarnation, client, client_lease, max_new_tokens,
                      info={"prefill_s": float(payload.get("prefill_s", 0.0))})
-        try:   # acknowledged by etcd before any read can be posted
-            store.set_reader_state(source, rid, HandoffState.PULLING, source_incarnation=pub.owner_incarnation)
+        try:   # acknowledged by etcd before any read can be posted, and only while the source key is the one seen
+            if not store.set_reader_state(source, rid, HandoffState.PULLING, source_incarnation=pub.owner_incarnation,
+                                          source_revision=pub.revision):
+                return   # the source key changed or went (its lease expired, or it was restored): next poll decides
         except ControlPlaneError as exc:
             log.warning("decode %r: cannot take %s/%s now (%s); next poll", engine.identity, source, rid, exc)
             return
@@ -587,7 +783,7 @@ class EtcdPlane(ControlPlane):
         read.info.update(cached_prefix_blocks=cached_prefix_blocks, pulled_blocks=stats.pulled_blocks if stats else 0,
                          pull_s=stats.pull_s if stats else 0.0, decode_queue_s=stats.queue_s if stats else 0.0,
                          admit_seq=stats.admit_seq if stats else 0)
-        self._result(read.client, read.client_lease, rid, DECODING)   # before READ_DONE: the client sees a holder
+        # the result ``decoding`` was created by the commit guard (``_fence``), before the KV was committed
 
     def read_done(self, request_id: RequestId, failure: str = "") -> None:
         rid = str(request_id)
@@ -600,8 +796,14 @@ class EtcdPlane(ControlPlane):
         rid = str(request_id)
         read = self._reads.get(rid)
         if read is not None:
-            self._fail_to_client(rid, read, f"decode {self.me.name if self.me else '?'!r} pulling from prefill "
-                                            f"{read.source!r}: {reason}")
+            # nothing of it was committed here (no token reached its client): the client may run it again,
+            # whether the source died under the read (the transport may say so before its lease expires),
+            # the read tore, or the attempt was fenced; a bounded number of attempts keeps a lasting fault loud
+            retried_cause = read.retryable
+            read.retryable = True
+            self._fail_to_client(rid, read, reason if retried_cause else
+                                 f"decode {self.me.name if self.me else '?'!r} pulling from prefill "
+                                 f"{read.source!r}: {reason}")
 
     def _write_state(self, source: str, rid: str, state: HandoffState, source_incarnation: str,
                      detail: str = "") -> None:
@@ -610,20 +812,26 @@ class EtcdPlane(ControlPlane):
             read.state = state
 
         def write() -> None:
+            if not self.store.lease_valid():   # fenced: no write under a lease etcd may have expired; no wait
+                self._retry.append(("state", write))
+                return
             try:
                 self.store.set_reader_state(source, rid, state, source_incarnation=source_incarnation, detail=detail)
+            except LeaseLost:
+                return   # our incarnation is gone: its state went with its lease
             except ControlPlaneError as exc:
                 engine = self.engine
-                if engine is not None and engine.shutdown_reason is None and not isinstance(exc, LeaseGone):
+                if engine is not None and engine.shutdown_reason is None:
                     log.warning("decode %r: %s for %s/%s not written (%s); retrying", engine.identity, state.value,
                                 source, rid, exc)
-                    self._retry.append(write)
+                    self._retry.append(("state", write))
         write()
 
     def _fail_to_client(self, rid: str, read: _Read, error: str) -> None:
         if not read.result_written:
             read.result_written = True
-            self._result(read.client, read.client_lease, rid, FAILED, error=error)
+            self._result(read.client, read.client_lease, rid, FAILED, error=error, retryable=read.retryable,
+                         revision=read.result_revision)
 
     # --- results --------------------------------------------------------------------------
     def finished(self, record: Mapping[str, Any]) -> None:
@@ -640,31 +848,54 @@ class EtcdPlane(ControlPlane):
         if "error" in record:
             self._fail_to_client(rid, read, record["error"])
         else:
-            self._result(read.client, read.client_lease, rid, DONE, tokens=record["tokens"], info=read.info)
+            read.result_written = True
+            self._result(read.client, read.client_lease, rid, DONE, tokens=record["tokens"], info=read.info,
+                         revision=read.result_revision)
 
     def _result(self, client: str, lease: int, rid: str, state: str, *, tokens: Optional[Sequence[int]] = None,
-                error: str = "", info: Optional[dict[str, Any]] = None) -> None:
+                error: str = "", info: Optional[dict[str, Any]] = None, retryable: bool = False,
+                revision: int = 0) -> None:
+        """Answer one attempt to its client: created if no answer exists yet, or (``revision``: the one we
+        created at commit) updated only if it is still ours. So an attempt the client gave up, or one
+        another instance answered first, keeps that answer; a write etcd did not take is retried."""
         store, me = self.store, self.me
         assert me is not None
         rec = ResultRecord(rid, client, lease, state, me.name, me.incarnation,
-                           tuple(int(t) for t in tokens) if tokens is not None else None, error, dict(info or {}))
-        try:
-            store.put_record(store.layout.result(client, rid), rec.body(), lease)
-        except LeaseGone:
-            log.info("%r: client %r is gone; result of %s dropped", me.name, client, rid)
-        except (ControlPlaneError, ValueError) as exc:
-            log.warning("%r: result of %s for %r not written: %s", me.name, rid, client, exc)
+                           tuple(int(t) for t in tokens) if tokens is not None else None, error, dict(info or {}),
+                           retryable)
+        key = store.layout.result(client, rid)
+
+        def write() -> None:
+            if not store.lease_valid():   # fenced (etcd may be out of reach): later, without blocking the loop
+                self._retry.append(("result", write))
+                return
+            try:
+                done = (store.update_record(key, rec.body(), lease, revision) if revision
+                        else store.create_record(key, rec.body(), lease))
+            except LeaseGone:
+                log.info("%r: client %r is gone; result of %s dropped", me.name, client, rid)
+            except ControlPlaneUnavailable as exc:
+                log.warning("%r: result of %s for %r not written (%s); retrying", me.name, rid, client, exc)
+                self._retry.append(("result", write))
+            except (ControlPlaneError, ValueError) as exc:
+                log.warning("%r: result of %s for %r not written: %s", me.name, rid, client, exc)
+            else:
+                if done is None:
+                    log.info("%r: result %s of %s for %r not written: the attempt is answered or given up already",
+                             me.name, state, rid, client)
+        write()
 
     # --- load figures ---------------------------------------------------------------------
     def figures(self) -> dict[str, int]:
-        return {"published": sum(1 for c in self._claimed.values() if c.reader),
+        return {"published": sum(1 for c in self._claimed.values() if c.reader) + len(self._orphans),
                 "stuck": sum(1 for c in self._claimed.values() if c.stuck and not c.checked),
-                "awaiting_death": len(self._awaiting_death),
+                "awaiting_death": len(self._awaiting_death), "reincarnations": len(self.reincarnations),
+                "taken": self.taken, "commits": self.commits, "refused_commits": self.refused_commits,
                 "reads": sum(1 for r in self._reads.values() if not r.finished)}
 
     def _publish_stats(self, *, force: bool) -> None:
         store, me, engine = self.store, self.me, self.engine
-        if me is None or engine is None or engine.shutdown_reason is not None:
+        if me is None or engine is None or engine.shutdown_reason is not None or not store.lease_valid():
             return
         now = time.monotonic()
         if not force and now - self._last_stats < self.stats_interval_s:

@@ -5,6 +5,7 @@ Key layout (``<root>`` is ``/kvxfer/<cluster>``; names and request ids are ``[A-
     <root>/instances/<name>                       InstanceRecord, lease = that instance's
     <root>/handoffs/<source>/<request_id>/source  HandoffRecord (published), lease = the prefill's
     <root>/handoffs/<source>/<request_id>/reader  HandoffRecord (reserved..failed), lease = the decode's
+    <root>/claims/<prefill>/<request_id>          a prefill's mark on a request it took, lease = the prefill's
 
 Why each piece:
 
@@ -144,6 +145,14 @@ class KeyLayout:
         """An engine's load figures (pins, queue, running), under its own lease."""
         return self.stats + check_name("instance name", name)
 
+    @property
+    def claims(self) -> str:
+        return self.root + "claims/"
+
+    def claim(self, prefill: str, request_id: str) -> str:
+        """A prefill's mark on a request it took (under its own lease): what a repeated claim reads back."""
+        return f"{self.claims}{check_name('prefill', prefill)}/{check_name('request id', request_id)}"
+
     def handoff_prefix(self, source: str, request_id: str) -> str:
         return f"{self.handoffs}{check_name('source', source)}/{check_name('request id', request_id)}/"
 
@@ -199,6 +208,7 @@ class HandoffRecord:
     reader_incarnation: str
     descriptor: Optional[dict[str, Any]] = None   #: source side only
     detail: str = ""
+    revision: int = 0              #: the store's revision of this record (set by a snapshot; not stored)
 
     @property
     def side(self) -> str:

@@ -5,12 +5,17 @@ whole life is in keys (``<root>`` is ``/kvxfer/<cluster>``)::
 
     <root>requests/<prefill>/<rid>   RequestRecord   the client's lease   written by the client, taken once by the prefill
     <root>results/<client>/<rid>     ResultRecord    the client's lease   decoding -> done / failed (prefill or decode)
+    <root>claims/<prefill>/<rid>     a claim mark    the prefill's lease  written with the take, gone with the handoff
     <root>stats/<name>               StatsRecord     the engine's lease   pins, queue, running (tests, ``kvxfer info``)
 
-Everything is under the *client's* lease: a client that dies leaves nothing behind.
-Records are sealed and signed like every other record (``records.encode_record``), name
-their key and the lease they were written under; a request is taken with one atomic
-delete (``EtcdStore.take``), so two prefills never run the same request.
+Requests and results are under the *client's* lease: a client that dies leaves nothing
+behind. Records are sealed and signed like every other record (``records.encode_record``),
+name their key and the lease they were written under; a request is taken with one
+revision-guarded transaction (``EtcdStore.claim``), so it is never run twice nor lost to a
+repeated call. ``<rid>`` names one *attempt*: a request the client runs again after an
+instance died (``etcd.client``) gets a new one, and each attempt's result is created once
+(``EtcdStore.create_record``: by the decode that commits its KV, or by the client that
+gives the attempt up), so an abandoned attempt can never answer.
 """
 
 from __future__ import annotations
@@ -57,12 +62,15 @@ class ResultRecord:
     tokens: Optional[tuple[int, ...]] = None
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)   #: timings, pulled/cached blocks
+    #: ``failed`` because an instance died or lost its lease before any token was committed: the client
+    #: may run the request again as a new attempt (``etcd.client``); a refusal or a transport error is not
+    retryable: bool = False
 
     def body(self) -> dict[str, Any]:
         return {"kind": RESULT_KIND, "request_id": self.request_id, "client": self.client,
                 "lease": str(self.client_lease), "state": self.state, "by": self.by,
                 "by_incarnation": self.by_incarnation, "tokens": list(self.tokens) if self.tokens is not None else None,
-                "error": self.error[:2048], "info": dict(self.info)}
+                "error": self.error[:2048], "info": dict(self.info), "retryable": self.retryable}
 
 
 @refusing
@@ -103,7 +111,7 @@ def decode_result(key: str, value: bytes, lease: int, layout: KeyLayout, cluster
                        client_lease=lease, state=state, by=_field(view, "by", str),
                        by_incarnation=_field(view, "by_incarnation", str),
                        tokens=tuple(tokens) if tokens is not None else None, error=_field(view, "error", str),
-                       info=_field(view, "info", dict))
+                       info=_field(view, "info", dict), retryable=view.get("retryable", False) is True)
     if key != layout.result(rec.client, rec.request_id):
         raise RecordRefused(f"result {rec.client}/{rec.request_id} stored at {key!r}")
     _lease_matches(view, lease)

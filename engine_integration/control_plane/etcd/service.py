@@ -43,8 +43,8 @@ def _write_private(folder: str, name: str, text: str) -> str:
     return path
 
 
-def _answers(endpoint: str) -> bool:
-    probe = EtcdHttpClient([endpoint], timeout_s=0.5, request_timeout_s=0.5)
+def _answers(endpoint: str, tls: Any = None) -> bool:
+    probe = EtcdHttpClient([endpoint], timeout_s=0.5, request_timeout_s=0.5, tls=tls)
     try:
         probe.get("/health")
         return True
@@ -81,7 +81,8 @@ class EtcdService(PlaneService):
             raise ValueError(f"control plane URL must start with etcd://, got {url!r}")
         _, _, hosts = parts.netloc.rpartition("@")
         endpoints = [h for h in hosts.split(",") if h]
-        if endpoints and (any(_answers(e) for e in endpoints)
+        tls = parse_etcd_url(url).tls_context() if endpoints else None   # an etcd serving TLS answers over TLS
+        if endpoints and (any(_answers(e, tls) for e in endpoints)
                           or not all(e.rpartition(":")[0] in _LOOPBACK for e in endpoints)):
             return url   # a real etcd: use it as configured
         port = int(endpoints[0].rpartition(":")[2]) if endpoints else None

@@ -1,11 +1,19 @@
 """The fleet's state in etcd: this instance's lease, its records, the verified snapshot.
 
 ``EtcdStore`` is what an etcd-plane process holds: registration under a lease (a
-restart under the same name is a new incarnation, with fresh metas, never the old ones),
-a verified ``FleetView`` per ``snapshot``, each side's handoff key written under its own
-lease (``publish_handoff`` / ``set_reader_state``), ``clear_handoff``, and the
-request/result/stats keys beside them (``put_record``, ``range_raw``, ``take``). The engine
-logic on top is ``etcd.plane.EtcdPlane``; clients use ``etcd.client``.
+restart under the same name is a new incarnation, with fresh metas, never the old ones;
+a name a live instance holds is never taken over), a verified ``FleetView`` per
+``snapshot``, each side's handoff key written under its own lease (``publish_handoff`` /
+``set_reader_state``), ``clear_handoff``, and the request/result/stats keys beside them
+(``claim``, ``put_record``, ``create_record``, ``update_record``, ``range_raw``). The
+engine logic on top is ``etcd.plane.EtcdPlane``; clients use ``etcd.client``.
+
+Every write that decides something is one revision-guarded transaction, so a write
+repeated after a lost answer is recognised (it reads back its own value) and two writers
+never both win: registration (guarded on the revision of the name's key it checked),
+the claim of a request (delete it and write our claim together, guarded on its
+revision), the repair of our own record, a reader's ``PULLING`` (guarded on the source
+key it saw), and a result created once per attempt.
 
 Each instance holds one etcd lease (``ttl_s``, kept alive every ``ttl_s / 3`` by a
 daemon thread) and writes under it its instance record and its side of each handoff
@@ -29,9 +37,11 @@ revision and handle compaction); the cost is one small request per poll per proc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -40,7 +50,9 @@ from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 from engine_integration.control_plane.base import ControlPlaneError, ControlPlaneUnavailable, Health
-from engine_integration.control_plane.etcd.gateway import KV, EtcdError, EtcdHttpClient, EtcdUnavailable, prefix_end
+from engine_integration.control_plane.etcd.gateway import (KV, EtcdError, EtcdHttpClient, EtcdUnavailable, TxnResult,
+                                                           delete_op, if_absent, if_mod_revision, prefix_end, put_op,
+                                                           range_op)
 from engine_integration.control_plane.etcd.records import (MAX_RECORD_BYTES, ROLES, Change, FleetView, HandoffPair,
                                                            HandoffRecord, HandoffState, InstanceRecord, KeyLayout,
                                                            RecordRefused, check_name, decode_handoff,
@@ -58,8 +70,15 @@ class LeaseLost(ControlPlaneError):
 class LeaseGone(ControlPlaneError):
     """A put under someone else's lease (a client's) failed because that lease no longer exists."""
 
+
+class NameTaken(ControlPlaneError):
+    """Another live instance holds the name we register under: a live name is never taken over."""
+
+
 #: environment variable naming a file that holds the etcd user's password (never in argv or URLs)
 PASSWORD_FILE_ENV = "KVXFER_ETCD_PASSWORD_FILE"
+#: URL query keys the engine's side reads (``etcd.plane.EtcdPlane.open``), not the store
+PLANE_QUERY_KEYS = ("handoff_timeout", "prefix_routing")
 
 
 @dataclass(frozen=True)
@@ -84,13 +103,34 @@ class EtcdConfig:
     cluster_key: Optional[bytes] = field(default=None, repr=False)   #: else ``$KVXFER_SECRET_FILE``
     secret_file: Optional[str] = None
     allow_unauthenticated: bool = False        #: accept unsigned records/metas from other hosts (trusted nets only)
+    #: TLS to etcd: the CA that signed etcd's certificate; with ``cert_file``/``key_file`` a client
+    #: certificate too (etcd's ``--client-cert-auth``; with no ``user`` etcd takes its common name as the user)
+    ca_file: Optional[str] = None
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    #: how long ``register`` waits for a live holder of our name to go (its lease to expire) before it refuses;
+    #: default ``ttl_s + 1``: a restart on another host registers as soon as the old lease is gone
+    name_wait_s: Optional[float] = None
+
+    def tls_context(self) -> Optional[ssl.SSLContext]:
+        """The ``ssl.SSLContext`` for etcd's client port (``None``: plain HTTP)."""
+        if not (self.ca_file or self.cert_file):
+            return None
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 def parse_etcd_url(url: str, **overrides: Any) -> EtcdConfig:
-    """``etcd://[user@]host:port[,host:port...][/cluster][?ttl=5&poll=0.25]`` -> ``EtcdConfig``.
+    """``etcd://[user@]host:port[,host:port...][/cluster][?ttl=5&poll=0.25&ca=...&cert=...&key=...]`` -> ``EtcdConfig``.
 
     A password in the URL is refused (URLs end up in argv and logs): use
-    ``password_file`` or ``$KVXFER_ETCD_PASSWORD_FILE``.
+    ``password_file`` or ``$KVXFER_ETCD_PASSWORD_FILE``. ``ca``, ``cert`` and ``key`` are
+    *paths* (TLS: etcd's CA, a client certificate and its key). Query keys other than these
+    and the engine's own (``EtcdPlane.open``: ``handoff_timeout``, ``prefix_routing``) are refused.
     """
     parts = urlsplit(url)
     if parts.scheme != "etcd":
@@ -109,6 +149,13 @@ def parse_etcd_url(url: str, **overrides: Any) -> EtcdConfig:
         kwargs["ttl_s"] = int(query["ttl"])
     if "poll" in query:
         kwargs["poll_interval_s"] = float(query["poll"])
+    for name, field_name in (("ca", "ca_file"), ("cert", "cert_file"), ("key", "key_file")):
+        if name in query:
+            kwargs[field_name] = query[name]
+    unknown = set(query) - {"ttl", "poll", "ca", "cert", "key"} - set(PLANE_QUERY_KEYS)
+    if unknown:
+        raise ValueError(f"unknown etcd URL option(s) {sorted(unknown)}: known are ttl, poll, ca, cert, key, "
+                         + ", ".join(PLANE_QUERY_KEYS))
     kwargs.update(overrides)
     return EtcdConfig(**kwargs)
 
@@ -150,7 +197,7 @@ class EtcdStore:
             log.warning("etcd control plane without a cluster key: records are unsigned and only those "
                         "from this host are accepted (set KVXFER_SECRET_FILE)")
         self.client = EtcdHttpClient(config.endpoints, user=config.user, password=_resolve_password(config),
-                                     timeout_s=config.timeout_s)
+                                     timeout_s=config.timeout_s, tls=config.tls_context())
         self.on_lease_lost = on_lease_lost
         self.record: Optional[InstanceRecord] = None
         self._lease_ttl = 0
@@ -164,8 +211,8 @@ class EtcdStore:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._mutex = threading.Lock()
-        self.counters: dict[str, int] = {"puts": 0, "snapshots": 0, "keepalives": 0, "keepalive_errors": 0,
-                                         "repairs": 0, "awaiting_repair": 0}
+        self.counters: dict[str, int] = {"puts": 0, "txns": 0, "snapshots": 0, "keepalives": 0,
+                                         "keepalive_errors": 0, "repairs": 0, "awaiting_repair": 0}
         self._last_instances: dict[str, InstanceRecord] = {}   # the previous snapshot's live instances
         self._awaiting_repair: set[tuple[str, str]] = set()      # (name, incarnation) logged as awaiting repair
 
@@ -180,30 +227,49 @@ class EtcdStore:
 
         Calling it again (after ``LeaseLost``, or to restart) makes a *new* incarnation
         with a new lease; the previous lease is revoked if it still exists.
+
+        A name held by another *live* instance is not taken over (``NameTaken``, after waiting
+        ``name_wait_s`` for its lease to go), the coordinator's rule: a holder on this host whose
+        process is gone has restarted and is replaced at once; elsewhere its lease must expire
+        first. Taking over a live name would make every peer treat the live holder's handoffs
+        as dead while it still reads them (issue 21, A7). The record is written with one
+        transaction guarded on the revision the check saw, so two registrants never both win.
         """
         check_name("instance name", name)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self._stop_keepalive()
         old = self.record
+        key = self.layout.instance(name)
+        wait = self.config.name_wait_s if self.config.name_wait_s is not None else self.config.ttl_s + 1.0
+        deadline = time.monotonic() + wait
         try:
             if old is not None and not self._lease_lost:
                 self.client.lease_revoke(old.lease)
-            sent = time.monotonic()
-            lease, ttl = self.client.lease_grant(self.config.ttl_s)
-            record = InstanceRecord(name=name, role=role, incarnation=uuid.uuid4().hex[:16], lease=lease,
-                                    host=socket.gethostname(), pid=os.getpid(), capacity_blocks=int(capacity_blocks),
-                                    transfer_meta=tuple(dict(m) for m in transfer_meta), started_at=time.time(),
-                                    extra=dict(extra or {}))
-            previous = self._instance_at(name)
-            self._put(self.layout.instance(name), record.body(), lease)
+            while True:
+                holder, revision = self._name_holder(name, old)
+                if holder is None:
+                    sent = time.monotonic()
+                    lease, ttl = self.client.lease_grant(self.config.ttl_s)
+                    record = InstanceRecord(name=name, role=role, incarnation=uuid.uuid4().hex[:16], lease=lease,
+                                            host=socket.gethostname(), pid=os.getpid(),
+                                            capacity_blocks=int(capacity_blocks),
+                                            transfer_meta=tuple(dict(m) for m in transfer_meta),
+                                            started_at=time.time(), extra=dict(extra or {}))
+                    if self._guarded_put(key, record.body(), lease, if_mod_revision(key.encode(), revision)):
+                        break
+                    self.client.lease_revoke(lease)   # someone registered meanwhile: look again
+                    continue
+                if time.monotonic() >= deadline:
+                    raise NameTaken(f"cannot register {role} {name!r}: {holder.role} {name!r} incarnation "
+                                    f"{holder.incarnation} (host {holder.host}, pid {holder.pid}) is registered and "
+                                    f"its lease is alive; a live instance's name is not taken over: stop it, or "
+                                    f"wait for its lease ({self.config.ttl_s}s) to expire")
+                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(f"cannot register {name!r}: {exc}") from None
         except EtcdError as exc:
             raise ControlPlaneError(f"cannot register {name!r}: {exc}") from None
-        if previous is not None:
-            log.warning("%s %r registered as incarnation %s; it replaces incarnation %s (lease %d): that one's "
-                        "handoffs are treated as dead", role, name, record.incarnation, previous[0], previous[1])
         with self._mutex:
             self.record, self._lease_ttl = record, ttl
             self._lease_deadline = sent + ttl
@@ -214,17 +280,30 @@ class EtcdStore:
         log.info("registered %s %r incarnation %s under lease %d (TTL %ds)", role, name, record.incarnation, lease, ttl)
         return record
 
-    def _instance_at(self, name: str) -> Optional[tuple[str, int]]:
-        """(incarnation, lease) of whatever is registered under ``name`` now, unverified (for the log line)."""
-        import json
+    def _name_holder(self, name: str, old: Optional[InstanceRecord]) -> tuple[Optional[InstanceRecord], int]:
+        """(the live instance holding ``name`` that we may not replace, or None; the key's mod revision)."""
+        from engine_integration.control_plane.policy import process_gone
 
-        _, kvs = self.client.range(self.layout.instance(name).encode())
+        key = self.layout.instance(name)
+        _, kvs = self.client.range(key.encode())
         if not kvs:
-            return None
+            return None, 0
+        kv = kvs[0]
         try:
-            return str(json.loads(check_json(kvs[0].value, max_bytes=MAX_RECORD_BYTES)).get("incarnation")), kvs[0].lease
-        except (ValueError, AttributeError, RecursionError):   # TooDeep is a ValueError
-            return "?", kvs[0].lease
+            holder = decode_instance(key, kv.value, kv.lease, self.layout, self._key,
+                                     allow_unauthenticated=self.config.allow_unauthenticated)
+        except RecordRefused as exc:   # not believed by anyone: nothing to take over
+            log.warning("registering %r over an instance record that does not verify (%s)", name, exc)
+            return None, kv.mod_revision
+        if old is not None and holder.incarnation == old.incarnation:
+            return None, kv.mod_revision   # our own previous incarnation
+        if self.client.lease_ttl(holder.lease) <= 0:
+            return None, kv.mod_revision   # its lease is gone: the key goes with it any moment
+        if holder.host == socket.gethostname() and process_gone(holder.pid):
+            log.warning("%s %r registers again; incarnation %s (pid %d, exited) is replaced: its handoffs are "
+                        "treated as dead", holder.role, name, holder.incarnation, holder.pid)
+            return None, kv.mod_revision
+        return holder, kv.mod_revision
 
     def _put(self, key: str, body: dict[str, Any], lease: int) -> int:
         """Seal and store ``body``; the store's revision once it is written."""
@@ -232,14 +311,35 @@ class EtcdStore:
         self.counters["puts"] += 1
         return revision
 
+    def _guarded_put(self, key: str, body: dict[str, Any], lease: int, condition: dict[str, Any]) -> Optional[int]:
+        """Seal and store ``body`` only if ``condition`` holds (one transaction); the revision, or None.
+
+        A transaction repeated after a lost answer reports failure even when its first attempt
+        was applied: the key is read back in the same transaction, and holding exactly the
+        value we wrote means it was ours."""
+        value = encode_record(body, self._key)
+        res = self._txn([condition], [put_op(key.encode(), value, lease)], [range_op(key.encode())])
+        if res.succeeded:
+            return res.revision
+        found = res.kvs(0)
+        if res.retried and found and found[0].value == value:
+            return found[0].mod_revision
+        return None
+
+    def _txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
+             failure: Sequence[dict[str, Any]] = ()) -> TxnResult:
+        result = self.client.txn(compare, success, failure)
+        self.counters["txns"] += 1
+        return result
+
     def _keepalive_loop(self) -> None:
         interval = self.config.keepalive_interval_s or self._lease_ttl / 3.0
         record = self.record
         assert record is not None
         while not self._stop.wait(interval):
             sent = time.monotonic()
-            try:
-                ttl = self.client.lease_keepalive(record.lease)
+            try:   # no longer than one interval: a keepalive stuck on a dead link must not delay the next one
+                ttl = self.client.lease_keepalive(record.lease, timeout_s=max(0.5, interval))
                 owner = self._own_record(record) if ttl > 0 else None
             except EtcdError as exc:
                 self.counters["keepalive_errors"] += 1
@@ -273,6 +373,7 @@ class EtcdStore:
         """
         key = self.layout.instance(record.name)
         _, kvs = self.client.range(key.encode())
+        why = "deleted"
         if kvs:
             try:
                 found = decode_instance(key, kvs[0].value, kvs[0].lease, self.layout, self._key,
@@ -287,7 +388,9 @@ class EtcdStore:
                 why = f"rewritten under lease {found.lease}"
         else:
             why = "deleted"
-        self._put(key, record.body(), record.lease)
+        if self._guarded_put(key, record.body(), record.lease,
+                             if_mod_revision(key.encode(), kvs[0].mod_revision if kvs else 0)) is None:
+            return None   # the key changed under us: look again at the next keepalive
         self.counters["repairs"] += 1
         log.warning("the instance record of %s %r incarnation %s was %s: rewritten under our lease %d", record.role,
                     record.name, record.incarnation, why, record.lease)
@@ -304,6 +407,15 @@ class EtcdStore:
                 self.on_lease_lost(why)
             except Exception:  # a callback bug must not kill the keepalive thread silently
                 log.exception("on_lease_lost callback failed")
+
+    @property
+    def superseded(self) -> bool:
+        """Another process registered our name with the cluster key (never re-register over it)."""
+        return self._superseded
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._lease_lost
 
     def lease_valid(self) -> bool:
         with self._mutex:
@@ -364,7 +476,8 @@ class EtcdStore:
                     record = decode_instance(key, kv.value, kv.lease, self.layout, self._key, **opts)
                     instances[record.name] = record
                 elif key.startswith(self.layout.handoffs):
-                    raw_handoffs.append((key, decode_handoff(key, kv.value, kv.lease, self.layout, self._key, **opts)))
+                    rec = decode_handoff(key, kv.value, kv.lease, self.layout, self._key, **opts)
+                    raw_handoffs.append((key, dataclasses.replace(rec, revision=kv.mod_revision)))
                 else:
                     raise RecordRefused("unknown key")
             except RecordRefused as exc:
@@ -432,7 +545,10 @@ class EtcdStore:
     # --- handoff state ----------------------------------------------------------------------
     def publish_handoff(self, request_id: str, *, reader: str, reader_incarnation: str,
                         descriptor: dict[str, Any]) -> int:
-        """Prefill: the handoff's source key, under our lease; the store's revision once written."""
+        """Prefill: the handoff's source key, under our lease; the store's revision once written.
+
+        A plain put: repeated, it writes the same value. ``ControlPlaneUnavailable`` means it
+        may or may not have been written: the caller must treat the handoff as published."""
         me = self._require_lease()
         rec = HandoffRecord(source=me.name, request_id=check_name("request id", request_id),
                             state=HandoffState.PUBLISHED, owner=me.name, owner_incarnation=me.incarnation,
@@ -441,7 +557,13 @@ class EtcdStore:
         return self._write(self.layout.handoff(me.name, request_id, "source"), rec)
 
     def set_reader_state(self, source: str, request_id: str, state: HandoffState, *, source_incarnation: str,
-                         detail: str = "") -> None:
+                         detail: str = "", source_revision: Optional[int] = None) -> bool:
+        """Decode: our side of a handoff. With ``source_revision`` it is written only while the source's key
+        is still the one we saw at that revision (one transaction); False if it was not written.
+
+        That guard is what lets a prefill that lost its lease free its pins (``EtcdPlane``): its
+        source keys went with the lease, so no reader can write ``PULLING`` for them afterwards,
+        and "no reader key" then means "no read in flight"."""
         me = self._require_lease()
         state = HandoffState(state)
         if state.side != "reader":
@@ -450,11 +572,20 @@ class EtcdStore:
                             state=state, owner=me.name, owner_incarnation=me.incarnation, lease=me.lease,
                             source_incarnation=source_incarnation, reader=me.name,
                             reader_incarnation=me.incarnation, detail=detail[:512])
-        self._write(self.layout.handoff(source, request_id, "reader"), rec)
+        key = self.layout.handoff(source, request_id, "reader")
+        if source_revision is None:
+            self._write(key, rec)
+            return True
+        condition = if_mod_revision(self.layout.handoff(source, request_id, "source").encode(), source_revision)
+        return self._guarded(lambda: self._guarded_put(key, rec.body(), rec.lease, condition), rec) is not None
 
     def _write(self, key: str, rec: HandoffRecord) -> int:
+        return self._guarded(lambda: self._put(key, rec.body(), rec.lease), rec)
+
+    def _guarded(self, write: Callable[[], Any], rec: HandoffRecord) -> Any:
+        """Run a write under our lease, its failures as the plane's errors (``LeaseLost`` if etcd says the lease is gone)."""
         try:
-            return self._put(key, rec.body(), rec.lease)
+            return write()
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(f"{rec.state.value} for {rec.source}/{rec.request_id}: {exc}") from None
         except EtcdError as exc:
@@ -465,22 +596,78 @@ class EtcdStore:
             raise ControlPlaneError(str(exc)) from None
 
     def clear_handoff(self, source: str, request_id: str) -> None:
+        """Delete the handoff's keys and the source's claim on the request, in one transaction."""
+        prefix = self.layout.handoff_prefix(source, request_id).encode()
         try:
-            self.client.delete_prefix(self.layout.handoff_prefix(source, request_id).encode())
+            self._txn([], [delete_op(prefix, prefix_end(prefix)),
+                           delete_op(self.layout.claim(source, request_id).encode())])
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(str(exc)) from None
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
+
+    # --- requests: claimed once ------------------------------------------------------------
+    def claim(self, key: str, revision: int, request_id: str) -> bool:
+        """Prefill: take the request stored at ``key`` (last written at ``revision``); True if it is ours now.
+
+        One transaction, guarded on that revision: delete the request and write our claim
+        (``claims/<me>/<rid>``, under our lease) together. Of concurrent takers at most one
+        wins; a claim repeated after a lost answer (the first attempt applied, then the
+        connection broke) reads back its own mark and still counts as taken, so a request is
+        neither lost nor taken twice. The claim goes with ``clear_handoff`` (or our lease).
+        """
+        me = self._require_lease()
+        mark = f"{me.incarnation}:{revision}".encode()
+        claim_key = self.layout.claim(me.name, request_id).encode()
+        try:
+            res = self._txn([if_mod_revision(key.encode(), revision)],
+                            [delete_op(key.encode()), put_op(claim_key, mark, me.lease)], [range_op(claim_key)])
+        except EtcdUnavailable as exc:
+            raise ControlPlaneUnavailable(str(exc)) from None
+        except EtcdError as exc:
+            if "lease not found" in exc.message:
+                self._lose(me, "etcd refused a claim under it")
+                raise LeaseLost(f"{me.name!r}: lease {me.lease} is gone; register again") from None
+            raise ControlPlaneError(str(exc)) from None
+        if res.succeeded:
+            return True
+        found = res.kvs(0)
+        return bool(res.retried and found and found[0].value == mark)
+
+    def release_claim(self, request_id: str) -> None:
+        """Prefill: drop our claim on a request that ended here without a handoff (refused, failed)."""
+        if self.record is None:
+            return
+        try:
+            self.client.delete(self.layout.claim(self.record.name, request_id).encode())
+        except EtcdError as exc:
+            log.debug("claim of %s not released (%s); it goes with our lease", request_id, exc)
 
     # --- records beside the fleet's (requests, results, stats: etcd.plane, etcd.client) ----
     @property
     def cluster_key(self) -> Optional[bytes]:
         return self._key
 
-    def put_record(self, key: str, body: dict[str, Any], lease: int) -> None:
-        """Seal (sign) ``body`` and store it at ``key`` under ``lease``; ``LeaseGone`` if that lease no longer exists."""
+    def put_record(self, key: str, body: dict[str, Any], lease: int) -> int:
+        """Seal (sign) ``body`` and store it at ``key`` under ``lease``; its revision. ``LeaseGone`` if that
+        lease no longer exists."""
+        return self._record_write(key, lambda: self._put(key, body, lease), lease)
+
+    def create_record(self, key: str, body: dict[str, Any], lease: int) -> Optional[int]:
+        """Store ``body`` at ``key`` only if ``key`` does not exist (one transaction); its revision, or None.
+
+        What makes a request's result written once per attempt: the decode's commit and the
+        client's abandonment of an attempt both create the result, and only one can."""
+        return self._record_write(key, lambda: self._guarded_put(key, body, lease, if_absent(key.encode())), lease)
+
+    def update_record(self, key: str, body: dict[str, Any], lease: int, revision: int) -> Optional[int]:
+        """Store ``body`` at ``key`` only if ``key`` is still at ``revision`` (what we wrote last); revision or None."""
+        return self._record_write(key, lambda: self._guarded_put(key, body, lease, if_mod_revision(key.encode(),
+                                                                                                  revision)), lease)
+
+    def _record_write(self, key: str, write: Callable[[], Any], lease: int) -> Any:
         try:
-            self._put(key, body, lease)
+            return write()
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(f"put {key}: {exc}") from None
         except EtcdError as exc:
@@ -488,19 +675,20 @@ class EtcdStore:
                 raise LeaseGone(f"put {key}: lease {lease} is gone") from None
             raise ControlPlaneError(str(exc)) from None
 
-    def range_raw(self, prefix: str) -> list[KV]:
-        """Every stored value under ``prefix``, unverified (the caller verifies each)."""
+    def read(self, key: str) -> Optional[KV]:
+        """The value at ``key`` (unverified), or None."""
         try:
-            return self.client.range_prefix(prefix.encode())[1]
+            _, kvs = self.client.range(key.encode())
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(str(exc)) from None
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
+        return kvs[0] if kvs else None
 
-    def take(self, key: str) -> Optional[KV]:
-        """Delete ``key`` and return what it held, or None if it was gone: one atomic claim (at most one taker)."""
+    def range_raw(self, prefix: str) -> list[KV]:
+        """Every stored value under ``prefix``, unverified (the caller verifies each)."""
         try:
-            return self.client.take(key.encode())
+            return self.client.range_prefix(prefix.encode())[1]
         except EtcdUnavailable as exc:
             raise ControlPlaneUnavailable(str(exc)) from None
         except EtcdError as exc:
@@ -535,4 +723,5 @@ class EtcdStore:
                       lease_id=record.lease if record else 0, lease_ttl_s=float(self._lease_ttl),
                       lease_remaining_s=remaining, lease_lost=lost, superseded=superseded,
                       refused_records=self._refused_total,
-                      counters=dict(self.counters, reconnects=self.client.reconnects))
+                      counters=dict(self.counters, reconnects=self.client.reconnects, failovers=self.client.failovers,
+                                    retried_calls=self.client.retried_calls))
