@@ -8,7 +8,7 @@ import torch
 
 from kvxfer.backends.base import TransferState
 from kvxfer.backends.local.backend import LocalBackend
-from kvxfer.errors import BackendClosedError, BlockIdError, PeerMetadataError
+from kvxfer.errors import BackendClosedError, BlockIdError, KVXferError, PeerMetadataError
 from kvxfer.security.meta_seal import seal_meta
 from tests.conftest import DTYPES, random_pool
 
@@ -74,6 +74,35 @@ def test_bad_ids_move_nothing(src_ids, dst_ids):
     with pytest.raises(BlockIdError):
         dst.begin_pull_blocks(src.export_meta(), src_ids, dst_ids)
     assert not dst_pool.any()
+
+
+_BAD_IDS = {   # issue 21, A14: each held on main; kept so that none regresses
+    "negative source": ([-1], [0]), "negative destination": ([0], [-1]),
+    "source out of range": ([16], [0]), "destination out of range": ([0], [16]),
+    "duplicate destination": ([0, 1], [2, 2]), "lengths differ": ([0, 1], [0]),
+    "float ids": ([1.0], [2]), "float array": (np.array([1.0]), np.array([2.0])), "bool ids": ([True], [2]),
+    "str ids": (["1"], [2]), "None": (None, [2]), "nested list": ([[1]], [2]), "2**70": ([2 ** 70], [0]),
+    "a million ids": (list(range(10 ** 6)), list(range(10 ** 6))), "a set": ({1}, {2}), "a dict": ({1: 1}, {2: 2}),
+    "bytes": (b"\x01", b"\x02"),
+}
+
+
+@pytest.mark.parametrize("src_ids, dst_ids", list(_BAD_IDS.values()), ids=list(_BAD_IDS))
+def test_every_malformed_id_list_is_a_kvxfer_error_before_a_byte_moves(src_ids, dst_ids):
+    src, dst, _, dst_pool = _pair()
+    with pytest.raises(KVXferError):
+        dst.begin_pull_blocks(src.export_meta(), src_ids, dst_ids, request_id="bad")
+    assert not dst_pool.view(torch.uint8).any() and src.drain_read_done() == []
+    assert dst.stats()["in_flight"] == 0
+
+
+@pytest.mark.parametrize("as_ids", [lambda ids: [np.int64(i) for i in ids], np.array, torch.tensor],
+                         ids=["numpy ints", "numpy array", "tensor"])
+def test_integer_ids_of_numpy_and_torch_are_taken_as_ints(as_ids):
+    src, dst, src_pool, dst_pool = _pair()
+    dst.begin_pull_blocks(src.export_meta(), as_ids([1, 5]), as_ids([2, 0]), request_id="np").wait(5)
+    view, src_view = dst_pool.view(torch.uint8), src_pool.view(torch.uint8)
+    assert torch.equal(view[:, :, [2, 0]], src_view[:, :, [1, 5]]) and src.drain_read_done() == ["np"]
 
 
 def test_close_is_idempotent_and_closed_backend_raises():
