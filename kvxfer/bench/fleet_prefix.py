@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
     """Problems with the arguments, as ``(what, how to fix)``; empty when fine."""
+    from engine_integration.launch import IN_PROCESS_BACKENDS
     from engine_integration.reference.config import ModelConfig
 
     problems = []
@@ -63,6 +64,9 @@ def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
     for name in ("families", "requests", "prefix_tokens", "suffix_tokens", "new_tokens", "decode_blocks"):
         if getattr(args, name) < 1:
             problems.append((f"--{name.replace('_', '-')} {getattr(args, name)}", "give a number >= 1"))
+    if args.backend in IN_PROCESS_BACKENDS:
+        problems.append((f"--backend {args.backend}", "the decodes run in processes of their own: choose a "
+                                                      "cross-process transport (ucx, nixl)"))
     tpb = ModelConfig().tokens_per_block
     if args.prefix_tokens % tpb:
         problems.append((f"--prefix-tokens {args.prefix_tokens}",
