@@ -191,7 +191,15 @@ class InferenceStateHandoffMixin:
             "queued": len(self.waiting) + (sink.num_queued + sink.num_transferring if sink else 0),  # type: ignore[attr-defined]
             "running": len(self.running),  # type: ignore[attr-defined]
             "quarantined_blocks": sink.num_quarantined_blocks if sink else 0,
+            "evictions": alloc.evictions,
         }
+
+    def recent_evictions(self) -> list[int]:
+        """The newest hashes this pool evicted (``policy.MAX_EVICTED_REPORT`` at most), oldest first: a
+        decode reports them with its load figures so routers stop expecting those prefixes here."""
+        from engine_integration.control_plane.policy import MAX_EVICTED_REPORT
+
+        return list(self.context.allocator.recent_evictions)[-MAX_EVICTED_REPORT:]  # type: ignore[attr-defined]
 
     def _require(self, role: str) -> None:
         if self.role != role:

@@ -64,6 +64,15 @@ class ClusterConfig:
     #: (``control_plane.etcd.service``; a private, secured etcd is started in demo mode)
     control_plane: Optional[str] = None
     etcd_password_file: Optional[str] = None  #: else ``$KVXFER_ETCD_PASSWORD_FILE`` (an etcd started here: its own)
+    #: decode choice by expected cached prefix (``policy.pick_decode``); False: least loaded only
+    prefix_routing: bool = True
+
+
+def _with_prefix_routing(url: str, on: bool) -> str:
+    """An etcd URL whose prefills route least loaded only when ``on`` is False (its ``prefix_routing=0``)."""
+    if on or "prefix_routing=" in url:
+        return url
+    return url + ("&" if "?" in url else "?") + "prefix_routing=0"
 
 
 class DisaggCluster:
@@ -83,11 +92,12 @@ class DisaggCluster:
                                           "pull backend)")
         self._store: Any = None  # push backends: the process group's TCP store, hosted here
         self.service: PlaneService = (
-            plane_service(config.control_plane, password_file=config.etcd_password_file, secret=config.secret)
+            plane_service(_with_prefix_routing(config.control_plane, config.prefix_routing),
+                          password_file=config.etcd_password_file, secret=config.secret)
             if config.control_plane else
             plane_service(None, heartbeat_timeout_s=config.heartbeat_timeout_s,
                           request_timeout_s=config.request_timeout_s, secret=config.secret,
-                          pin_grace_s=config.pin_grace_s))
+                          pin_grace_s=config.pin_grace_s, prefix_routing=config.prefix_routing))
         self.hosts: list[EngineHost] = []
 
     @property

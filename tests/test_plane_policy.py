@@ -44,27 +44,39 @@ etcd = pytest.fixture(scope="module", name="etcd")(secured_etcd)
 class Planes:
     """One fleet on both planes: engines registered with an in-process coordinator and in etcd."""
 
-    def __init__(self, etcd, engines: list[tuple[str, str, int]]) -> None:
+    def __init__(self, etcd, engines: list[tuple[str, str, int]], prefix_routing: bool = True) -> None:
         server, password = etcd
         self.fleet = Fleet(endpoint=server.endpoint, user="kvxfer", password=password, cluster_key=os.urandom(32),
                            cluster=f"policy{next(_clusters)}")
-        self.coord = Coordinator(CoordinatorConfig(secret=SECRET))
+        self.coord = Coordinator(CoordinatorConfig(secret=SECRET, prefix_routing=prefix_routing))
         self.sent: list[tuple[bytes, wire.Msg]] = []
         send = self.coord.send
         self.coord.send = lambda zmq_id, msg: (self.sent.append((zmq_id, msg)), send(zmq_id, msg))  # observe
         self.stores, self.records, self.rids = {}, {}, {}
+        self.zmq_ids: dict[str, bytes] = {}      # name -> its current incarnation's connection
+        self.engines = {name: (role, capacity) for name, role, capacity in engines}
         for name, role, capacity in engines:
-            self.arrive(name.encode(), wire.Register(role, name, "1", os.getpid(), socket.gethostname(), "fp",
-                                                           [GEOMETRY], capacity))
-            store = self.fleet.plane()
-            meta = seal_meta({**GEOMETRY, "agent": name, HOST_FIELD: host_identity()}, self.fleet.cluster_key)
-            self.records[name] = store.register(name=name, role=role, transfer_meta=[meta], capacity_blocks=capacity,
-                                                extra={"fingerprint": "fp"})
-            self.stores[name] = store
+            self.stores[name] = self.fleet.plane()
+            self.start(name, 1)
         self.prefill = next(n for n, role, _ in engines if role == "prefill")
-        self.etcd_plane = EtcdPlane(self.stores[self.prefill])
+        self.etcd_plane = EtcdPlane(self.stores[self.prefill], prefix_routing=prefix_routing)
         self.client = EtcdGenerationClient(self.fleet.plane())
         self.cids = itertools.count(1)
+
+    def start(self, name: str, incarnation: int) -> None:
+        """Register ``name`` with both planes (again: a new incarnation, as a restarted engine)."""
+        role, capacity = self.engines[name]
+        self.zmq_ids[name] = f"{name}/{incarnation}".encode()
+        self.arrive(self.zmq_ids[name], wire.Register(role, name, str(incarnation), os.getpid(), socket.gethostname(),
+                                                      "fp", [GEOMETRY], capacity))
+        meta = seal_meta({**GEOMETRY, "agent": name, HOST_FIELD: host_identity()}, self.fleet.cluster_key)
+        self.records[name] = self.stores[name].register(name=name, role=role, transfer_meta=[meta],
+                                                        capacity_blocks=capacity, extra={"fingerprint": "fp"})
+
+    def restart(self, name: str) -> None:
+        """``name`` says goodbye and registers again: a new incarnation, with an empty cache."""
+        self.arrive(self.zmq_ids[name], wire.Goodbye("restarting"))
+        self.start(name, int(self.zmq_ids[name].rsplit(b"/", 1)[1]) + 1)
 
     def arrive(self, zmq_id: bytes, msg: wire.Msg) -> None:
         """``msg`` from ``zmq_id``, as the coordinator gets it off the wire (decoded and schema-checked)."""
@@ -80,18 +92,22 @@ class Planes:
         self.coord.ctx.term()
 
     # --- the steps ------------------------------------------------------------------------
-    def report(self, decode: str, free: int) -> None:
-        """A decode's load figure: a heartbeat to the coordinator, a stats record in etcd."""
-        self.arrive(decode.encode(), wire.Heartbeat(free, 0, 0, 0, 0))
+    def report(self, decode: str, free: int, evictions: int = 0, evicted: tuple[int, ...] = ()) -> None:
+        """A decode's load figure (and the newest hashes its pool evicted): a heartbeat to the coordinator,
+        a stats record in etcd."""
+        self.arrive(self.zmq_ids[decode], wire.Heartbeat(free, 0, 0, 0, 0, evictions=evictions,
+                                                         evicted=list(evicted)))
         store, rec = self.stores[decode], self.records[decode]
         store.put_record(store.layout.stat(decode), stats_body(decode, rec.incarnation, rec.lease,
-                                                               {"free_blocks": free}), rec.lease)
+                                                               {"free_blocks": free, "evictions": evictions},
+                                                               evicted), rec.lease)
 
     def submit(self, prompt: list[int], max_new: int) -> tuple[str, str]:
         """(coordinator's answer, etcd client's answer): the prefill chosen, or the refusal."""
         self.sent.clear()
         self.arrive(CLIENT, wire.Submit(next(self.cids), prompt, max_new))
-        coordinator = next((m.error if isinstance(m, wire.Result) else zmq_id.decode()) for zmq_id, m in self.sent
+        coordinator = next((m.error if isinstance(m, wire.Result) else zmq_id.decode().rsplit("/", 1)[0])
+                           for zmq_id, m in self.sent
                            if isinstance(m, (wire.Result, wire.AddRequest)))
         rid = self.client.submit(prompt, max_new)
         result = self.client._results.pop(rid, None)
@@ -110,8 +126,9 @@ class Planes:
         self.sent.clear()
         descriptor = {"request_id": add.request_id, "source": self.prefill, "meta_index": 0, "block_ids": blocks,
                       "block_hashes": hashes, "prompt": prompt, "resume_tokens": [1]}
-        self.arrive(self.prefill.encode(), wire.HandoffReady(add.request_id, descriptor, 0.01))
-        coordinator = next((zmq_id.decode() for zmq_id, m in self.sent if isinstance(m, wire.StartDecode)), "-")
+        self.arrive(self.zmq_ids[self.prefill], wire.HandoffReady(add.request_id, descriptor, 0.01))
+        coordinator = next((zmq_id.decode().rsplit("/", 1)[0] for zmq_id, m in self.sent
+                            if isinstance(m, wire.StartDecode)), "-")
 
         store = self.stores[self.prefill]
         view = store.snapshot()
@@ -119,20 +136,20 @@ class Planes:
         decode = self.etcd_plane.route(view, hashes, prompt_len + max_new - 1)
         if decode is not None:
             store.publish_handoff(label, reader=decode.name, reader_incarnation=decode.incarnation, descriptor={})
-            self.etcd_plane.routed(decode, hashes, len(blocks))
+            self.etcd_plane.routed(decode, hashes, policy.reserved_blocks(prompt_len + max_new - 1, TPB))
         self.rids[label] = (add.request_id, coordinator, len(blocks))
         return coordinator, decode.name if decode is not None else "-"
 
     def pulled(self, label: str) -> None:
         """The routed decode has committed the pull (``TransferReady``; ``READ_DONE`` in etcd)."""
         rid, decode, blocks = self.rids[label]
-        self.arrive(decode.encode(), wire.TransferReady(rid, 0, blocks))
+        self.arrive(self.zmq_ids[decode], wire.TransferReady(rid, 0, blocks))
         self.stores[decode].set_reader_state(self.prefill, label, HandoffState.READ_DONE,
                                              source_incarnation=self.records[self.prefill].incarnation)
 
 
 P, D = "prefill", "decode"
-# (fleet: (name, role, capacity blocks), steps, the decisions both planes must make)
+# (fleet: (name, role, capacity blocks), steps, the decisions both planes must make[, prefix routing on])
 TABLE = [
     ("most free blocks wins",
      [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
@@ -149,7 +166,7 @@ TABLE = [
      [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
      [("report", "d-a", 40), ("report", "d-b", 38), ("route", "r1", 16, [11, 12, 13, 14], 4),
       ("route", "r2", 16, [21, 22, 23, 24], 4), ("route", "r3", 16, [31, 32, 33, 34], 4)],
-     ["d-a", "d-b", "d-a"]),     # 40 -> 36 < 38; 38 -> 34 < 36
+     ["d-a", "d-b", "d-a"]),     # each takes 5 blocks (19 tokens): 40 -> 35 < 38; 38 -> 33 < 35
     ("a pool too small is never chosen, however much room it reports",
      [("p0", P, 256), ("d-small", D, 4), ("d-big", D, 64)],
      [("report", "d-small", 4), ("report", "d-big", 2), ("route", "r1", 9, [1, 2], 12),
@@ -162,12 +179,44 @@ TABLE = [
       ("route", "r2", 5, [], 2), ("report", "d-b", 60), ("pulled", "r1"),
       ("route", "r3", 5, [], 2)],             # r2 still pending on d-b: d-a
      ["d-a", "d-b", "d-a"]),
+    ("the prefix decode while it has room, then the least loaded one",
+     [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
+     [("report", "d-a", 40), ("report", "d-b", 39), ("route", "r1", 9, [1, 2], 4),
+      ("report", "d-a", 4),                 # d-a nearly full
+      ("route", "r2", 13, [1, 2, 3], 4),    # holds 4 blocks <= 4 free: still d-a, for its cached prefix
+      ("route", "r3", 13, [1, 2, 4], 4)],   # 0 left on d-a, 4 needed: falls back to d-b
+     ["d-a", "d-a", "d-b"]),
+    ("hashes a decode reports evicted are no longer expected there",
+     [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
+     [("report", "d-a", 60), ("report", "d-b", 59), ("route", "r1", 9, [1, 2], 4),
+      ("report", "d-a", 50), ("report", "d-b", 60), ("route", "r2", 13, [1, 2, 3], 4),   # the prefix beats room
+      ("report", "d-a", 50, 1, (1,)),      # d-a evicted the family's first block: the chain is gone
+      ("route", "r3", 13, [1, 2, 5], 4)],
+     ["d-a", "d-a", "d-b"]),
+    ("more evictions than reported hashes: forget all expected there",
+     [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
+     [("report", "d-a", 60), ("report", "d-b", 59), ("route", "r1", 9, [1, 2], 4),
+      ("report", "d-a", 50, 3, (9, 8)), ("report", "d-b", 60),   # 3 evicted, 2 named: 1 and 2 may be gone
+      ("route", "r2", 13, [1, 2, 3], 4)],
+     ["d-a", "d-b"]),
+    ("prefix-aware routing off: least loaded only",
+     [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
+     [("report", "d-a", 60), ("report", "d-b", 59), ("route", "r1", 9, [1, 2], 4),
+      ("report", "d-a", 50), ("report", "d-b", 60), ("route", "r2", 13, [1, 2, 3], 4)],
+     ["d-a", "d-b"], False),
+    ("a restarted decode (a new incarnation) is expected to cache nothing",
+     [("p0", P, 256), ("d-a", D, 64), ("d-b", D, 64)],
+     [("report", "d-a", 60), ("report", "d-b", 59), ("route", "r1", 9, [1, 2], 4), ("pulled", "r1"),
+      ("restart", "d-a"), ("report", "d-a", 50), ("report", "d-b", 60),
+      ("route", "r2", 13, [1, 2, 3], 4)],   # d-a's old incarnation cached [1, 2]; the new one has nothing
+     ["d-a", "d-b"]),
 ]
 
 
-@pytest.mark.parametrize("name, engines, steps, expected", TABLE, ids=[row[0] for row in TABLE])
-def test_coordinator_and_etcd_route_alike(etcd, name, engines, steps, expected):
-    planes = Planes(etcd, engines)
+@pytest.mark.parametrize("name, engines, steps, expected, prefix_routing",
+                         [(*row, True) if len(row) == 4 else row for row in TABLE], ids=[row[0] for row in TABLE])
+def test_coordinator_and_etcd_route_alike(etcd, name, engines, steps, expected, prefix_routing):
+    planes = Planes(etcd, engines, prefix_routing)
     try:
         decisions = []
         for step in steps:
@@ -176,6 +225,8 @@ def test_coordinator_and_etcd_route_alike(etcd, name, engines, steps, expected):
                 planes.report(*args)
             elif kind == "pulled":
                 planes.pulled(*args)
+            elif kind == "restart":
+                planes.restart(*args)
             else:
                 coordinator, on_etcd = planes.route(*args)
                 assert coordinator == on_etcd, f"{name}: {step}: coordinator chose {coordinator}, etcd {on_etcd}"

@@ -47,8 +47,9 @@ class GenerationResult:
     tokens: Optional[tuple[int, ...]]
     error: Optional[str] = None
     timings: dict[str, float] = field(default_factory=dict)
-    cached_prefix_blocks: int = 0
-    pulled_blocks: int = 0
+    cached_prefix_blocks: int = 0      #: prompt blocks the decode reused from its own cache
+    pulled_blocks: int = 0             #: prompt blocks it pulled from the prefill
+    decode: Optional[str] = None       #: the decode instance that served it (None: not known)
 
     @property
     def ok(self) -> bool:
@@ -106,6 +107,7 @@ class PlaneEngine(Protocol):
                      skip_blocks: int = 0) -> None: ...
     def abort_request(self, request_id: RequestId, reason: str) -> None: ...
     def handoff_stats(self) -> dict[str, int]: ...
+    def recent_evictions(self) -> list[int]: ...
     def take_pull_stats(self, request_id: RequestId) -> Any: ...
     def set_commit_guard(self, guard: Optional[Callable[[RequestId], Optional[str]]]) -> None: ...
 

@@ -18,11 +18,13 @@ The rules:
   ``[1, MAX_NEW_TOKENS]``, a prompt over ``MAX_PROMPT_TOKENS``) or when no live pool of a
   role could ever hold it (prompt on a prefill; prompt plus all new tokens on a decode).
 - **Prefill choice**: fewest requests in flight there, then name.
-- **Decode choice**: among the live decodes whose pool can hold the request, the longest
-  expected cached prefix (hashes routed there before), then the most free blocks (the last
-  figure reported, minus blocks routed there since), then the fewest handoffs whose pull
-  has not completed, then name. No live decode: wait; live decodes but none can hold it:
-  refuse now.
+- **Decode choice**: among the live decodes whose pool can hold the request, those with
+  room for it now first (free blocks >= all the blocks it will hold there: ``reserved_blocks``),
+  then, with prefix-aware routing on (the default), the longest expected cached prefix (``RoutedPrefixes``: hashes routed there before, minus those
+  it reported evicted), then the most free blocks (the last figure reported, minus blocks
+  routed there since), then the fewest handoffs whose pull has not completed, then name. So a
+  request follows its prefix while that decode has room and falls back to the least loaded
+  one when it has not. No live decode: wait; live decodes but none can hold it: refuse now.
 
 Nothing here does I/O or imports zmq, etcd or torch.
 """
@@ -156,27 +158,61 @@ class DecodeCandidate:
     def holds(self, tokens: int) -> bool:
         return self.tokens_per_block is None or blocks_for(tokens, self.tokens_per_block) <= self.capacity_blocks
 
+    def reserves(self, tokens: int) -> int:
+        return reserved_blocks(tokens, self.tokens_per_block)
 
-def pick_decode(candidates: Iterable[DecodeCandidate], tokens: int) -> Optional[DecodeCandidate]:
-    """Where a request holding ``tokens`` tokens on its decode goes (``None``: no live decode can hold it)."""
+    def has_room(self, tokens: int) -> bool:
+        """Its last figure says it can reserve the request now (unknown figure: assume it can)."""
+        return self.free_blocks is None or self.free_blocks >= self.reserves(tokens)
+
+
+def reserved_blocks(tokens: int, tpb: Optional[int]) -> int:
+    """Blocks a request holding ``tokens`` tokens may take from a decode's free pool: all it holds.
+
+    Its cached prefix is not subtracted: a decode counts its cached blocks that no running
+    request uses among its free ones (they are evicted on demand), and reusing them takes them
+    off that count too. Only when a request running there shares the prefix is this an
+    overestimate (by the prefix); it errs toward sending the request to the other decode (a
+    pull) rather than queueing it behind a full one.
+    """
+    return blocks_for(tokens, tpb) if tpb is not None else 0
+
+
+def pick_decode(candidates: Iterable[DecodeCandidate], tokens: int, *,
+                prefix_aware: bool = True) -> Optional[DecodeCandidate]:
+    """Where a request holding ``tokens`` tokens on its decode goes (``None``: no live decode can hold it).
+
+    ``prefix_aware=False`` ignores the expected cached prefix (least loaded only): the baseline
+    ``kvxfer.bench.fleet_prefix`` measures prefix-aware routing against.
+    """
     fits = [c for c in candidates if c.holds(tokens)]
     if not fits:
         return None
-    return min(fits, key=lambda c: (-c.cached_prefix_blocks,
+    return min(fits, key=lambda c: (not c.has_room(tokens),
+                                    -c.cached_prefix_blocks if prefix_aware else 0,
                                     -(c.free_blocks if c.free_blocks is not None else c.capacity_blocks),
                                     c.in_flight, c.name))
 
 
-class RoutedPrefixes:
-    """Block hashes routed to one decode, newest last, at most ``limit`` (the prefix score's memory).
+#: Evicted hashes a decode reports with its load figures (the newest; ``RoutedPrefixes.evicted``).
+MAX_EVICTED_REPORT = 256
 
-    Bounded so a long-running router does not grow with every prompt it ever routed;
-    forgetting an old hash only costs a worse guess.
+
+class RoutedPrefixes:
+    """Block hashes expected cached on one decode incarnation, newest last, at most ``limit``.
+
+    The router adds a request's hashes when it routes the request there, and drops the hashes
+    the decode reports it evicted (``evicted``); a new incarnation starts empty (the planes key
+    this by incarnation), so a restarted decode is expected to cache nothing. Bounded so a
+    long-running router does not grow with every prompt it ever routed; a wrong guess costs
+    only the pull of blocks the decode does not have, never a wrong byte (the decode looks its
+    prefix up by hash itself).
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:
         self.limit = limit
         self._hashes: OrderedDict[int, None] = OrderedDict()
+        self._evictions_seen = 0
 
     def add(self, hashes: Iterable[int]) -> None:
         for h in hashes:
@@ -185,8 +221,22 @@ class RoutedPrefixes:
         while len(self._hashes) > self.limit:
             self._hashes.popitem(last=False)
 
+    def evicted(self, total: int, recent: Sequence[int]) -> None:
+        """The decode's eviction report: ``total`` blocks evicted by this incarnation so far, the
+        newest ``recent`` of them. Forget those hashes; when more were evicted since the last report
+        than ``recent`` shows, forget everything (the next requests re-learn it)."""
+        new = total - self._evictions_seen
+        if new <= 0:
+            return
+        self._evictions_seen = total
+        if new > len(recent):
+            self._hashes.clear()
+            return
+        for h in recent[len(recent) - new:]:
+            self._hashes.pop(h, None)
+
     def expected_prefix(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``hashes`` were routed here (so are probably cached)."""
+        """How many leading blocks of ``hashes`` are expected cached here."""
         n = 0
         for h in hashes:
             if h not in self._hashes:

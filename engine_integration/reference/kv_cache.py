@@ -6,6 +6,13 @@ Three counts decide whether a block may be reused:
 - a block with neither is free. A free block that holds a *full* prompt block keeps
   its hash and stays findable by prefix lookups until it is evicted (LRU), which is
   what lets a later request with the same prefix skip recomputing or re-pulling it.
+A request's blocks are freed deepest first, so the LRU evicts a prefix from its end: a
+lookup walks a chain from its first block, and evicting that first block would make every
+later block of the chain unreachable while it still took room.
+
+Evictions are counted (``evictions``) and the newest evicted hashes kept (``recent_evictions``):
+a decode reports them with its load figures, so a router stops expecting that prefix there
+(``control_plane.policy.RoutedPrefixes.evicted``).
 
 Hashes chain over blocks (each one covers its parent's hash and its own tokens) and are
 computed with BLAKE2b, not Python's ``hash``, so every process agrees on them.
@@ -40,7 +47,8 @@ def block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
 class BlockAllocator:
     """Free list, refcounts, pins and the hash -> block index of one pool."""
 
-    def __init__(self, num_blocks: int, on_recycle: Optional[Callable[[list[int]], None]] = None) -> None:
+    def __init__(self, num_blocks: int, on_recycle: Optional[Callable[[list[int]], None]] = None,
+                 eviction_history: int = 256) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -51,6 +59,8 @@ class BlockAllocator:
         self._cached: OrderedDict[int, None] = OrderedDict()  # free, hashed, LRU order
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        self.evictions = 0   #: cached blocks evicted so far (their hash forgotten)
+        self.recent_evictions: deque[int] = deque(maxlen=eviction_history)  #: the newest evicted hashes
 
     # --- queries --------------------------------------------------------------------
     @property
@@ -82,7 +92,10 @@ class BlockAllocator:
                 block = self._clean.popleft()
             else:
                 block, _ = self._cached.popitem(last=False)  # evict the least recently used
-                del self._block_of[self._hash_of.pop(block)]
+                h = self._hash_of.pop(block)
+                del self._block_of[h]
+                self.evictions += 1
+                self.recent_evictions.append(h)
             self._refs[block] = 1
             out.append(block)
         self._recycled(out)
@@ -109,10 +122,10 @@ class BlockAllocator:
             self._block_of[h] = block
 
     def release(self, blocks: Iterable[int]) -> None:
-        """Drop one ref from each block."""
+        """Drop one ref from each block, the last first (a request's deepest block is evicted first)."""
         freed = []
         try:
-            for block in blocks:
+            for block in reversed(list(blocks)):
                 if self._refs[block] <= 0:
                     raise RuntimeError(f"block {block} released more often than it was taken")
                 self._refs[block] -= 1
@@ -128,9 +141,10 @@ class BlockAllocator:
             self._pins[block] += 1
 
     def unpin(self, blocks: Iterable[int]) -> None:
+        """Drop one pin from each block, the last first (as ``release``)."""
         freed = []
         try:
-            for block in blocks:
+            for block in reversed(list(blocks)):
                 if self._pins[block] <= 0:
                     raise RuntimeError(f"block {block} unpinned more often than it was pinned")
                 self._pins[block] -= 1

@@ -175,8 +175,17 @@ def print_report(report: BenchReport, console: Console) -> None:
 
 
 def write_json(report: BenchReport, path: Path) -> None:
+    write_report(report.to_json(), path)
+
+
+def write_report(data: Any, path: "Path | str", console: Optional[Console] = None) -> Path:
+    """A benchmark's JSON report at ``path`` (its folder made); says where on ``console`` if given."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2, default=str))
+    path.write_text(json.dumps(data, indent=2, default=str))
+    if console is not None:
+        console.print(f"wrote {path}", highlight=False)
+    return path
 
 
 def plot_lines(results: Sequence[PointResult], pattern: str) -> dict[str, list[tuple[int, float]]]:

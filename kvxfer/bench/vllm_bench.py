@@ -214,11 +214,10 @@ def run_command(args: argparse.Namespace, console: Any) -> int:
     if problems:
         raise UsageError(*problems[0])
     report = run_vllm_bench(args, progress=lambda line: console.print(line, highlight=False))
+    from kvxfer.bench.report import write_report
+
     render(report, console)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    console.print(f"wrote {path}", highlight=False)
+    path = write_report(report, args.json, console)
     failed = [r["target"] for r in report["results"] if "error" in r or r["tokens_equal"] != r["tokens_total"]]
     if failed:
         raise RunFailed(f"bench-vllm: {', '.join(failed)} failed or gave tokens unlike co-located generation",

@@ -181,7 +181,8 @@ class EtcdGenerationClient(GenerationClient):
             error = f"{error} (after {pending.attempt} attempts; before: {'; '.join(pending.reasons)})"
         self._results[rid] = GenerationResult(
             rec.tokens, error, {k: float(v) for k, v in rec.info.items() if isinstance(v, (int, float))},
-            int(rec.info.get("cached_prefix_blocks", 0)), int(rec.info.get("pulled_blocks", 0)))
+            int(rec.info.get("cached_prefix_blocks", 0)), int(rec.info.get("pulled_blocks", 0)),
+            rec.by if rec.state == DONE else None)
         self.store.delete(self.layout.result(self.name, pending.rid))
 
     def _run_again(self, rid: str, pending: _Pending, view: FleetView, why: str) -> None:
@@ -250,6 +251,7 @@ class EtcdGenerationClient(GenerationClient):
                                                           self.layout, self.store.cluster_key)
             except RecordRefused:
                 continue
+            figures.pop("evicted", None)   # routing's business, not a load figure
             out[name] = {**figures, "alive": view.is_live(name, incarnation), "incarnation": incarnation}
         for inst in view.live():
             out.setdefault(inst.name, {"alive": True, "incarnation": inst.incarnation})

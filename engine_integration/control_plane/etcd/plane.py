@@ -137,8 +137,12 @@ class EtcdPlane(ControlPlane):
     supports_push = False     # push backends need Megatron's SEND_KV ordering: the coordinator carries it
 
     def __init__(self, store: EtcdStore, *, insecure: bool = False, publish_timeout_s: float = 60.0,
-                 stats_interval_s: float = 0.2, handoff_timeout_s: float = 120.0) -> None:
+                 stats_interval_s: float = 0.2, handoff_timeout_s: float = 120.0,
+                 prefix_routing: bool = True) -> None:
         self.store = store
+        #: route a request to the decode expected to cache its prefix while it has room (``policy.pick_decode``);
+        #: False: least loaded only (URL ``prefix_routing=0``; the benchmark's baseline)
+        self.prefix_routing = prefix_routing
         self.insecure = insecure
         self.poll_interval_s = store.config.poll_interval_s
         self.publish_timeout_s = publish_timeout_s   #: a computed request waits this long for a live decode
@@ -180,15 +184,19 @@ class EtcdPlane(ControlPlane):
              insecure: bool = False, handoff_timeout_s: Optional[float] = None, **config: Any) -> "EtcdPlane":
         """From ``etcd://[user@]host:port[,...]/cluster?ttl=5&poll=0.25&handoff_timeout=120``; ``config``
         overrides ``EtcdConfig`` fields. ``handoff_timeout`` (seconds, in the URL or as an argument) is
-        how long a routed handoff may take before its reader counts as stuck."""
+        how long a routed handoff may take before its reader counts as stuck; ``prefix_routing=0`` routes
+        to the least loaded decode only (no prefix preference)."""
         options = {k: v for k, v in (("password_file", password_file), ("secret_file", secret_file)) if v}
         query = {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items() if k in PLANE_QUERY_KEYS}
         if handoff_timeout_s is None:
             handoff_timeout_s = float(query.get("handoff_timeout", 120.0))
         if handoff_timeout_s <= 0:
             raise ValueError(f"handoff_timeout must be > 0 seconds, got {handoff_timeout_s}")
+        prefix_routing = query.get("prefix_routing", "1")
+        if prefix_routing not in ("0", "1"):
+            raise ValueError(f"prefix_routing must be 0 or 1 in the etcd URL, got {prefix_routing!r}")
         return cls(EtcdStore(parse_etcd_url(url, **options, **config)), insecure=insecure,
-                   handoff_timeout_s=handoff_timeout_s)
+                   handoff_timeout_s=handoff_timeout_s, prefix_routing=prefix_routing == "1")
 
     @property
     def config(self) -> Any:
@@ -507,7 +515,8 @@ class EtcdPlane(ControlPlane):
                 log.warning("prefill %r: handoff %s to %r not confirmed by etcd (%s); kept as published",
                             self.me.name if self.me else "?", request_id, decode.name, exc)
             published += 1
-            self.routed(decode, descriptor.block_hashes, len(descriptor.block_ids))
+            self.routed(decode, descriptor.block_hashes,
+                        policy.reserved_blocks(tokens, policy.tokens_per_block(decode.transfer_meta)))
         return published
 
     # --- routing (the decision is ``policy.pick_decode``'s) -------------------------------------
@@ -533,6 +542,8 @@ class EtcdPlane(ControlPlane):
             load = self._loads.setdefault((name, incarnation), _DecodeLoad())
             if kv.mod_revision != load.stats_revision:   # a new figure: what we routed before is in it
                 load.free_blocks, load.stats_revision, load.routed_blocks = figures["free_blocks"], kv.mod_revision, 0
+                evictions = figures.get("evictions", 0)
+                load.prefixes.evicted(evictions if isinstance(evictions, int) else 0, figures.get("evicted", []))
 
     def route(self, view: FleetView, block_hashes: Sequence[int], tokens: int) -> Optional[InstanceRecord]:
         """The live decode ``policy.pick_decode`` chooses for a request holding ``tokens`` tokens there."""
@@ -549,11 +560,12 @@ class EtcdPlane(ControlPlane):
                                                      policy.tokens_per_block(record.transfer_meta), free,
                                                      load.prefixes.expected_prefix(block_hashes),
                                                      pulling.get(name, 0) + load.routed_since_view))
-        choice = policy.pick_decode(candidates, tokens)
+        choice = policy.pick_decode(candidates, tokens, prefix_aware=self.prefix_routing)
         return decodes[choice.name] if choice is not None else None
 
     def routed(self, decode: InstanceRecord, block_hashes: Sequence[int], blocks: int) -> None:
-        """Remember a handoff routed to ``decode`` (its prefix, its blocks) until the next figures."""
+        """Remember a handoff routed to ``decode`` (its prefix, and the ``blocks`` it will take from its
+        free pool: ``policy.reserved_blocks``) until the next figures."""
         load = self._loads.setdefault((decode.name, decode.incarnation), _DecodeLoad())
         load.prefixes.add(block_hashes)
         load.routed_blocks += blocks
@@ -905,8 +917,9 @@ class EtcdPlane(ControlPlane):
             return
         self._last_stats, self._last_figures = now, figures
         try:
-            store.put_record(store.layout.stat(me.name), stats_body(me.name, me.incarnation, me.lease, figures),
-                             me.lease)
+            evicted = engine.recent_evictions() if engine.role == DECODE else ()
+            store.put_record(store.layout.stat(me.name), stats_body(me.name, me.incarnation, me.lease, figures,
+                                                                    evicted), me.lease)
         except ControlPlaneError as exc:
             log.debug("%r: stats not published: %s", me.name, exc)
 

@@ -21,10 +21,11 @@ gives the attempt up), so an abandoned attempt can never answer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from engine_integration.control_plane.etcd.records import (KeyLayout, RecordRefused, _field, _lease_matches, _load,
                                                            check_name, refusing)
+from engine_integration.control_plane.policy import MAX_EVICTED_REPORT
 
 REQUEST_KIND = "kvxfer/request/1"
 RESULT_KIND = "kvxfer/result/1"
@@ -118,15 +119,30 @@ def decode_result(key: str, value: bytes, lease: int, layout: KeyLayout, cluster
     return rec
 
 
-def stats_body(name: str, incarnation: str, lease: int, figures: dict[str, int]) -> dict[str, Any]:
-    return {"kind": STATS_KIND, "name": name, "incarnation": incarnation, "lease": str(lease),
+def stats_body(name: str, incarnation: str, lease: int, figures: dict[str, int],
+               evicted: Sequence[int] = ()) -> dict[str, Any]:
+    """An engine's load record: int figures, and (decodes) the newest hashes its pool evicted."""
+    body = {"kind": STATS_KIND, "name": name, "incarnation": incarnation, "lease": str(lease),
             "figures": {k: int(v) for k, v in figures.items()}}
+    if evicted:
+        body["evicted"] = [int(h) for h in evicted[-MAX_EVICTED_REPORT:]]
+    return body
+
+
+def stats_evicted(value: Mapping[str, Any]) -> list[int]:
+    """The evicted hashes of a verified load record's view (bounded; anything else refused)."""
+    evicted = value.get("evicted", [])
+    if not (isinstance(evicted, list) and len(evicted) <= MAX_EVICTED_REPORT
+            and all(isinstance(h, int) and not isinstance(h, bool) and -(1 << 63) <= h < (1 << 63) for h in evicted)):
+        raise RecordRefused(f"evicted must be a list of at most {MAX_EVICTED_REPORT} int64 block hashes")
+    return evicted
 
 
 @refusing
 def decode_stats(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_key: Optional[bytes], *,
-                 allow_unauthenticated: bool = False) -> tuple[str, str, dict[str, int]]:
-    """(name, incarnation, figures) of one engine's load record."""
+                 allow_unauthenticated: bool = False) -> tuple[str, str, dict[str, Any]]:
+    """(name, incarnation, figures) of one engine's load record; a decode's evicted hashes, if it
+    reported any, are in ``figures["evicted"]`` (a list)."""
     view = _load(value, cluster_key, allow_unauthenticated)
     if view.get("kind") != STATS_KIND:
         raise RecordRefused(f"kind {view.get('kind')!r} is not {STATS_KIND!r}")
@@ -134,4 +150,8 @@ def decode_stats(key: str, value: bytes, lease: int, layout: KeyLayout, cluster_
     if key != layout.stat(name):
         raise RecordRefused(f"stats of {name!r} stored at {key!r}")
     _lease_matches(view, lease)
-    return name, _field(view, "incarnation", str), dict(_field(view, "figures", dict))
+    figures = dict(_field(view, "figures", dict))
+    evicted = stats_evicted(view)
+    if evicted:
+        figures["evicted"] = evicted
+    return name, _field(view, "incarnation", str), figures

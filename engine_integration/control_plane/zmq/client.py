@@ -37,7 +37,7 @@ class CoordinatorClient(GenerationClient):
         if isinstance(msg, wire.Result):
             self._results[msg.client_request_id] = GenerationResult(
                 tuple(msg.tokens) if msg.tokens is not None else None, msg.error, dict(msg.timings),
-                msg.cached_prefix_blocks, msg.pulled_blocks)
+                msg.cached_prefix_blocks, msg.pulled_blocks, msg.decode)
         return msg
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:

@@ -84,6 +84,9 @@ class CoordinatorConfig:
     #: drop it (``Abort``) is a stuck reader: the pins of that request are freed if its reads are
     #: torn-read checked, else kept (and counted in ``Stats.stuck_requests``) until it reports or dies.
     stuck_reader_grace_s: Optional[float] = 30.0
+    #: route a request to the decode expected to cache its prefix while that decode has room
+    #: (``policy.pick_decode``); False: least loaded only (the benchmark's baseline)
+    prefix_routing: bool = True
 
 
 @dataclass
@@ -98,6 +101,8 @@ class _Engine:
     removed_at: float = 0.0
     peers_sent: set = field(default_factory=set)       # decode: (prefill identity, incarnation) metas sent
     routed: policy.RoutedPrefixes = field(default_factory=policy.RoutedPrefixes)  # decode: hashes routed there
+    #: decode: blocks routed there since its last heartbeat, minus those of its requests finished since
+    #: (one connection delivers in order, so a heartbeat counts exactly the finishes it follows)
     blocks_sent_since_hb: int = 0
     requests: set = field(default_factory=set)
 
@@ -125,6 +130,8 @@ class _Request:
     timings: dict = field(default_factory=dict)
     cached_prefix_blocks: int = 0
     pulled_blocks: int = 0
+    reserved_blocks: int = 0               # what routing expected it to take from its decode's free pool
+    committed: bool = False                # its decode reported the KV committed (its blocks are reserved there)
 
 
 def member(reg: wire.Register) -> policy.Member:
@@ -260,13 +267,14 @@ class Coordinator:
             return self._refuse(eng, msg, why)
         if isinstance(msg, wire.Heartbeat):
             eng.hb, eng.blocks_sent_since_hb = msg, 0
+            eng.routed.evicted(msg.evictions, msg.evicted)
             self.send(zmq_id, wire.Registered(True))  # keepalive: the engine knows we are here
         elif isinstance(msg, wire.HandoffReady):
             self._handoff_ready(eng, msg)
         elif isinstance(msg, wire.TransferReady):
             req = self.requests.get(msg.request_id)
             if req is not None:
-                req.stage = "decode"
+                req.stage, req.committed = "decode", True
                 req.cached_prefix_blocks, req.pulled_blocks = msg.cached_prefix_blocks, msg.pulled_blocks
                 req.timings.update(pull_s=msg.pull_s, decode_queue_s=msg.queue_s, admit_seq=msg.admit_seq)
                 req.timings["handoff_s"] = time.monotonic() - req.timings.pop("_handoff_t0", time.monotonic())
@@ -463,24 +471,26 @@ class Coordinator:
                 continue
             candidates = [self.decode_candidate(e, req.descriptor.block_hashes, pulling.get(e.zmq_id, 0))
                           for e in decodes.values()]
-            choice = policy.pick_decode(candidates, len(req.prompt) + req.max_new_tokens - 1)
+            tokens = len(req.prompt) + req.max_new_tokens - 1
+            choice = policy.pick_decode(candidates, tokens, prefix_aware=self.config.prefix_routing)
             if choice is None:
                 self._fail_request(req, "request refused: " + (self._inadmissible(req.prompt, req.max_new_tokens)
                                                                 or "no live decode pool can hold it"))
                 continue
             target = decodes[choice.name]
             pulling[target.zmq_id] = pulling.get(target.zmq_id, 0) + 1
-            self._send_to_decode(target, prefill, req)
+            self._send_to_decode(target, prefill, req, choice.reserves(tokens))
 
     @staticmethod
     def decode_candidate(eng: _Engine, block_hashes: Any, in_flight: int) -> policy.DecodeCandidate:
         """A live decode as ``policy.pick_decode`` sees it: its room (last heartbeat minus blocks routed
         there since), the prefix routed there before, its handoffs not yet pulled."""
-        free = (eng.hb.free_blocks if eng.hb else eng.reg.capacity_blocks) - eng.blocks_sent_since_hb
+        free = min(eng.reg.capacity_blocks,
+                   (eng.hb.free_blocks if eng.hb else eng.reg.capacity_blocks) - eng.blocks_sent_since_hb)
         return policy.DecodeCandidate(eng.identity, eng.reg.capacity_blocks, policy.tokens_per_block(eng.reg.transfer_meta),
                                       free, eng.routed.expected_prefix(block_hashes), in_flight)
 
-    def _send_to_decode(self, decode: _Engine, prefill: _Engine, req: _Request) -> None:
+    def _send_to_decode(self, decode: _Engine, prefill: _Engine, req: _Request, reserves: int) -> None:
         key = (prefill.identity, prefill.reg.incarnation)
         if key not in decode.peers_sent:
             self.send(decode.zmq_id, wire.PeerMeta(prefill.identity, prefill.reg.incarnation,
@@ -490,7 +500,8 @@ class Coordinator:
         req.decode = decode.zmq_id
         decode.requests.add(req.rid)
         decode.routed.add(req.descriptor.block_hashes)
-        decode.blocks_sent_since_hb += len(req.descriptor.block_ids)
+        req.reserved_blocks = reserves            # what it will take from its free pool (policy's estimate)
+        decode.blocks_sent_since_hb += reserves
         self.send(decode.zmq_id, wire.StartDecode(req.rid, req.descriptor, req.max_new_tokens))
 
     # --- endings ----------------------------------------------------------------------------
@@ -501,12 +512,16 @@ class Coordinator:
         req.stage = "done"
         req.timings["total_s"] = time.monotonic() - req.submitted
         req.timings.pop("_handoff_t0", None)
+        decode = self.engines.get(req.decode) if req.decode else None
         self.send(req.client, wire.Result(req.client_rid, tokens, error, dict(req.timings),
-                                          req.cached_prefix_blocks, req.pulled_blocks))
+                                          req.cached_prefix_blocks, req.pulled_blocks,
+                                          decode.identity if decode is not None and tokens is not None else None))
         for zmq_id in (req.prefill, req.decode):
             eng = self.engines.get(zmq_id) if zmq_id else None
             if eng is not None:
                 eng.requests.discard(rid)
+        if decode is not None and req.committed and tokens is not None:   # its decode freed what it held
+            decode.blocks_sent_since_hb -= req.reserved_blocks
         if not req.source_pinned:
             self._forget(req)
 
@@ -632,7 +647,7 @@ class Coordinator:
             engines[eng.identity] = {
                 "role": eng.reg.role, "alive": eng.alive, "pid": eng.reg.pid, "incarnation": eng.reg.incarnation,
                 "death": eng.death, "requests": len(eng.requests),
-                **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__} if eng.hb else {}),
+                **({k: getattr(eng.hb, k) for k in eng.hb.__struct_fields__ if k != "evicted"} if eng.hb else {}),
             }
         live = sum(1 for r in self.requests.values() if r.stage != "done")
         stuck = sum(1 for r in self.requests.values() if r.stuck and r.source_pinned)

@@ -186,7 +186,9 @@ class CoordinatorPlane(ControlPlane):
         assert self.engine is not None
         self._last_heartbeat = time.monotonic()
         figures = self.engine.handoff_stats()
-        self._send(wire.Heartbeat(**{k: figures[k] for k in wire.Heartbeat.__struct_fields__}))
+        if self.engine.role == "decode":   # what routers must stop expecting cached here
+            figures["evicted"] = self.engine.recent_evictions()
+        self._send(wire.Heartbeat(**{k: figures[k] for k in wire.Heartbeat.__struct_fields__ if k in figures}))
 
     def _send(self, msg: Any) -> None:
         if self._channel is not None:

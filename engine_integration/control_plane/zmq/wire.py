@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 
 from engine_integration.control_plane.limits import TooDeep, check_json
-from engine_integration.control_plane.policy import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, TOKEN_ID_LIMIT
+from engine_integration.control_plane.policy import MAX_EVICTED_REPORT, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, TOKEN_ID_LIMIT
 
 #: Limits of the schema; generous for real traffic, small enough that no field can be a weapon.
 #: The request limits are the fleet policy's (``control_plane.policy``), so admission refuses
@@ -90,6 +90,8 @@ class Heartbeat(Msg, frozen=True, tag="heartbeat"):
     queued: Count
     running: Count
     quarantined_blocks: Count = 0
+    evictions: Count = 0        #: cached blocks this pool evicted so far (prefix-aware routing)
+    evicted: Annotated[list[Int64], msgspec.Meta(max_length=MAX_EVICTED_REPORT)] = []  #: the newest evicted hashes
 
 
 class HandoffReady(Msg, frozen=True, tag="handoff"):
@@ -209,6 +211,7 @@ class Result(Msg, frozen=True, tag="result"):
     timings: dict[str, float] = {}
     cached_prefix_blocks: Count = 0
     pulled_blocks: Count = 0
+    decode: Optional[Name] = None   #: the decode that served it
 
 
 class StatsRequest(Msg, frozen=True, tag="stats_request"):
