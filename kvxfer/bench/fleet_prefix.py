@@ -218,31 +218,31 @@ def render(report: dict[str, Any], console: Any) -> None:
                   highlight=False)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    from rich.console import Console
-
+def run_command(args: argparse.Namespace, console: Any) -> int:
+    """``kvxfer bench-prefix-routing``: run, print the table, write the JSON; a failed run exits 1."""
     from kvxfer.bench.report import write_report
+    from kvxfer.cli.errors import RunFailed, UsageError
 
-    parser = argparse.ArgumentParser(prog="python -m kvxfer.bench.fleet_prefix",
-                                     description="prefix-aware routing against least-loaded on a real small fleet")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 160)   # a log keeps the whole table
     problems = check_args(args)
     if problems:
-        what, fix = problems[0]
-        print(f"kvxfer: error: {what}: {fix}", file=sys.stderr)
-        return 2
+        raise UsageError(*problems[0])
     report = run_bench(args, progress=lambda line: console.print(line, highlight=False))
     render(report, console)
     path = write_report(report, args.json, console)
     bad = [f"{r['plane']} {r['mode']}" for r in report["results"]
            if "error" in r or r["failed"] or r["tokens_equal"] != r["requests"]]
     if bad:
-        print(f"kvxfer: error: {', '.join(bad)} failed or gave tokens unlike co-located generation; see {path}",
-              file=sys.stderr)
-        return 1
+        raise RunFailed(f"bench-prefix-routing: {', '.join(bad)} failed or gave tokens unlike co-located generation",
+                        f"see {path}")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m kvxfer.bench.fleet_prefix``: the same as ``kvxfer bench-prefix-routing``."""
+    from kvxfer.cli import main as kvxfer_main
+
+    return kvxfer_main(["bench-prefix-routing", *(sys.argv[1:] if argv is None else argv)])
+
 
 
 if __name__ == "__main__":

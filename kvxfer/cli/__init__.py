@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench`` and ``bench-vllm`` (see ``kvxfer --help``).
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench``, ``bench-vllm`` and ``bench-prefix-routing`` (see ``kvxfer --help``).
 
 Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_parser = _subparser(sub, "bench-vllm", "vLLM P/D through KvxferConnector (nixl, ucx) and vLLM's NixlConnector")
     vllm_bench.add_arguments(vllm_parser)
     vllm_parser.set_defaults(func=lambda args: vllm_bench.run_command(args, commands.console))
+
+    from kvxfer.bench import fleet_prefix  # noqa: PLC0415
+
+    prefix_parser = _subparser(sub, "bench-prefix-routing",
+                               "prefix-aware routing against least-loaded on a small real fleet (both planes)")
+    fleet_prefix.add_arguments(prefix_parser)
+    prefix_parser.set_defaults(func=lambda args: fleet_prefix.run_command(args, commands.console))
     return parser
 
 
