@@ -132,7 +132,10 @@ def run_point(point: FleetPoint, etcd: Optional[tuple[Any, str]] = None) -> dict
             raise ValueError("the etcd plane needs a running etcd")
         server, password = etcd
         spec.update(endpoint=server.endpoint, cluster=f"scale-{uuid.uuid4().hex[:8]}", password=password,
-                    cluster_key=os.urandom(32).hex(), ttl_s=point.ttl_s, poll_s=point.poll_s)
+                    cluster_key=os.urandom(32).hex(), ttl_s=point.ttl_s, poll_s=point.poll_s,
+                    # many instances registering at once each authenticate (bcrypt in etcd, ~CPU-bound):
+                    # the default 3 s per call is not always enough on 2 cores; see ``etcd_ops['auth']``
+                    timeout_s=10.0)
         plane_pids = {"etcd": [server.pid()]}
     else:
         secret = os.urandom(24).hex()
@@ -176,7 +179,7 @@ def run_point(point: FleetPoint, etcd: Optional[tuple[Any, str]] = None) -> dict
         t3, c3 = time.monotonic(), cpu.read()
         status1 = probe.client.status() if probe is not None else {}
     finally:
-        for proc in host_procs or launched:
+        for proc in launched:
             procs.stop(proc, 15.0, terminate_first=True)
         if client is not None:
             client.close()
@@ -327,6 +330,7 @@ def measure_etcd_ops(server: Any, password: str, *, reps: int = 100, sizes: Sequ
            "deleterange (a handoff's prefix)": percentiles(timed(delete)),
            "lease keepalive": percentiles(timed(lambda: client.lease_keepalive(lease)))}
     record_bytes = {"handoff": len(value), "instance": len(instance("d0"))}
+    auth = _authenticate_figures(server.endpoint, password)
     snapshots = {}
     made = 0
     for size in sizes:
@@ -350,7 +354,34 @@ def measure_etcd_ops(server: Any, password: str, *, reps: int = 100, sizes: Sequ
     client.delete_prefix(layout.root.encode() + b"/")
     client.lease_revoke(lease)
     store.close()
-    return {"ops": ops, "record_bytes": record_bytes, "snapshot": snapshots, "limits": limits}
+    return {"ops": ops, "record_bytes": record_bytes, "snapshot": snapshots, "limits": limits, "auth": auth}
+
+
+def _authenticate_figures(endpoint: str, password: str, *, reps: int = 8, herd: int = 16) -> dict[str, Any]:
+    """What a client's first call costs on an etcd with auth on (it authenticates: bcrypt in etcd), alone
+    and with ``herd`` clients authenticating at once (a fleet restarting)."""
+    import threading
+
+    from engine_integration.control_plane.etcd.gateway import EtcdHttpClient
+
+    def first_call() -> float:
+        client = EtcdHttpClient([endpoint], user="kvxfer", password=password, timeout_s=30.0)
+        t = time.perf_counter()
+        client.status()
+        elapsed = time.perf_counter() - t
+        client.close()
+        return elapsed
+
+    alone = [first_call() for _ in range(reps)]
+    took: list[float] = []
+    threads = [threading.Thread(target=lambda: took.append(first_call())) for _ in range(herd)]
+    t = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"first_call_alone": percentiles(alone), f"first_call_{herd}_at_once": percentiles(took),
+            f"{herd}_at_once_wall_ms": round((time.perf_counter() - t) * 1000, 1)}
 
 
 # --- presenting -----------------------------------------------------------------------------------
@@ -401,7 +432,8 @@ def _table(results: Sequence[dict[str, Any]], op_figures: Optional[dict[str, Any
             t.add_row(size, str(v["snapshot_keys"]), f"{v['snapshot_bytes'] / 1024:.0f}", f"{v['snapshot_read_ms']:.1f}",
                       f"{v['snapshot_verified_ms']:.1f}")
         console.print(t)
-        console.print(f"limits: {op_figures['limits']}; record bytes: {op_figures['record_bytes']}")
+        console.print(f"limits: {op_figures['limits']}; record bytes: {op_figures['record_bytes']}; "
+                      f"a client's first call (authenticates): {op_figures['auth']}")
 
 
 def _p(stage: dict[str, Any]) -> str:

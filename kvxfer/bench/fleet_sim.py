@@ -256,7 +256,8 @@ def etcd_config(spec: Mapping[str, Any]) -> Any:
 
     return EtcdConfig(endpoints=(spec["endpoint"],), cluster=spec["cluster"], user="kvxfer",
                       password=spec["password"], cluster_key=bytes.fromhex(spec["cluster_key"]),
-                      ttl_s=int(spec["ttl_s"]), poll_interval_s=float(spec["poll_s"]))
+                      ttl_s=int(spec["ttl_s"]), poll_interval_s=float(spec["poll_s"]),
+                      timeout_s=float(spec.get("timeout_s", 3.0)))
 
 
 def host_main(spec: Mapping[str, Any], ready_fd: int) -> None:
