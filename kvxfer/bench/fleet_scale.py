@@ -120,81 +120,80 @@ def run_point(point: FleetPoint, etcd: Optional[tuple[Any, str]] = None) -> dict
     """
     from engine_integration import procs
 
-    folder = Path(tempfile.mkdtemp(prefix="kvxfer-fleet-scale-"))
-    names = [("prefill", f"p{i}") for i in range(point.prefills)] + [("decode", f"d{i}") for i in range(point.decodes)]
-    hosts = max(1, min(point.hosts or max(2, -(-len(names) // INSTANCES_PER_HOST)), len(names)))
-    spec: dict[str, Any] = {"kind": "host", "plane": point.plane, "capacity_blocks": point.capacity_blocks,
-                            "meta_pad": point.meta_pad}
-    coordinator = None
-    client_events: list = []
-    if point.plane == "etcd":
-        if etcd is None:
-            raise ValueError("the etcd plane needs a running etcd")
-        server, password = etcd
-        spec.update(endpoint=server.endpoint, cluster=f"scale-{uuid.uuid4().hex[:8]}", password=password,
-                    cluster_key=os.urandom(32).hex(), ttl_s=point.ttl_s, poll_s=point.poll_s,
-                    # many instances registering at once each authenticate (bcrypt in etcd, ~CPU-bound):
-                    # the default 3 s per call is not always enough on 2 cores; see ``etcd_ops['auth']``
-                    timeout_s=10.0)
-        plane_pids = {"etcd": [server.pid()]}
-    else:
-        secret = os.urandom(24).hex()
-        coordinator, ready = procs.spawn("kvxfer.bench.fleet_sim", {"kind": "coordinator", "secret": secret,
-                                                                    "out": str(folder / "coordinator.json")})
-        spec.update(secret=secret, address=ready["address"])
-        plane_pids = {"coordinator": [coordinator.pid]}
-    launched = [procs.launch("kvxfer.bench.fleet_sim", {**spec, "engines": names[h::hosts],
-                                                        "out": str(folder / f"host{h}.json")})
-                for h in range(hosts)]
-    host_procs = []
-    client = probe = None
-    try:
-        for proc in launched:
-            procs.wait_ready(proc, "kvxfer.bench.fleet_sim", 120.0)
-            host_procs.append(proc)
+    with tempfile.TemporaryDirectory(prefix="kvxfer-fleet-scale-") as tmp:   # the hosts' and coordinator's dumps
+        folder = Path(tmp)
+        names = ([("prefill", f"p{i}") for i in range(point.prefills)]
+                 + [("decode", f"d{i}") for i in range(point.decodes)])
+        hosts = max(1, min(point.hosts or max(2, -(-len(names) // INSTANCES_PER_HOST)), len(names)))
+        spec: dict[str, Any] = {"kind": "host", "plane": point.plane, "capacity_blocks": point.capacity_blocks,
+                                "meta_pad": point.meta_pad}
+        coordinator = None
+        client_events: list = []
         if point.plane == "etcd":
-            from engine_integration.control_plane.etcd.client import EtcdGenerationClient
-            from engine_integration.control_plane.etcd.store import EtcdStore
-
-            store = EtcdStore(etcd_config(spec))
-            count_etcd_calls(store.client, store.layout.root, client_events, "client")
-            client = EtcdGenerationClient(store)
-            probe = EtcdStore(etcd_config(spec))
+            if etcd is None:
+                raise ValueError("the etcd plane needs a running etcd")
+            server, password = etcd
+            spec.update(endpoint=server.endpoint, cluster=f"scale-{uuid.uuid4().hex[:8]}", password=password,
+                        cluster_key=os.urandom(32).hex(), ttl_s=point.ttl_s, poll_s=point.poll_s,
+                        # many instances registering at once each authenticate (bcrypt in etcd, ~CPU-bound):
+                        # the default 3 s per call is not always enough on 2 cores; see ``etcd_ops['auth']``
+                        timeout_s=10.0)
+            plane_pids = {"etcd": [server.pid()]}
         else:
-            from engine_integration.control_plane.zmq.client import CoordinatorClient
+            secret = os.urandom(24).hex()
+            coordinator, ready = procs.spawn("kvxfer.bench.fleet_sim", {"kind": "coordinator", "secret": secret,
+                                                                        "out": str(folder / "coordinator.json")})
+            spec.update(secret=secret, address=ready["address"])
+            plane_pids = {"coordinator": [coordinator.pid]}
+        launched = [procs.launch("kvxfer.bench.fleet_sim", {**spec, "engines": names[h::hosts],
+                                                            "out": str(folder / f"host{h}.json")})
+                    for h in range(hosts)]
+        host_procs = []
+        client = probe = None
+        try:
+            for proc in launched:
+                procs.wait_ready(proc, "kvxfer.bench.fleet_sim", 120.0)
+                host_procs.append(proc)
+            if point.plane == "etcd":
+                from engine_integration.control_plane.etcd.client import EtcdGenerationClient
+                from engine_integration.control_plane.etcd.store import EtcdStore
 
-            client = CoordinatorClient(spec["address"], secret=spec["secret"])
-        cpu = _Cpu({**plane_pids, "hosts": [p.pid for p in host_procs]})
-        warm_ok = _load(client, 2 * point.prefills + 2, point.in_flight, serial0=1)[0]
-        time.sleep(max(point.poll_s, 0.3))
-        fleet = _snapshot_figures(probe) if probe is not None else {}
-        t0, c0 = time.monotonic(), cpu.read()
-        time.sleep(point.idle_s)
-        t1, c1 = time.monotonic(), cpu.read()
-        status0 = probe.client.status() if probe is not None else {}
-        t2, c2 = time.monotonic(), cpu.read()
-        ok, submitted = _load(client, point.handoffs, point.in_flight, serial0=1_000_000)
-        loaded = time.monotonic()
-        time.sleep(2 * point.poll_s + 0.1)   # the last handoffs' clean-up (the prefill's next poll) counts too
-        t3, c3 = time.monotonic(), cpu.read()
-        status1 = probe.client.status() if probe is not None else {}
-    finally:
-        for proc in launched:
-            procs.stop(proc, 15.0, terminate_first=True)
-        if client is not None:
-            client.close()
-        if probe is not None:
-            probe.close()
-        if coordinator is not None:
-            procs.stop(coordinator, 10.0, terminate_first=True)
-    dumps = [json.loads((folder / f"host{h}.json").read_text()) for h in range(hosts)]
-    if point.plane == "etcd":
-        events = [e for d in dumps for e in d["events"]] + client_events
-    else:
-        events = json.loads((folder / "coordinator.json").read_text())["events"]
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+                store = EtcdStore(etcd_config(spec))
+                count_etcd_calls(store.client, store.layout.root, client_events, "client")
+                client = EtcdGenerationClient(store)
+                probe = EtcdStore(etcd_config(spec))
+            else:
+                from engine_integration.control_plane.zmq.client import CoordinatorClient
+
+                client = CoordinatorClient(spec["address"], secret=spec["secret"])
+            cpu = _Cpu({**plane_pids, "hosts": [p.pid for p in host_procs]})
+            warm_ok = _load(client, 2 * point.prefills + 2, point.in_flight, serial0=1)[0]
+            time.sleep(max(point.poll_s, 0.3))
+            fleet = _snapshot_figures(probe) if probe is not None else {}
+            t0, c0 = time.monotonic(), cpu.read()
+            time.sleep(point.idle_s)
+            t1, c1 = time.monotonic(), cpu.read()
+            status0 = probe.client.status() if probe is not None else {}
+            t2, c2 = time.monotonic(), cpu.read()
+            ok, submitted = _load(client, point.handoffs, point.in_flight, serial0=1_000_000)
+            loaded = time.monotonic()
+            time.sleep(2 * point.poll_s + 0.1)   # the last handoffs' clean-up (the prefill's next poll) counts too
+            t3, c3 = time.monotonic(), cpu.read()
+            status1 = probe.client.status() if probe is not None else {}
+        finally:
+            for proc in launched:
+                procs.stop(proc, 15.0, terminate_first=True)
+            if client is not None:
+                client.close()
+            if probe is not None:
+                probe.close()
+            if coordinator is not None:
+                procs.stop(coordinator, 10.0, terminate_first=True)
+        dumps = [json.loads((folder / f"host{h}.json").read_text()) for h in range(hosts)]
+        if point.plane == "etcd":
+            events = [e for d in dumps for e in d["events"]] + client_events
+        else:
+            events = json.loads((folder / "coordinator.json").read_text())["events"]
     idle, busy = _window(events, t0, t1), _window(events, t2, t3)
     idle_s, load_s = t1 - t0, t3 - t2
     roles = {"prefill": point.prefills, "decode": point.decodes, "client": 1, "in": point.instances,
@@ -221,7 +220,8 @@ def run_point(point: FleetPoint, etcd: Optional[tuple[Any, str]] = None) -> dict
     snapshots = sum(busy[k] + idle[k] for k in busy | idle if k.endswith("range:snapshot") and k.split()[0] != "client")
     result: dict[str, Any] = {
         "point": asdict(point), "label": point.label, "instances": point.instances, "ok": ok, "warm_ok": warm_ok,
-        "handoffs_per_s": round(point.handoffs / (loaded - t2), 1), "load_s": round(load_s, 3), "idle_s": round(idle_s, 3),
+        "handoffs_per_s": round(point.handoffs / (loaded - t2), 1), "load_s": round(load_s, 3),
+        "idle_s": round(idle_s, 3),
         "ops": ops, "latency": latency,
         "cpu_idle_pct": _Cpu.share(c0, c1, idle_s), "cpu_load_pct": _Cpu.share(c2, c3, load_s),
         "totals": {"per_handoff": round(sum(busy.values()) / point.handoffs, 2),
@@ -359,13 +359,17 @@ def measure_etcd_ops(server: Any, password: str, *, reps: int = 100, sizes: Sequ
 
 def _authenticate_figures(endpoint: str, password: str, *, reps: int = 8, herd: int = 16) -> dict[str, Any]:
     """What a client's first call costs on an etcd with auth on (it authenticates: bcrypt in etcd), alone
-    and with ``herd`` clients authenticating at once (a fleet restarting)."""
+    and with ``herd`` clients authenticating at once (a fleet restarting).
+
+    Each attempt may wait 60 s here: with the client's default 1 s per attempt, a herd whose
+    authentications queue past 1 s re-sends them, etcd hashes every copy, and the queue only grows
+    (seen on this machine: 16 clients, none through in 30 s, and etcd slow for the calls after)."""
     import threading
 
     from engine_integration.control_plane.etcd.gateway import EtcdHttpClient
 
     def first_call() -> float:
-        client = EtcdHttpClient([endpoint], user="kvxfer", password=password, timeout_s=30.0)
+        client = EtcdHttpClient([endpoint], user="kvxfer", password=password, timeout_s=60.0, request_timeout_s=60.0)
         t = time.perf_counter()
         client.status()
         elapsed = time.perf_counter() - t
@@ -429,7 +433,8 @@ def _table(results: Sequence[dict[str, Any]], op_figures: Optional[dict[str, Any
         for col in ("N", "keys", "KiB", "read ms", "read + verify ms"):
             t.add_column(col, justify="right")
         for size, v in op_figures["snapshot"].items():
-            t.add_row(size, str(v["snapshot_keys"]), f"{v['snapshot_bytes'] / 1024:.0f}", f"{v['snapshot_read_ms']:.1f}",
+            t.add_row(size, str(v["snapshot_keys"]), f"{v['snapshot_bytes'] / 1024:.0f}",
+                      f"{v['snapshot_read_ms']:.1f}",
                       f"{v['snapshot_verified_ms']:.1f}")
         console.print(t)
         console.print(f"limits: {op_figures['limits']}; record bytes: {op_figures['record_bytes']}; "

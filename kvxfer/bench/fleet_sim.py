@@ -211,8 +211,8 @@ def etcd_op_kind(path: str, body: Optional[Mapping[str, Any]], root: str) -> str
         return op
     key, range_end = body.get("key"), body.get("range_end")
     if op == "txn":
-        success = body.get("success") or [{}]
-        (request, inner), = success[0].items() if success[0] else (("none", {}),)
+        first = (body.get("success") or [{}])[0]   # what a kvxfer txn does is its first success operation
+        request, inner = next(iter(first.items()), ("request_none", {}))
         op = "txn:" + request.removeprefix("request_").replace("_range", "")
         key = inner.get("key")
     if not isinstance(key, str):
@@ -225,7 +225,7 @@ def etcd_op_kind(path: str, body: Optional[Mapping[str, Any]], root: str) -> str
 
 
 def count_etcd_calls(client: Any, root: str, events: list, who: str) -> None:
-    """Record every call ``client`` (an ``EtcdHttpClient``) makes: ``(start, who, kind, seconds)`` appended to ``events``.
+    """Record every call ``client`` (an ``EtcdHttpClient``) makes: ``(start, who, kind, seconds)``, in ``events``.
 
     Wraps the instance's one request method; what the call does and answers is unchanged."""
     inner = client._http
