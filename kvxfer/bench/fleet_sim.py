@@ -98,9 +98,13 @@ class SimEngine:
     def handoff_stats(self) -> dict[str, int]:
         pinned = sum(self._pinned.values())
         figures = {"free_blocks": self._capacity - pinned, "pinned_blocks": pinned, "pins": len(self._pinned),
-                   "queued": len(self._waiting) + len(self._handoffs), "running": 0, "quarantined_blocks": 0}
+                   "queued": len(self._waiting) + len(self._handoffs), "running": 0, "quarantined_blocks": 0, "evictions": 0}
         figures.update(self.plane.figures())
         return figures
+
+    def recent_evictions(self) -> list[int]:
+        """A simulated pool caches nothing, so it evicts nothing (the planes report it like a real one)."""
+        return []
 
     # --- what a plane calls ---------------------------------------------------------------
     def _mark(self, request_id: Any, step: str, serial: Optional[int] = None) -> None:

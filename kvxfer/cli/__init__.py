@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench``, ``bench-vllm`` and ``bench-prefix-routing`` (see ``kvxfer --help``).
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench``, ``bench-vllm``, ``bench-prefix-routing`` and ``bench-fleet-scale`` (see ``kvxfer --help``).
 
 Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "prefix-aware routing against least-loaded on a small real fleet (both planes)")
     fleet_prefix.add_arguments(prefix_parser)
     prefix_parser.set_defaults(func=lambda args: fleet_prefix.run_command(args, commands.console))
+
+    from kvxfer.bench import fleet_scale  # noqa: PLC0415
+
+    scale_parser = _subparser(sub, "bench-fleet-scale",
+                              "control-plane operations and latency per handoff as simulated fleets grow (both planes)")
+    fleet_scale.add_arguments(scale_parser)
+    scale_parser.set_defaults(func=lambda args: fleet_scale.run_command(args, commands.console))
     return parser
 
 
