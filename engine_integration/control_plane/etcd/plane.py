@@ -806,6 +806,10 @@ class EtcdPlane(ControlPlane):
             # the read tore, or the attempt was fenced; a bounded number of attempts keeps a lasting fault loud
             retried_cause = read.retryable
             read.retryable = True
+            # it left this engine (no record of it comes out of a step): kept only until its handoff's keys
+            # are cleared, like a finished one. A pull refused at commit by a momentary fence (an etcd
+            # election at TTL 2 s) used to stay counted in ``reads`` for ever: no reincarnation cleared it
+            read.finished = True
             self._fail_to_client(rid, read, reason if retried_cause else
                                  f"decode {self.me.name if self.me else '?'!r} pulling from prefill "
                                  f"{read.source!r}: {reason}")
