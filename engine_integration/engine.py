@@ -26,6 +26,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 from engine_integration.adapter import ImportedRequest
+from engine_integration.control_plane import push_refusal
 from engine_integration.control_plane.base import ControlPlane, RegistrationRefused
 from engine_integration.descriptor import HandoffDescriptor, RequestId, rank_transfer_meta
 from engine_integration.poll import KVPoll
@@ -381,6 +382,9 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         name = name or self._disagg_identity
         if target is None or role is None:
             raise RuntimeError("give connect() a control plane and a role, or call set_disaggregation_config first")
+        refused = push_refusal(target, self.backend_name if self._kv_backend is not None else backend)
+        if refused:   # before the plane is opened or the transport set up: nothing to undo
+            raise RegistrationRefused(f"{refused} (choose a pull backend, or the embedded coordinator's tcp:// plane)")
         if isinstance(target, str):
             from engine_integration.control_plane import open_control_plane
 
@@ -394,9 +398,6 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
             self.setup_kv_transfer(role, backend, identity=name, timeout_s=transfer_timeout_s,
                                    queue_timeout_s=queue_timeout_s, verify_reads=verify_reads)
         self.plane = target
-        if self.is_push and not target.supports_push:
-            raise RegistrationRefused(f"the push backend {self.backend_name!r} runs with the ZeroMQ coordinator only, "
-                                      f"not on the {target.kind} control plane (choose a pull backend)")
         target.attach(self, timeout_s=register_timeout_s)
 
     # --- what a control plane reads and calls (``control_plane.base.PlaneEngine``) ------------

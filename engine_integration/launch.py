@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
-from engine_integration.control_plane import GenerationClient, GenerationResult, PlaneService, plane_service
+from engine_integration.control_plane import (GenerationClient, GenerationResult, PlaneService, plane_service,
+                                              push_refusal)
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
 from kvxfer.security.auth import SECRET_FILE_ENV, load_secret
@@ -86,10 +87,10 @@ class DisaggCluster:
         cls = construct_kv_transfer_backend_class(config.backend)
         self.backend = cls.name
         self.is_push = bool(cls.is_push)
-        if self.is_push and config.control_plane:
-            raise BackendUnavailableError(f"the push backend {config.backend!r} runs with the embedded coordinator "
-                                          "only, not on the etcd control plane (drop --control-plane, or choose a "
-                                          "pull backend)")
+        refused = push_refusal(config.control_plane, config.backend)
+        if refused:
+            raise BackendUnavailableError(f"{refused} (choose a pull backend, or leave control_plane unset for the "
+                                          "embedded coordinator)")
         self._store: Any = None  # push backends: the process group's TCP store, hosted here
         self.service: PlaneService = (
             plane_service(_with_prefix_routing(config.control_plane, config.prefix_routing),

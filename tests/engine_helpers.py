@@ -85,3 +85,16 @@ def build_engine_here(cluster: Any, spec: Any) -> Any:
             os.environ.pop(SECRET_FILE_ENV, None)
         else:
             os.environ[SECRET_FILE_ENV] = before
+
+
+def short_prompts(n: int) -> list[list[int]]:
+    """``n`` prompts of 1-3 tokens (the soaks': many handoffs, little compute)."""
+    return [[(i * 7 + j * 13) % 256 for j in range(1 + i % 3)] for i in range(n)]
+
+
+def engine_idle(figures: dict, decode_blocks: int = 0) -> bool:
+    """An engine's published figures say it holds nothing: alive, nothing pinned, queued, running, reading,
+    published, awaiting a death or quarantined; a decode (``decode_blocks``) has every block free."""
+    quiet = all(figures.get(k) == 0 for k in ("pins", "pinned_blocks", "queued", "running", "quarantined_blocks",
+                                                "reads", "published", "awaiting_death"))
+    return bool(figures.get("alive")) and quiet and (not decode_blocks or figures.get("free_blocks") == decode_blocks)

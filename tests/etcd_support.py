@@ -42,9 +42,10 @@ class Fleet:
     cluster: str = "test"
     ttl_s: int = 2
     poll_interval_s: float = 0.1
+    endpoints: tuple[str, ...] = ()   #: every member's endpoint (a cluster); default ``(endpoint,)``
 
     def config(self, **over: Any) -> EtcdConfig:
-        kw: dict[str, Any] = dict(endpoints=(self.endpoint,), cluster=self.cluster, user=self.user,
+        kw: dict[str, Any] = dict(endpoints=self.endpoints or (self.endpoint,), cluster=self.cluster, user=self.user,
                                   password=self.password, cluster_key=self.cluster_key, ttl_s=self.ttl_s,
                                   poll_interval_s=self.poll_interval_s, timeout_s=2.0)
         kw.update(over)
@@ -66,6 +67,29 @@ def secured_etcd():
         yield server, password
     finally:
         server.stop()
+
+
+def secured_cluster(size: int = 3):
+    """A secured Raft cluster of ``size`` real etcd members on loopback: (``EtcdCluster``, the kvxfer
+    user's password). Members can be killed (``members[i].kill()``) and started again (``start()``)
+    with their data; ``EtcdCluster.leader`` finds the leader from etcd's status endpoint."""
+    from engine_integration.control_plane.etcd.server import EtcdCluster
+
+    cluster = EtcdCluster(size).start()
+    try:
+        password = "kv-" + os.urandom(8).hex()
+        cluster.secure(root_password=os.urandom(8).hex(), user="kvxfer", password=password)
+        yield cluster, password
+    finally:
+        cluster.stop()
+
+
+def password_file(folder: Path, password: str) -> str:
+    """``password`` in a 0600 file (how engines get the etcd password: never in argv or a URL)."""
+    path = folder / "etcd-password"
+    path.write_text(password)
+    path.chmod(0o600)
+    return str(path)
 
 
 _cluster_ids = itertools.count()

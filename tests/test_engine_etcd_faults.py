@@ -11,7 +11,10 @@ proxy the test can cut. Each fault happens mid-traffic, to real processes:
   serves again; its requests were run again elsewhere meanwhile;
 - a decode cut off from etcd for two TTLs mid-pull: it commits nothing past its lease,
   its requests run again on the other decode, and once etcd answers it registers again
-  and serves.
+  and serves;
+- a decode whose keepalive answers are lost (etcd renews its lease, it never hears): it
+  fences itself for a moment, pulls completed then are refused at commit and run again,
+  and it serves on as the same incarnation, holding nothing afterwards.
 
 "Answered once" is checked where it could break: every request has exactly one result,
 token-exact against co-located generation, and the decodes together committed exactly
@@ -255,3 +258,36 @@ def test_a_decode_cut_off_from_etcd_past_its_lease_commits_nothing_stale_and_ser
     _check_answers(more, cluster.generate(more, NEW_TOKENS, timeout_s=60))
     assert _figures(cluster, "decode-1").get("commits", 0) > commits_before, "decode-1 never served again"
     _settled(cluster)
+
+
+def test_a_decode_whose_keepalive_answers_are_lost_fences_keeps_its_lease_and_serves_on(fleet):
+    """etcd renews the lease (the keepalives reach it) but the decode never hears: past its local
+    deadline it fences itself (commits nothing, acts on nothing) while the fleet still counts it alive.
+    When the answers come again it is valid again, as the same incarnation: nothing to re-register.
+    Pulls completed inside the fence are refused at commit and run again (answered once); the leader's
+    loss in a 3-member etcd can fence an instance the same way (test_engine_etcd_cluster_soak.py)."""
+    cluster, proxy = fleet
+    client = cluster.client
+    old = client.view().instances["decode-1"]
+    before = _figures(cluster, "decode-1")
+    prompts = _prompts(30, seed=7)
+    lost = 8   # keepalive requests (and the gateway's repeats of them) whose answers are dropped: > one TTL
+
+    def lose():
+        proxy.lose_answers(b"/v3/lease/keepalive", lost)
+        return time.time()
+
+    reroutes = client.reroutes
+    results, answered, commits, rerouted = _run(cluster, prompts, lose)
+    _check_answers(prompts, results)
+    assert wait_for(lambda: proxy.lost_answers >= lost, 20, 0.05), "the keepalive answers were not all dropped"
+    now = client.view().instances["decode-1"]
+    after = _figures(cluster, "decode-1")
+    refused = after.get("refused_commits", 0) - before.get("refused_commits", 0)
+    print(f"\nMEASURED decode keepalive answers lost ({lost}): {refused} commits refused while fenced, "
+          f"{client.reroutes - reroutes} run again {rerouted}, all {len(prompts)} answered {answered:.2f}s after the "
+          f"first loss; same incarnation {now.incarnation == old.incarnation}; {commits} pulls committed")
+    assert now.incarnation == old.incarnation and now.lease == old.lease, "the lease was lost: etcd renewed it"
+    assert after.get("reincarnations") == before.get("reincarnations")
+    assert commits == len(prompts)
+    _settled(cluster)   # nothing pinned or read (a pull refused at commit used to stay counted), nothing left

@@ -23,7 +23,7 @@ import pytest
 from engine_integration import procs
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 
-from engine_helpers import ETCD_PLANE
+from engine_helpers import ETCD_PLANE, engine_idle, short_prompts
 
 pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(240)]
 
@@ -33,19 +33,9 @@ NEW_TOKENS = 2
 DECODE_BLOCKS = 128
 
 
-def _prompts(n: int) -> list[list[int]]:
-    return [[(i * 7 + j * 13) % 256 for j in range(1 + i % 3)] for i in range(n)]
-
-
-def _idle(figures: dict, decode: bool) -> bool:
-    quiet = all(figures.get(k) == 0 for k in ("pins", "pinned_blocks", "queued", "running", "quarantined_blocks",
-                                                "reads", "published", "awaiting_death"))
-    return bool(figures.get("alive")) and quiet and (not decode or figures.get("free_blocks") == DECODE_BLOCKS)
-
-
 def test_soak_handoffs_through_generate_leave_nothing_behind():
     n = DEFAULT_N
-    prompts = _prompts(n)
+    prompts = short_prompts(n)
     distinct = {tuple(p) for p in prompts}
     expected = {p: r.tokens for p, r in zip(distinct, generate_colocated([list(p) for p in distinct], NEW_TOKENS))}
     config = ClusterConfig(backend="ucx", decode_blocks=DECODE_BLOCKS, prefill_blocks=512, request_timeout_s=60.0,
@@ -66,8 +56,8 @@ def test_soak_handoffs_through_generate_leave_nothing_behind():
 
         # nothing pinned, reserved, queued, reading or quarantined (figures published every 0.2 s)
         stats = cluster.wait_for_stats(lambda s: s.requests_in_flight == 0
-                                       and _idle(s.engines.get("prefill-0", {}), False)
-                                       and _idle(s.engines.get("decode-0", {}), True), timeout_s=10)
+                                       and engine_idle(s.engines.get("prefill-0", {}))
+                                       and engine_idle(s.engines.get("decode-0", {}), DECODE_BLOCKS), timeout_s=10)
         assert stats.engines["prefill-0"]["pins"] == 0
         layout = plane.layout
         for prefix in (layout.handoffs, layout.requests, layout.results):

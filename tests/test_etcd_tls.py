@@ -23,7 +23,7 @@ from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpCli
 from engine_integration.control_plane.etcd.server import EtcdServer
 from engine_integration.control_plane.etcd.store import EtcdConfig, EtcdStore, parse_etcd_url
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
-from etcd_support import make_certificates, register_stand_in
+from etcd_support import make_certificates, password_file, register_stand_in
 
 pytestmark = [pytest.mark.usefixtures("etcd_required"), pytest.mark.timeout(180)]
 
@@ -97,20 +97,13 @@ def test_refused_without_the_right_certificates_whatever_the_password(tls_etcd, 
     client.close()
 
 
-def _password_file(tmp_path, password: str) -> str:
-    path = tmp_path / "etcd-password"
-    path.write_text(password)
-    path.chmod(0o600)
-    return str(path)
-
-
 def test_the_url_carries_the_certificate_paths(tls_etcd, tmp_path):
     server, pki, password = tls_etcd
     cert, key = pki["client"]["kvxfer"]
     url = f"etcd://kvxfer@{server.endpoint}/tls?ttl=2&ca={pki['ca']}&cert={cert}&key={key}"
     config = parse_etcd_url(url)
     assert (config.ca_file, config.cert_file, config.key_file) == (pki["ca"], cert, key)
-    plane = open_control_plane(url, cluster_key=b"k" * 32, password_file=_password_file(tmp_path, password))
+    plane = open_control_plane(url, cluster_key=b"k" * 32, password_file=password_file(tmp_path, password))
     try:
         assert plane.health().ok
     finally:
@@ -127,7 +120,7 @@ def test_engines_over_tls_generate_token_exact(tls_etcd, tmp_path):
     url = f"etcd://kvxfer@{server.endpoint}/engines?ttl=2&poll=0.1&ca={pki['ca']}&cert={cert}&key={key}"
     prompts = [[(7 * i + j) % 256 for j in range(3 + 5 * i)] for i in range(5)]
     config = ClusterConfig(backend="ucx", decode_blocks=64, prefill_blocks=256, control_plane=url,
-                           etcd_password_file=_password_file(tmp_path, password))
+                           etcd_password_file=password_file(tmp_path, password))
     with DisaggCluster(config) as cluster:
         assert cluster.service.server is None, "the TLS etcd answered: no private etcd may be started"
         results = cluster.generate(prompts, 4, timeout_s=60)

@@ -21,7 +21,41 @@ from engine_integration.control_plane.base import (ControlPlane, ControlPlaneErr
 
 __all__ = ["ControlPlane", "ControlPlaneError", "ControlPlaneUnavailable", "FleetStats", "GenerationClient",
            "GenerationResult", "Health", "PlaneService", "RegistrationRefused", "open_control_plane",
-           "plane_service"]
+           "plane_class", "plane_service", "push_refusal"]
+
+
+def plane_class(url: str) -> type[ControlPlane]:
+    """The ``ControlPlane`` class that serves ``url`` (nothing is opened)."""
+    if url.startswith("etcd://"):
+        from engine_integration.control_plane.etcd.plane import EtcdPlane
+
+        return EtcdPlane
+    if url.startswith("tcp://"):
+        from engine_integration.control_plane.zmq.plane import CoordinatorPlane
+
+        return CoordinatorPlane
+    raise ValueError(f"unknown control plane URL {url!r}: expected tcp://host:port (a coordinator) or etcd://host:port")
+
+
+def push_refusal(plane: Any, backend: str) -> Optional[str]:
+    """Why the KV backend ``backend`` cannot run on ``plane`` (a ``ControlPlane``, its URL, or None: the
+    embedded coordinator), or None when it can; the caller adds the fix in its own terms. Asked before anything starts (the CLI, the launcher,
+    ``engine.connect``): a push backend needs a plane that carries Megatron's push order."""
+    if plane is None:
+        return None
+    cls = type(plane) if isinstance(plane, ControlPlane) else plane_class(str(plane))
+    if cls.supports_push:
+        return None
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    try:
+        backend_cls = construct_kv_transfer_backend_class(backend)
+    except Exception:  # noqa: BLE001 - an unknown or unavailable backend is said by whoever builds it
+        return None
+    if not backend_cls.is_push:
+        return None
+    return (f"the push backend {backend_cls.name!r} cannot run on the {cls.kind} control plane: "
+            f"{cls.push_refused_because}")
 
 
 def open_control_plane(url: str, **options: Any) -> ControlPlane:
@@ -33,15 +67,10 @@ def open_control_plane(url: str, **options: Any) -> ControlPlane:
     (``etcd.EtcdPlane``; options ``password_file``, ``secret_file``, ``insecure`` and any
     ``EtcdConfig`` field).
     """
+    cls = plane_class(url)
     if url.startswith("etcd://"):
-        from engine_integration.control_plane.etcd.plane import EtcdPlane
-
-        return EtcdPlane.open(url, **options)
-    if url.startswith("tcp://"):
-        from engine_integration.control_plane.zmq.plane import CoordinatorPlane
-
-        return CoordinatorPlane(url, **options)
-    raise ValueError(f"unknown control plane URL {url!r}: expected tcp://host:port (a coordinator) or etcd://host:port")
+        return cls.open(url, **options)  # type: ignore[attr-defined]
+    return cls(url, **options)  # type: ignore[call-arg]
 
 
 def plane_service(url: Optional[str], **options: Any) -> PlaneService:

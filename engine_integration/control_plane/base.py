@@ -123,6 +123,8 @@ class ControlPlane(abc.ABC):
 
     kind: str = ""                 #: ``zmq`` / ``etcd``
     supports_push: bool = False    #: push backends (``nccl``) need the plane to carry Megatron's SEND_KV
+    #: where ``supports_push`` is False: why, in a user's words
+    push_refused_because: str = "it does not carry Megatron's push order (the decode's ask, after its receives are posted)"
 
     @abc.abstractmethod
     def attach(self, engine: PlaneEngine, *, timeout_s: float) -> None:

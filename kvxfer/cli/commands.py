@@ -324,8 +324,14 @@ def run_generate(args: argparse.Namespace) -> int:
     control_plane = getattr(args, "control_plane", None)
     if control_plane and not args.disagg:
         raise UsageError("--control-plane only applies to a disaggregated run", "add --disagg, or drop --control-plane")
-    count = check_prompts(args.prompts)
     backend = args.backend or default_backend_name()
+    if control_plane:
+        from engine_integration.control_plane import push_refusal
+
+        refused = push_refusal(control_plane, backend)
+        if refused:
+            raise UsageError(refused, "drop --control-plane, or choose a pull backend: --backend ucx or nixl")
+    count = check_prompts(args.prompts)
     where = f"disaggregated on {backend}" if args.disagg else "co-located"
     if control_plane:
         where += f", control plane {control_plane}"

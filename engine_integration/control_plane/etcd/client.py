@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from engine_integration.control_plane import policy
-from engine_integration.control_plane.base import ControlPlaneError, FleetStats, GenerationClient, GenerationResult
+from engine_integration.control_plane.base import (ControlPlaneError, ControlPlaneUnavailable, FleetStats,
+                                                   GenerationClient, GenerationResult)
 from engine_integration.control_plane.etcd.plane import DECODE, PREFILL, member
 from engine_integration.control_plane.etcd.records import FleetView, RecordRefused, check_name
 from engine_integration.control_plane.etcd.requests import (DECODING, DONE, FAILED, RequestRecord, ResultRecord,
@@ -223,9 +224,14 @@ class EtcdGenerationClient(GenerationClient):
                     pending.prefill, why)
 
     def collect(self, ids: Sequence[str], timeout_s: float) -> list[Any]:
+        """The results of ``ids`` (submit's), waiting up to ``timeout_s``. etcd out of reach for a while
+        (a leader election, a member lost) is waited out like a slow answer: the requests are in etcd."""
         deadline = time.monotonic() + timeout_s
         while any(i in self._pending for i in ids) and time.monotonic() < deadline:
-            self.poll()
+            try:
+                self.poll()
+            except ControlPlaneUnavailable as exc:
+                log.warning("client %r: etcd did not answer (%s); waiting on", self.name, exc)
             if any(i in self._pending for i in ids):
                 time.sleep(self.store.config.poll_interval_s)
         out = []
@@ -236,6 +242,10 @@ class EtcdGenerationClient(GenerationClient):
             else:
                 out.append(self._results.pop(i))
         return out
+
+    def ready(self) -> list[str]:
+        """The submitted ids whose results are here: ``collect`` returns them without waiting."""
+        return list(self._results)
 
     @property
     def in_flight(self) -> int:

@@ -12,8 +12,10 @@ Behaviour that matters to the fleet:
 
 - One persistent connection per thread (the lease keepalive thread never queues behind
   a slow snapshot), re-opened on any socket error, trying each endpoint in turn (a
-  member that is down, or a leader lost mid-call, costs one attempt) until ``timeout_s``
-  has passed; then ``EtcdUnavailable``. TLS (``tls``: an ``ssl.SSLContext``, with a client
+  member that is down costs one attempt) until ``timeout_s`` has passed; then
+  ``EtcdUnavailable``. A member that answers but cannot serve (gRPC code 14: its leader
+  died mid-call, an election is on, it lost its quorum) is asked again the same way,
+  next member first: a cluster that loses a member, or its leader, is a pause, not an error. TLS (``tls``: an ``ssl.SSLContext``, with a client
   certificate where etcd asks for one) on every connection when given.
 - **A retried call may already have been applied**: the server can apply a request and
   lose the connection before the answer arrives. Every call is therefore written to be
@@ -49,7 +51,7 @@ log = logging.getLogger("kvxfer.engine.control_plane.etcd")
 
 #: gRPC status codes etcd answers with (``code`` in an error body)
 CODE_INVALID_ARGUMENT, CODE_NOT_FOUND, CODE_PERMISSION_DENIED, CODE_FAILED_PRECONDITION = 3, 5, 7, 9
-CODE_UNAUTHENTICATED = 16
+CODE_UNAVAILABLE, CODE_UNAUTHENTICATED = 14, 16
 
 
 class EtcdError(Exception):
@@ -169,6 +171,7 @@ class EtcdHttpClient:
         self.reconnects = 0
         self.failovers = 0          #: calls answered by another endpoint than the one tried first
         self.retried_calls = 0      #: calls repeated after an attempt that may have been applied
+        self.unavailable_answers = 0   #: "unavailable" answers (leader lost, election) asked again
         self.calls: dict[str, int] = {}   #: answered calls by path (the plane's per-handoff cost)
 
     def __repr__(self) -> str:
@@ -243,9 +246,9 @@ class EtcdHttpClient:
             if attempt % len(self.endpoints) == 0:
                 time.sleep(min(0.05 * attempt, 0.25))
 
-    def _authenticate(self) -> str:
+    def _authenticate(self, timeout_s: Optional[float] = None) -> str:
         status, reply, _ = self._http("POST", "/v3/auth/authenticate",
-                                      {"name": self.user, "password": self._password}, None)
+                                      {"name": self.user, "password": self._password}, None, timeout_s)
         if "token" not in reply:
             raise EtcdError(int(reply.get("code", -1)), f"authentication as {self.user!r} failed: "
                             f"{reply.get('message') or reply.get('error')}", "/v3/auth/authenticate")
@@ -260,35 +263,62 @@ class EtcdHttpClient:
     def _call(self, path: str, body: Optional[dict[str, Any]] = None, *,
               timeout_s: Optional[float] = None) -> tuple[dict[str, Any], bool]:
         """(reply, retried). A repeated call answered "already exists" (a user, a role, a lease
-        under our own ID) is the first attempt's success: ``({}, True)``."""
-        retried = False
-        for again in (False, True):
+        under our own ID) is the first attempt's success: ``({}, True)``.
+
+        A member that answers "unavailable" (gRPC code 14: "leader changed", "request timed out",
+        "no leader": the leader died mid-call, an election is on, the member lost its quorum) is
+        asked again, next member first, until ``timeout_s``. Such a request may have been applied
+        (a proposal committed just before the leader went), so the call counts as ``retried``,
+        and once the time is up it ends in ``EtcdUnavailable`` ("may or may not be applied"),
+        never in a plain ``EtcdError`` ("not applied")."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        retried, reauthenticated, unavailable = False, False, 0
+        while True:
             token = None
-            if self.user is not None:
-                with self._lock:
-                    if self._token is None:
-                        self._token = self._authenticate()
-                    token = self._token
-            status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token, timeout_s)
+            try:
+                if self.user is not None:
+                    with self._lock:
+                        if self._token is None:
+                            self._token = self._authenticate(max(0.0, deadline - time.monotonic()))
+                        token = self._token
+                status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token,
+                                                        max(0.0, deadline - time.monotonic()))
+            except EtcdUnavailable:
+                raise
+            except EtcdError as exc:   # the authentication itself was answered "unavailable"
+                if exc.code != CODE_UNAVAILABLE:
+                    raise
+                reply, retried_now = {"code": exc.code, "message": exc.message}, False
             retried = retried or retried_now
             if "error" in reply or ("code" in reply and "message" in reply):
                 code = int(reply.get("code", -1))
                 message = str(reply.get("message") or reply.get("error"))
-                if self.user is not None and not again and (
+                if self.user is not None and not reauthenticated and (
                         code == CODE_UNAUTHENTICATED or "auth token" in message):
+                    reauthenticated = True
                     with self._lock:
                         if self._token == token:
                             self._token = None
+                    continue
+                if code == CODE_UNAVAILABLE:
+                    retried, unavailable = True, unavailable + 1
+                    self.unavailable_answers += 1
+                    if time.monotonic() >= deadline:
+                        raise EtcdUnavailable(code, f"{message}, still after {timeout_s}s on {self.endpoints}", path)
+                    self._preferred = (self._preferred + 1) % len(self.endpoints)
+                    time.sleep(min(0.05 * unavailable, 0.25, max(0.0, deadline - time.monotonic())))
                     continue
                 if retried and code == CODE_FAILED_PRECONDITION and "already exists" in message:
                     log.info("etcd %s: a repeated call answered %r: its first attempt was applied", path, message)
                     return {}, True
                 raise EtcdError(code, message, path)
+            if unavailable:
+                self.retried_calls += 1
             self.calls[path] = self.calls.get(path, 0) + 1
             if "result" in reply and isinstance(reply["result"], dict):   # streaming endpoints wrap their answer
                 return reply["result"], retried
             return reply, retried
-        raise AssertionError("unreachable")
 
     def get(self, path: str) -> dict[str, Any]:
         """GET a non-v3 path (``/health``, ``/version``) without auth."""

@@ -134,7 +134,12 @@ class EtcdPlane(ControlPlane):
     """One engine's membership in an etcd fleet (see the module docstring)."""
 
     kind = "etcd"
-    supports_push = False     # push backends need Megatron's SEND_KV ordering: the coordinator carries it
+    supports_push = False
+    #: Megatron's push order (docs/engine_integration.md, "Push backends") needs a message from the decode,
+    #: once its receives are posted, relayed to the prefill in post order per pair of ranks: the
+    #: coordinator's SendKV -> PushKV. etcd keys carry state, not an ordered stream between two engines.
+    push_refused_because = ("a push needs the decode's receives posted before the prefill sends (Megatron's order), "
+                            "which the ZeroMQ coordinator relays in post order; etcd carries no such message")
 
     def __init__(self, store: EtcdStore, *, insecure: bool = False, publish_timeout_s: float = 60.0,
                  stats_interval_s: float = 0.2, handoff_timeout_s: float = 120.0,
@@ -813,6 +818,10 @@ class EtcdPlane(ControlPlane):
             # the read tore, or the attempt was fenced; a bounded number of attempts keeps a lasting fault loud
             retried_cause = read.retryable
             read.retryable = True
+            # it left this engine (no record of it comes out of a step): kept only until its handoff's keys
+            # are cleared, like a finished one. A pull refused at commit by a momentary fence (an etcd
+            # election at TTL 2 s) used to stay counted in ``reads`` for ever: no reincarnation cleared it
+            read.finished = True
             self._fail_to_client(rid, read, reason if retried_cause else
                                  f"decode {self.me.name if self.me else '?'!r} pulling from prefill "
                                  f"{read.source!r}: {reason}")

@@ -724,4 +724,5 @@ class EtcdStore:
                       lease_remaining_s=remaining, lease_lost=lost, superseded=superseded,
                       refused_records=self._refused_total,
                       counters=dict(self.counters, reconnects=self.client.reconnects, failovers=self.client.failovers,
-                                    retried_calls=self.client.retried_calls))
+                                    retried_calls=self.client.retried_calls,
+                                    unavailable_answers=self.client.unavailable_answers))
