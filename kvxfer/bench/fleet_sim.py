@@ -234,10 +234,10 @@ def count_etcd_calls(client: Any, root: str, events: list, who: str) -> None:
     Wraps the instance's one request method; what the call does and answers is unchanged."""
     inner = client._http
 
-    def counted(method: str, path: str, body: Any, token: Any, timeout_s: Any = None) -> Any:
+    def counted(method: str, path: str, body: Any, token: Any, timeout_s: Any = None, **kw: Any) -> Any:
         started = time.monotonic()
         try:
-            return inner(method, path, body, token, timeout_s)
+            return inner(method, path, body, token, timeout_s, **kw)
         finally:
             events.append((started, who, etcd_op_kind(path, body, root), time.monotonic() - started))
 

@@ -148,6 +148,13 @@ class TxnResult:
         return [_kv(kv) for kv in (reply.get("kvs") or reply.get("prev_kvs") or [])]
 
 
+def _set_timeout(conn: http.client.HTTPConnection, seconds: float) -> None:
+    """The socket timeout of ``conn``'s next connect and of its open socket, if any."""
+    conn.timeout = seconds
+    if conn.sock is not None:
+        conn.sock.settimeout(seconds)
+
+
 def _never_sent(exc: BaseException) -> bool:
     """The request cannot have reached a server: the connection itself was refused or unresolvable."""
     return isinstance(exc, (ConnectionRefusedError, socket.gaierror))
@@ -205,8 +212,13 @@ class EtcdHttpClient:
             self._drop(endpoint)
 
     def _http(self, method: str, path: str, body: Optional[dict[str, Any]], token: Optional[str],
-              timeout_s: Optional[float] = None) -> tuple[int, Any, bool]:
-        """(status, reply, retried): ``retried`` when an earlier attempt may have reached a server."""
+              timeout_s: Optional[float] = None, *, patient: bool = False) -> tuple[int, Any, bool]:
+        """(status, reply, retried): ``retried`` when an earlier attempt may have reached a server.
+
+        Each attempt waits ``request_timeout_s``; a ``patient`` call (authentication) waits for the
+        whole remaining timeout instead: etcd checks a password with bcrypt (60-90 ms each here),
+        so a crowd logging in at once queues for seconds, and re-sending a queued login after 1 s
+        only makes etcd hash every copy (measured: 16 clients took up to 11 s, or never got in)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         payload = json.dumps(body).encode() if body is not None else None
@@ -219,9 +231,13 @@ class EtcdHttpClient:
             endpoint = self.endpoints[(self._preferred + attempt) % len(self.endpoints)]
             try:
                 conn = self._connection(endpoint)
+                if patient:
+                    _set_timeout(conn, max(self.request_timeout_s, deadline - time.monotonic()))
                 conn.request(method, path, body=payload, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if patient:
+                    _set_timeout(conn, self.request_timeout_s)
                 if attempt % len(self.endpoints):
                     self.failovers += 1
                 self._preferred = (self._preferred + attempt) % len(self.endpoints)
@@ -248,7 +264,8 @@ class EtcdHttpClient:
 
     def _authenticate(self, timeout_s: Optional[float] = None) -> str:
         status, reply, _ = self._http("POST", "/v3/auth/authenticate",
-                                      {"name": self.user, "password": self._password}, None, timeout_s)
+                                      {"name": self.user, "password": self._password}, None, timeout_s,
+                                      patient=True)
         if "token" not in reply:
             raise EtcdError(int(reply.get("code", -1)), f"authentication as {self.user!r} failed: "
                             f"{reply.get('message') or reply.get('error')}", "/v3/auth/authenticate")

@@ -117,7 +117,11 @@ class EtcdServer:
         args = [self.binary, "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-                "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}", "--log-level", "warn"]
+                "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}", "--log-level", "warn",
+                # etcd keeps every revision unless told otherwise; a handoff writes 7.5-10 KiB of them, so
+                # the default 2 GiB quota would fill in ~40 min at 100 handoffs/s and refuse every write.
+                # kvxfer reads only current values, so keeping 10,000 revisions is plenty.
+                "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000"]
         if self.tls is not None:
             args += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file, "--client-cert-auth",
                      "--trusted-ca-file", self.tls.ca_file]
