@@ -7,8 +7,11 @@ VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 
 .PHONY: loopback test info
 
+# `make test` needs both environments: vLLM's packages then install beside the main environment
+PREFETCH := $(if $(filter test,$(MAKECMDGOALS)),$(VLLM_VENV))
+
 $(STAMP): pyproject.toml setup.py tools/bootstrap.sh
-	KVXFER_SKIP_VLLM=1 bash tools/bootstrap.sh $(VENV)
+	KVXFER_SKIP_VLLM=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh

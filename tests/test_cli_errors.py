@@ -90,10 +90,27 @@ def _assert_one_line_error(out: subprocess.CompletedProcess, status: int, mentio
     return line
 
 
+@pytest.fixture(scope="module")
+def usage_runs(tmp_path_factory):
+    """Every mistake's command, run as its own process, several at once: each spends its ~2 s
+    starting Python and importing, so one after another they cost the suite a minute and a half."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = {name: tmp_path_factory.mktemp("usage") for name, _, _ in USAGE_MISTAKES}  # made here: not thread-safe
+
+    def run(case):
+        name, argv, _ = case
+        folder = folders[name]
+        _files(folder)
+        return name, (_kvxfer(*[a.replace("{tmp}", str(folder)) for a in argv], cwd=folder), folder)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(run, USAGE_MISTAKES))
+
+
 @pytest.mark.parametrize("name,argv,mentions", USAGE_MISTAKES, ids=[c[0] for c in USAGE_MISTAKES])
-def test_a_usage_mistake_is_one_line_exit_2_and_nothing_runs(tmp_path, name, argv, mentions):
-    _files(tmp_path)
-    out = _kvxfer(*[a.replace("{tmp}", str(tmp_path)) for a in argv], cwd=tmp_path)
+def test_a_usage_mistake_is_one_line_exit_2_and_nothing_runs(usage_runs, name, argv, mentions):
+    out, tmp_path = usage_runs[name]
     _assert_one_line_error(out, 2, mentions)
     assert out.stdout == "", "nothing may run (or print) before a usage error"
     assert not (tmp_path / "bench-results").exists()
