@@ -57,7 +57,8 @@ from kvxfer.plan.peer_records import transfer_peer_records
 from kvxfer.plan.request import LocalPool, RequestPlan, plan_pull, plan_request
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.security.meta_seal import (
-    HOST_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta, unauthenticated_metas_allowed_by_env,
+    HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,
+    unauthenticated_metas_allowed_by_env,
 )
 
 logger = logging.getLogger("kvxfer.backends")
@@ -410,7 +411,7 @@ class KVTransportBackend(ABC):
                 "%s %r: peer metas are UNAUTHENTICATED (no KVXFER_SECRET_FILE): %s; a meta decides where this "
                 "process reads from, so set KVXFER_SECRET_FILE to the cluster secret", self.name, self.agent_name,
                 "metas from any host are accepted" if self._allow_unauthenticated else
-                "only metas sealed on this host are accepted, and any process of this host can make one")
+                "only metas sealed on this host are accepted, and any process of this host can pose as a source")
         peer = parse_geometry_meta(sealed)
         if sealed.get("backend") != self.name:
             raise PeerMetadataError(
@@ -419,8 +420,13 @@ class KVTransportBackend(ABC):
             )
         if not isinstance(sealed.get("agent_name"), str) or not sealed["agent_name"]:
             raise PeerMetadataError("peer meta field 'agent_name' must be a non-empty string")
+        self._check_peer_source(sealed, peer_meta[SEAL_FIELD]["sha256"])
         self._verified.store(peer_meta, sealed, peer)
         return peer
+
+    def _check_peer_source(self, sealed: dict[str, Any], digest: str) -> None:
+        """A backend's own check that a sealed meta's source is real, once per meta (before it is
+        remembered as verified); ``PeerMetadataError`` refuses it. Nothing to check by default."""
 
     def plan_pull(self, peer: PeerGeometry, src_block_ids: IdList, dst_block_ids: IdList) -> CopyPlan:
         """The direct byte rows one record's pull reads (``kvxfer.plan.request.plan_pull``), bounds-checked."""

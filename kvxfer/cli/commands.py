@@ -98,8 +98,9 @@ def meta_auth_line() -> str:
     if unauthenticated_metas_allowed_by_env():
         return ("metas: UNAUTHENTICATED, from any host (KVXFER_ALLOW_UNAUTHENTICATED_METAS is set): anyone who can "
                 "hand this process a meta can point its reads anywhere the source registered; set KVXFER_SECRET_FILE")
-    return ("metas: UNAUTHENTICATED (no KVXFER_SECRET_FILE): only metas sealed on this host are accepted, and a "
-            "process of this host can forge one; set KVXFER_SECRET_FILE to the cluster secret")
+    return ("metas: UNAUTHENTICATED (no KVXFER_SECRET_FILE): only metas sealed on this host are accepted (ucx: "
+            "only once the process a meta names confirms it exported it), and a process of this host can still "
+            "pose as a source; set KVXFER_SECRET_FILE to the cluster secret")
 
 
 def control_plane_line(url: Optional[str]) -> str:

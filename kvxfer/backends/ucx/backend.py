@@ -45,10 +45,12 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
+from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, confirm_exported, confirm_server
 from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
+from kvxfer.security.meta_seal import HOST_FIELD, SEAL_FIELD, host_identity
 
 logger = logging.getLogger("kvxfer.backends.ucx")
 
@@ -320,6 +322,8 @@ class UcxBackend(KVTransportBackend):
         self._notices: deque[bytes] = deque()
         self._staging_region: Optional[_ucp.MemoryRegion] = None
         self._worker_closed = False  # after close(): no get of ours can write any more
+        self._offered: set[str] = set()  # seal digests of our exported metas (see confirm.py)
+        self.sources_confirmed = 0  # unauthenticated metas of this host their sources confirmed
         self._context = _ucp.Context()
         try:
             self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
@@ -341,11 +345,28 @@ class UcxBackend(KVTransportBackend):
     def _transport_meta(self) -> dict[str, Any]:
         return {
             **own_identity(),
+            CONFIRM_FIELD: confirm_server().name,
             "ucx_worker_address": _b64(self._worker.address),
             "ucx_rkey": _b64(self._region.packed_rkey),
             "ucx_version": _ucp.version(),
             "memory_type": "cuda" if self._region.cuda else "host",
         }
+
+    def export_meta(self) -> dict[str, Any]:
+        meta = super().export_meta()
+        digest = meta[SEAL_FIELD]["sha256"]
+        if digest not in self._offered:  # so that a reader of this host can ask whether we exported it
+            self._offered.add(digest)
+            confirm_server().offer(digest)
+        return meta
+
+    def _check_peer_source(self, sealed: dict[str, Any], digest: str) -> None:
+        """Without the cluster key, a meta of this host is trusted only once the process it names
+        says it exported exactly this meta (``confirm.py``): a re-sealed forgery is refused here."""
+        if self._meta_key is not None or sealed.get(HOST_FIELD) != host_identity():
+            return  # signed: authenticated already; another host's (opted in): no one to ask
+        confirm_exported(sealed, digest)
+        self.sources_confirmed += 1
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         peer = super().parse_peer_meta(peer_meta)
@@ -569,6 +590,9 @@ class UcxBackend(KVTransportBackend):
 
     # --- teardown ---------------------------------------------------------------------------
     def _deregister(self) -> None:
+        for digest in self._offered:  # a closed registration confirms nothing any more
+            confirm_server().withdraw(digest)
+        self._offered.clear()
         for handle in list(self._live):
             with handle._lock:
                 if handle.state is TransferState.PROC:

@@ -1,0 +1,189 @@
+"""Asking a source of this host whether it exported a meta, with the kernel vouching for who answers.
+
+Without a cluster key (``KVXFER_SECRET_FILE``) a meta's seal is only a checksum: any process
+of this host can change a field of a real source's meta (its worker address, its rkey, its
+buffer address) and seal it again, and UCX reads wherever the forgery points. nixl and local
+refuse such a meta through their own registration checks; UCX has nothing we can query.
+
+So each process that exports a UCX meta listens on an abstract Unix socket named in the meta,
+and before the first read through an unauthenticated meta of this host the reader connects to
+it, checks with ``SO_PEERCRED`` that the process answering is the process the meta names (pid
+and start time), and asks whether that process exported exactly this meta: the seal's SHA-256
+covers every sealed field. The answer is remembered per digest.
+
+What this cannot refuse: a process of this host that names *itself* as the source, with its
+own worker and memory. Only the cluster key tells a real source from such a process, and
+``kvxfer info`` and the first transfer's log say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Any, Mapping, Optional
+
+from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD, process_start_time
+from kvxfer.errors import PeerMetadataError
+
+logger = logging.getLogger("kvxfer.backends.ucx")
+
+#: The sealed meta field naming the exporter's confirmation socket (abstract namespace).
+CONFIRM_FIELD = "ucx_confirm_socket"
+CONFIRM_TIMEOUT_S = 5.0
+_REQUEST = b"KVXFER-CONFIRM-1 "
+_DIGEST_CHARS = 64
+_REQUEST_BYTES = len(_REQUEST) + _DIGEST_CHARS + 1
+_MAX_CONNECTIONS = 256   # connections open at once; the oldest is dropped beyond it
+_CONNECTION_S = 1.0      # a connection that has not asked within this is dropped
+_CREDENTIALS = struct.Struct("3i")   # struct ucred: pid, uid, gid
+
+
+def _abstract(name: str) -> bytes:
+    return b"\0" + name.encode()
+
+
+class ConfirmServer:
+    """This process's answers to "did you export this meta?" (one daemon thread per process)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.name = f"kvxfer-ucx-confirm/{self.pid}/{secrets.token_hex(8)}"
+        self._exported: dict[str, int] = {}   # digest -> how many open registrations exported it
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._listener.bind(_abstract(self.name))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.answered = 0
+        threading.Thread(target=self._serve, name="kvxfer-ucx-confirm", daemon=True).start()
+
+    def offer(self, digest: str) -> None:
+        with self._lock:
+            self._exported[digest] = self._exported.get(digest, 0) + 1
+
+    def withdraw(self, digest: str) -> None:
+        with self._lock:
+            left = self._exported.get(digest, 0) - 1
+            if left > 0:
+                self._exported[digest] = left
+            else:
+                self._exported.pop(digest, None)
+
+    def exported(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._exported
+
+    def _serve(self) -> None:
+        """Answer every connection that asks in time; nothing a connection sends can stall the others."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        open_since: dict[socket.socket, tuple[float, bytes]] = {}
+        while True:
+            for key, _ in selector.select(timeout=0.25):
+                if key.fileobj is self._listener:
+                    try:
+                        conn, _ = self._listener.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    if len(open_since) >= _MAX_CONNECTIONS:
+                        oldest = min(open_since, key=lambda c: open_since[c][0])
+                        self._drop(selector, open_since, oldest)
+                    open_since[conn] = (time.monotonic(), b"")
+                    selector.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj
+                since, asked = open_since[conn]
+                try:
+                    chunk = conn.recv(_REQUEST_BYTES - len(asked))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    chunk = b""
+                asked += chunk
+                if chunk and len(asked) < _REQUEST_BYTES:
+                    open_since[conn] = (since, asked)
+                    continue
+                if len(asked) == _REQUEST_BYTES:
+                    self._answer(conn, asked)
+                self._drop(selector, open_since, conn)
+            now = time.monotonic()
+            for conn in [c for c, (since, _) in open_since.items() if now - since > _CONNECTION_S]:
+                self._drop(selector, open_since, conn)
+
+    def _answer(self, conn: socket.socket, asked: bytes) -> None:
+        ok = asked.startswith(_REQUEST) and asked.endswith(b"\n") and \
+            self.exported(asked[len(_REQUEST):-1].decode("ascii", errors="replace"))
+        try:
+            conn.send(b"yes\n" if ok else b"no\n")
+        except OSError:
+            return
+        self.answered += 1
+
+    @staticmethod
+    def _drop(selector: selectors.BaseSelector, open_since: dict, conn: socket.socket) -> None:
+        selector.unregister(conn)
+        open_since.pop(conn, None)
+        conn.close()
+
+
+_server: Optional[ConfirmServer] = None
+_server_lock = threading.Lock()
+
+
+def confirm_server() -> ConfirmServer:
+    """This process's server, started on first use (and again in a forked child: threads do not fork)."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.pid != os.getpid():
+            _server = ConfirmServer()
+        return _server
+
+
+def _refuse(why: str) -> PeerMetadataError:
+    return PeerMetadataError(
+        f"peer meta refused: {why}; without KVXFER_SECRET_FILE a UCX meta of this host is accepted only when "
+        "the process it names confirms it exported exactly this meta (forged or altered?)")
+
+
+def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:
+    """Return when the process ``sealed`` names confirms it exported the meta with seal ``digest``;
+    ``PeerMetadataError`` otherwise. Call only with the meta's sealed fields."""
+    pid, start, name = sealed.get(PID_FIELD), sealed.get(START_FIELD), sealed.get(CONFIRM_FIELD)
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not isinstance(start, int):
+        raise _refuse(f"its {PID_FIELD!r}/{START_FIELD!r} fields are missing or invalid")
+    if not isinstance(name, str) or not name.startswith(f"kvxfer-ucx-confirm/{pid}/") or len(name) > 100:
+        raise _refuse(f"its {CONFIRM_FIELD!r} field is missing or not the named process's (a source of an older kvxfer?)")
+    if not isinstance(digest, str) or len(digest) != _DIGEST_CHARS:
+        raise _refuse("its seal digest is malformed")
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(_abstract(name))
+            peer_pid, _, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 _CREDENTIALS.size))
+            if peer_pid != pid or process_start_time(pid) != start:
+                raise _refuse(f"its confirmation socket is held by pid {peer_pid}, not by the source it names "
+                              f"(pid {pid})")
+            sock.sendall(_REQUEST + digest.encode("ascii") + b"\n")
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < 8:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = sock.recv(8 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+    except PeerMetadataError:
+        raise
+    except (OSError, socket.timeout) as exc:
+        raise _refuse(f"the source it names (pid {pid}) could not be asked ({exc})") from None
+    if answer != b"yes\n":
+        raise _refuse(f"the source it names (pid {pid}) did not export it")
+    logger.debug("meta %s… confirmed by its source, pid %d", digest[:12], pid)
