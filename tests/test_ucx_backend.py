@@ -309,6 +309,8 @@ def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch:
     src = Source("tcp", seed=12)
     closes = []
     try:
+        with Mode("tcp").decode(name="stall-close-warm-up") as warm:  # its meta confirmed while it runs (confirm.py)
+            warm.begin_pull_blocks(src.meta, [0], [0], request_id="warm-up").wait()
         for run in range(20):
             dst = Mode("tcp").decode(timeout_s=0.2, name=f"stall-close-{run}")
             os.kill(src.pid, signal.SIGSTOP)

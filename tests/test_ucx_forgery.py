@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ucx_peer import make_pool, source_main  # noqa: E402
 
 from kvxfer.backends.ucx.backend import UcxBackend  # noqa: E402
-from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, confirm_exported  # noqa: E402
+from kvxfer.backends.ucx import confirm  # noqa: E402
+from kvxfer.backends.ucx.confirm import CONFIRM_FIELD  # noqa: E402
 from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD  # noqa: E402
 from kvxfer.errors import PeerMetadataError  # noqa: E402
 from kvxfer.security.meta_seal import SEAL_FIELD, seal_meta  # noqa: E402
@@ -65,6 +66,12 @@ def peers() -> Iterator[tuple[Peer, Peer]]:
     yield source, forger
     source.stop()
     forger.stop()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_confirmed_yet() -> None:
+    """Each test starts as a process that has confirmed no meta (confirmations are per process)."""
+    confirm._confirmed.clear()
 
 
 def _decode() -> UcxBackend:
@@ -179,7 +186,7 @@ def test_the_real_meta_is_confirmed_once_and_travels_any_wire(peers: tuple[Peer,
     rounds = []
     for _ in range(20):
         t0 = time.perf_counter()
-        confirm_exported(sealed, source.meta[SEAL_FIELD]["sha256"])
+        confirm._ask(sealed, source.meta[SEAL_FIELD]["sha256"], 5.0)   # the round trip itself, no cache
         rounds.append(time.perf_counter() - t0)
     print(f"\nMEASURED a confirmation round trip: median {sorted(rounds)[10] * 1e6:.0f} us "
           f"(first pull through the meta, endpoint included: {first * 1e3:.2f} ms)")
@@ -218,3 +225,27 @@ def test_with_the_cluster_key_nothing_is_asked(peers: tuple[Peer, Peer], monkeyp
         forged = seal_meta({k: v for k, v in src.export_meta().items() if k != SEAL_FIELD})   # unsigned
         with pytest.raises(PeerMetadataError, match="not signed"):
             dst.begin_pull_blocks(forged, IDS, IDS, request_id=12)
+
+
+def test_a_stopped_source_at_first_contact_fails_the_pull_plainly_before_anything_is_posted(
+        peers: tuple[Peer, Peer]) -> None:
+    """The confirmation waits at most the backend's timeout; then a plain ``TransferError`` (not a
+    timeout: nothing was posted, so a caller such as Megatron may free the blocks at once)."""
+    import os
+    import signal
+
+    from kvxfer.errors import TransferError, TransferTimeoutError
+
+    source, _ = peers
+    os.kill(source.pid, signal.SIGSTOP)
+    try:
+        with UcxBackend("decode", torch.full(SHAPE, SENTINEL), NUM_BLOCKS, timeout_s=0.5) as dst:
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="could not confirm") as caught:
+                dst.begin_pull_blocks(source.meta, IDS, IDS, request_id=20)
+            assert not isinstance(caught.value, TransferTimeoutError) and time.monotonic() - t0 < 2.0
+            assert _untouched(dst) and dst.stats()["in_flight"] == 0
+    finally:
+        os.kill(source.pid, signal.SIGCONT)
+    with _decode() as dst:
+        _pull_exact(dst, source.meta, source.pool, request_id=21)

@@ -45,7 +45,7 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
-from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, confirm_exported, confirm_server
+from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
 from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
@@ -365,14 +365,13 @@ class UcxBackend(KVTransportBackend):
         says it exported exactly this meta (``confirm.py``): a re-sealed forgery is refused here."""
         if self._meta_key is not None or sealed.get(HOST_FIELD) != host_identity():
             return  # signed: authenticated already; another host's (opted in): no one to ask
-        confirm_exported(sealed, digest)
-        self.sources_confirmed += 1
+        if confirm_exported(sealed, digest, timeout_s=min(CONFIRM_TIMEOUT_S, self.timeout_s)):
+            self.sources_confirmed += 1
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        peer = super().parse_peer_meta(peer_meta)
-        _unb64(peer_meta, "ucx_worker_address")
+        _unb64(peer_meta, "ucx_worker_address")  # checked first: a malformed meta is not worth asking about
         _unb64(peer_meta, "ucx_rkey")
-        return peer
+        return super().parse_peer_meta(peer_meta)
 
     # --- pulls ------------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:

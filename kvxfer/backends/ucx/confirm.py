@@ -26,10 +26,11 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD, process_start_time
-from kvxfer.errors import PeerMetadataError
+from kvxfer.errors import PeerMetadataError, TransferError
 
 logger = logging.getLogger("kvxfer.backends.ucx")
 
@@ -152,9 +153,30 @@ def _refuse(why: str) -> PeerMetadataError:
         "the process it names confirms it exported exactly this meta (forged or altered?)")
 
 
-def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:
-    """Return when the process ``sealed`` names confirms it exported the meta with seal ``digest``;
-    ``PeerMetadataError`` otherwise. Call only with the meta's sealed fields."""
+_confirmed: "OrderedDict[str, None]" = OrderedDict()   # digests confirmed in this process, most recent last
+_CONFIRMED_KEPT = 4096
+_confirmed_lock = threading.Lock()
+
+
+def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = CONFIRM_TIMEOUT_S) -> bool:
+    """Return when the process ``sealed`` names has confirmed it exported the meta with seal
+    ``digest`` (True: asked now; False: confirmed before, in this process). ``PeerMetadataError``
+    when it denies it or another process answers; ``TransferError`` when it cannot be asked in
+    time (gone or stalled): either way before anything is posted. Call only with the meta's sealed fields. A digest names the whole meta, so one
+    confirmation serves every registration of this process."""
+    with _confirmed_lock:
+        if digest in _confirmed:
+            _confirmed.move_to_end(digest)
+            return False
+    _ask(sealed, digest, timeout_s)
+    with _confirmed_lock:
+        _confirmed[digest] = None
+        while len(_confirmed) > _CONFIRMED_KEPT:
+            _confirmed.popitem(last=False)
+    return True
+
+
+def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
     pid, start, name = sealed.get(PID_FIELD), sealed.get(START_FIELD), sealed.get(CONFIRM_FIELD)
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not isinstance(start, int):
         raise _refuse(f"its {PID_FIELD!r}/{START_FIELD!r} fields are missing or invalid")
@@ -182,8 +204,9 @@ def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = 
                 answer += chunk
     except PeerMetadataError:
         raise
-    except (OSError, socket.timeout) as exc:
-        raise _refuse(f"the source it names (pid {pid}) could not be asked ({exc})") from None
+    except OSError as exc:   # gone, stalled, or no such socket: nothing was posted, so no byte can land
+        raise TransferError(f"the source of this meta (pid {pid}) could not confirm it within {timeout_s:g}s "
+                            f"({exc or type(exc).__name__}); nothing was read, no byte can land") from None
     if answer != b"yes\n":
         raise _refuse(f"the source it names (pid {pid}) did not export it")
     logger.debug("meta %s… confirmed by its source, pid %d", digest[:12], pid)
