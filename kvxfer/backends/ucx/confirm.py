@@ -61,7 +61,6 @@ class ConfirmServer:
         self._listener.bind(_abstract(self.name))
         self._listener.listen(128)
         self._listener.setblocking(False)
-        self.answered = 0
         threading.Thread(target=self._serve, name="kvxfer-ucx-confirm", daemon=True).start()
 
     def offer(self, digest: str) -> None:
@@ -124,8 +123,7 @@ class ConfirmServer:
         try:
             conn.send(b"yes\n" if ok else b"no\n")
         except OSError:
-            return
-        self.answered += 1
+            pass
 
     @staticmethod
     def _drop(selector: selectors.BaseSelector, open_since: dict, conn: socket.socket) -> None:
@@ -202,8 +200,6 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
                 if not chunk:
                     break
                 answer += chunk
-    except PeerMetadataError:
-        raise
     except OSError as exc:   # gone, stalled, or no such socket: nothing was posted, so no byte can land
         raise TransferError(f"the source of this meta (pid {pid}) could not confirm it within {timeout_s:g}s "
                             f"({exc or type(exc).__name__}); nothing was read, no byte can land") from None
