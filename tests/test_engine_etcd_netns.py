@@ -14,7 +14,7 @@ module and its pipe protocol of ``engine_integration.procs``, with the command p
 Checked: one generation token-exact against co-located; then ``kill -9`` of the decode
 mid-handoff, and the prefill frees its pins within TTL + etcd's expiry sweep + one poll
 (+ slack for this shared 2-core machine, as in tests/test_engine_etcd.py).
-Needs root and ``ip netns``; skipped, with the reason, elsewhere.
+Needs root and ``ip netns``; without them the tests fail with the reason (tests/netns_support.py), never skip.
 """
 
 from __future__ import annotations
