@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvxfer
+from kvxfer.backends.vram_lanes import vram_lane_lines
 from kvxfer.cli.errors import RunFailed, UsageError
 from kvxfer.errors import KVXferError
 from kvxfer.harness.progress import DelayedProgress
@@ -64,6 +65,8 @@ def run_info(args: argparse.Namespace) -> int:
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  {cuda_line}")
     for name, details in transport_probes().items():
         console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={_probe_value(k, v, cuda)}" for k, v in details.items()))
+    for line in vram_lane_lines(cuda_device=cuda):
+        console.print(("[bold red]" + line + "[/bold red]") if "DEFECT" in line else line, highlight=False)
     console.print(control_plane_line(getattr(args, "control_plane", None)), highlight=False)
     return 0
 
