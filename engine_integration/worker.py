@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from engine_integration.reference.config import ModelConfig
@@ -58,12 +58,17 @@ def build_engine(spec: EngineSpec, plane_url: str) -> Any:
 
     A cluster key file (``spec.secret_file``) becomes this process's ``$KVXFER_SECRET_FILE``
     before the transport exports anything: it signs the metas as well as the plane's traffic.
+    A secret given as a value (``spec.secret``) is written to a private file of this process
+    first: the transports read their meta key only from ``$KVXFER_SECRET_FILE``, and a key that
+    reached the plane alone would leave every meta unsigned.
     """
     from engine_integration.control_plane import open_control_plane
     from engine_integration.engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import build_reference_engine
     from kvxfer.security.auth import SECRET_FILE_ENV
 
+    if spec.secret is not None and not spec.secret_file:
+        spec = replace(spec, secret=None, secret_file=_private_secret_file(spec.secret))
     if spec.secret_file:
         os.environ[SECRET_FILE_ENV] = spec.secret_file
     url = spec.control_plane or plane_url
@@ -76,6 +81,17 @@ def build_engine(spec: EngineSpec, plane_url: str) -> Any:
         engine.disconnect("registration failed")
         raise
     return engine
+
+
+def _private_secret_file(secret: str) -> str:
+    """``secret`` in a 0600 file of this process, removed when it exits."""
+    import atexit
+
+    from kvxfer.security.auth import new_secret_file, remove_secret_file
+
+    path = new_secret_file(secret=secret)
+    atexit.register(remove_secret_file, path)
+    return path
 
 
 def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05) -> None:

@@ -250,20 +250,25 @@ def curve_server_keys(secret: Union[str, bytes]) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-def new_secret_file(directory: Optional[str] = None) -> str:
-    """A fresh random secret in a new file only this user can read (0600, in a 0700 directory).
+def new_secret_file(directory: Optional[str] = None, secret: Union[str, bytes, None] = None) -> str:
+    """``secret`` (else a fresh random one) in a new file only this user can read (0600, in a 0700 directory).
 
     This is how a secret reaches processes we spawn: by path (or inherited fd), never in
-    argv, where every local user can read it in ``/proc/<pid>/cmdline``.
+    argv, where every local user can read it in ``/proc/<pid>/cmdline``. A file, not a
+    value, because the transports read their meta key from ``$KVXFER_SECRET_FILE``: a
+    secret handed over as a value would key the control plane and leave the metas unsigned.
     """
     import secrets
     import tempfile
 
+    raw = load_secret(secret) if secret is not None else secrets.token_hex(32).encode()
+    if raw != raw.strip():  # load_secret strips what it reads from a file: the key would differ
+        raise KVXferError("a control-plane secret must not begin or end with whitespace")
     folder = tempfile.mkdtemp(prefix="kvxfer-secret-", dir=directory)  # mkdtemp makes it 0700
     path = os.path.join(folder, "secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(raw)
     return path
 
 

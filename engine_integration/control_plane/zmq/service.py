@@ -4,7 +4,10 @@
 (``set_disaggregation_config(spawn_coordinator=True)``) runs one too. A coordinator is
 never unauthenticated by accident: with no secret in its config, no
 ``$KVXFER_SECRET_FILE`` and no ``insecure=True``, a fresh secret is written to a 0600
-file (``secret_file``), removed again by ``stop``.
+file (``secret_file``), removed again by ``stop``. A secret given as a value is written
+to such a file too, and only the file's path reaches the coordinator and the engines:
+an engine's transport signs and checks its metas with the key in ``$KVXFER_SECRET_FILE``
+(``worker.build_engine``), so a value alone would leave the metas unsigned.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ class CoordinatorService(PlaneService):
         from kvxfer.security.auth import SECRET_FILE_ENV, new_secret_file
 
         cfg = self.config
-        if cfg.secret is None and cfg.secret_file is None and not cfg.insecure and not os.environ.get(SECRET_FILE_ENV):
+        if cfg.secret is not None and cfg.secret_file is None:
+            self._owned_secret_file = new_secret_file(secret=cfg.secret)
+            self.config = cfg = replace(cfg, secret=None, secret_file=self._owned_secret_file)
+        elif cfg.secret is None and cfg.secret_file is None and not cfg.insecure and not os.environ.get(SECRET_FILE_ENV):
             self._owned_secret_file = new_secret_file()
             self.config = cfg = replace(cfg, secret_file=self._owned_secret_file)
         self.process, self.url = start_coordinator_process(cfg)
