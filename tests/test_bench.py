@@ -217,3 +217,36 @@ def test_gather_ceiling_copies_exactly_the_points_slices():
         assert torch.equal(as_bytes(dst[:, :, torch.from_numpy(dst_ids)]), as_bytes(joined[:, :, torch.from_numpy(src_ids)]))
         if point.pattern == "contiguous":  # one repeat's ids: every other block still holds the sentinel
             assert untouched(dst, pool_cfg.pool_blocks, dst_ids) and int(dst.view(torch.uint8).view(-1)[-1]) == SENTINEL
+
+
+def test_device_config_refuses_host_only_baselines_and_defaults_to_the_device_copy():
+    with pytest.raises(ValueError, match="measure host memory only.*use memcpy"):
+        BenchConfig(device="cuda", baselines=("memcpy", "ucx-perftest"))
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        BenchConfig(device="tpu")
+    from kvxfer.cli.bench import add_arguments, config_from_args
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tiny", "--backends", "local"])
+    args.device = "cuda"  # past the parser's check, which needs a GPU: the defaults it then chooses
+    cfg = config_from_args(args)
+    assert cfg.baselines == ("memcpy",) and cfg.pool_config("local", 4 * KiB).device == "cuda"
+    assert config_from_args(parser.parse_args(["--tiny", "--backends", "local"])).baselines[0] == "memcpy"
+
+
+@pytest.mark.gpu
+def test_bench_on_vram_pools_verifies_every_pull_against_a_device_copy(tmp_path):
+    """``kvxfer bench --device cuda``: both pools in VRAM, two processes, every first pull verified, and
+    the memcpy row is the GPU's own device-to-device copy."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--tiny", "--device", "cuda", "--backends", "nixl,ucx", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert "--device cuda" in report["command"]
+    rows = report["points"]
+    assert {"nixl", "ucx", "memcpy"} <= {p["source"] for p in rows}
+    for point in rows:
+        assert point["ok"] and point["verified"] and point["gbps"] > 0, point
+    assert all(p["extra"]["copy"].startswith("device to device") for p in rows if p["source"] == "memcpy")

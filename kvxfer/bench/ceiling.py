@@ -77,9 +77,12 @@ class GatherCeiling:
         try:
             for repeat in range(cfg.warmup + cfg.repeats):
                 src_np, dst_np = cfg.request_config(self.cfg, point, repeat).block_ids()
-                src_ids, dst_ids = torch.from_numpy(np.asarray(src_np)), torch.from_numpy(np.asarray(dst_np))
+                src_ids = torch.from_numpy(np.asarray(src_np)).to(dst_pool.device)
+                dst_ids = torch.from_numpy(np.asarray(dst_np)).to(dst_pool.device)
                 t0 = time.perf_counter()
                 self.copy(srcs, dsts, src_ids, dst_ids)
+                if dst_pool.is_cuda:  # a device copy is over when its stream is
+                    torch.cuda.synchronize(dst_pool.device)
                 t1 = time.perf_counter()
                 if repeat == cfg.warmup:
                     for src, dst in zip(srcs, dsts):

@@ -25,6 +25,8 @@ DEFAULT_BLOCK_COUNTS = (16, 128)
 DEFAULT_RESHARD_SIZES = (32 * KiB, 1 * MiB)
 PATTERNS = ("contiguous", "scattered")
 DEFAULT_BASELINES = ("memcpy", "naive-nixl", "ucx-perftest", "ucp-get-cold", "mooncake")
+#: Baselines that measure the pool's own device: on a GPU, memcpy is torch's device-to-device copy.
+DEVICE_BASELINES = ("memcpy",)
 
 #: Pool shape besides the head dim: [2, layers, blocks, TOKENS, HEADS, head_dim] in bf16.
 TOKENS_PER_BLOCK = 16
@@ -69,6 +71,7 @@ class BenchConfig:
     timeout_s: float = 60.0
     mooncake_python: Optional[str] = None  # interpreter with mooncake installed (default: this one)
     get_region_bytes: Optional[int] = None  # ucp-get-cold's region per side (None: 2x the LLC, see get_region())
+    device: str = "cpu"  # where both pools live; "cuda" measures VRAM pools against a device-to-device copy
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +91,13 @@ class BenchConfig:
         unknown = set(self.baselines) - set(DEFAULT_BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; known: {', '.join(DEFAULT_BASELINES)}")
+        if self.device != "cpu":
+            if self.device.split(":")[0] != "cuda":
+                raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+            host_only = sorted(set(self.baselines) - set(DEVICE_BASELINES))
+            if host_only:
+                raise ValueError(f"baselines {', '.join(host_only)} measure host memory only; with device "
+                                 f"{self.device} use {', '.join(DEVICE_BASELINES)} (a device-to-device copy) or none")
 
     @property
     def planes(self) -> int:
@@ -135,7 +145,7 @@ class BenchConfig:
         return LoopbackConfig(
             backend=backend, num_layers=self.num_layers, tokens_per_block=TOKENS_PER_BLOCK, num_heads=NUM_HEADS,
             head_dim=head_dim, dtype=DTYPE, pool_blocks=pool_blocks, request_blocks=largest, seed=self.seed,
-            timeout_s=self.timeout_s,
+            timeout_s=self.timeout_s, device=self.device,
         )
 
     def request_config(self, pool: LoopbackConfig, point: Point, repeat: int) -> LoopbackConfig:

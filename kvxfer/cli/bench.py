@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 from rich.console import Console
 
 from kvxfer.bench.config import (
-    DEFAULT_BASELINES, DEFAULT_BLOCK_COUNTS, DEFAULT_RESHARD_SIZES, DEFAULT_SLICE_SIZES, PATTERNS, BenchConfig, MiB,
+    DEFAULT_BASELINES, DEFAULT_BLOCK_COUNTS, DEVICE_BASELINES, DEFAULT_RESHARD_SIZES, DEFAULT_SLICE_SIZES, PATTERNS, BenchConfig, MiB,
     parse_size, tiny_config,
 )
 from kvxfer.cli.args import backend_list, executable_file, int_at_least, positive_seconds, writable_file
@@ -49,6 +49,20 @@ def _baseline(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (give cpu, cuda or cuda:N)")
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device here (run on a GPU machine, or use cpu)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"--device {text}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return text
+
+
 def default_backends() -> tuple[str, ...]:
     from kvxfer.backends import available_backends
 
@@ -59,8 +73,11 @@ def default_backends() -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=backend_list, metavar="LIST",
                    help="comma-separated backends (default: every one that can run here)")
-    p.add_argument("--baselines", type=_list(_baseline, "memcpy,ucx-perftest"), default=DEFAULT_BASELINES, metavar="LIST",
-                   help=f"comma-separated, from {','.join(DEFAULT_BASELINES)}; 'none' for none")
+    p.add_argument("--baselines", type=_list(_baseline, "memcpy,ucx-perftest"), metavar="LIST",
+                   help=f"comma-separated, from {','.join(DEFAULT_BASELINES)}; 'none' for none (default: all of them; "
+                        f"with --device cuda: {','.join(DEVICE_BASELINES)}, a device-to-device copy)")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where both pools live: cpu, or cuda[:N] for VRAM pools (needs a CUDA GPU)")
     p.add_argument("--sizes", type=_list(_size, "4K,1M"), default=DEFAULT_SLICE_SIZES, metavar="LIST",
                    help="slice sizes in bytes (one block x one layer plane), e.g. 4K,32K,1M,4M")
     p.add_argument("--blocks", type=_list(int_at_least(1), "16,128"), default=DEFAULT_BLOCK_COUNTS, metavar="LIST",
@@ -94,10 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's config; a combination that cannot run raises ``UsageError`` (exit 2) before anything runs."""
-    baselines = tuple(b for b in args.baselines if b != "none")
+    device = getattr(args, "device", "cpu")
+    chosen = args.baselines or (DEFAULT_BASELINES if device == "cpu" else DEVICE_BASELINES)
+    baselines = tuple(b for b in chosen if b != "none")
     common = dict(backends=args.backends or default_backends(), baselines=baselines, patterns=args.patterns,
                   reshard="on" if args.reshard == "auto" else args.reshard, seed=args.seed, timeout_s=args.timeout,
-                  mooncake_python=args.mooncake_python)
+                  mooncake_python=args.mooncake_python, device=device)
     if getattr(args, "get_region_mib", None):
         common["get_region_bytes"] = args.get_region_mib * MiB
     try:
@@ -121,7 +140,7 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
              "--blocks", ",".join(map(str, cfg.block_counts)), "--patterns", ",".join(cfg.patterns),
              "--layers", str(cfg.num_layers), "--repeats", str(cfg.repeats), "--warmup", str(cfg.warmup),
              "--max-request-mib", str(cfg.max_request_bytes // MiB), "--reshard", cfg.reshard,
-             "--reshard-sizes", _sizes(cfg.reshard_sizes), "--seed", str(cfg.seed)]
+             "--reshard-sizes", _sizes(cfg.reshard_sizes), "--seed", str(cfg.seed), "--device", cfg.device]
     if cfg.mooncake_python:
         parts += ["--mooncake-python", cfg.mooncake_python]
     if cfg.get_region_bytes:

@@ -53,6 +53,7 @@ class LoopbackConfig:
     pattern: str = "scattered"  # or "contiguous"
     seed: int = 0
     timeout_s: float = 60.0
+    device: str = "cpu"  # where both pools live: "cuda" (or "cuda:N") for VRAM pools
 
     def __post_init__(self) -> None:
         if self.pattern not in ("scattered", "contiguous"):
@@ -116,7 +117,7 @@ def make_pool(cfg: LoopbackConfig, random_seed: Optional[int]) -> torch.Tensor:
     else:
         rng = np.random.default_rng(random_seed)
         raw.copy_(torch.frombuffer(bytearray(rng.bytes(raw.numel())), dtype=torch.uint8))
-    return pool
+    return pool if cfg.device == "cpu" else pool.to(cfg.device)
 
 
 def _slices(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -126,13 +127,13 @@ def _slices(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def blocks_digest(pool: torch.Tensor, num_blocks: int, ids: np.ndarray) -> str:
     """SHA-256 of the given blocks' slices, in id order: equal digests mean equal bytes."""
-    picked = _slices(pool, num_blocks)[:, torch.from_numpy(ids)].contiguous()
+    picked = _slices(pool, num_blocks)[:, torch.from_numpy(ids).to(pool.device)].cpu().contiguous()
     return hashlib.sha256(picked.numpy().data).hexdigest()
 
 
 def untouched(pool: torch.Tensor, num_blocks: int, written: np.ndarray) -> bool:
     others = np.setdiff1d(np.arange(num_blocks), written)
-    return bool((_slices(pool, num_blocks)[:, torch.from_numpy(others)] == SENTINEL).all())
+    return bool((_slices(pool, num_blocks)[:, torch.from_numpy(others).to(pool.device)] == SENTINEL).all())
 
 
 def make_backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor, agent_name: Optional[str] = None) -> KVTransportBackend:
