@@ -19,6 +19,11 @@ Three layers, each against a finding of the security review:
   closed by libzmq. Idle unauthenticated TCP connections count against nothing but their
   file descriptor, for ``handshake_timeout_s`` at most: 600 of them used to fill the cap
   (then counted over every TCP connection) and lock real clients out (issue 21, A8).
+- **Sessions go with their connection**: a session is bound to the TCP connection its
+  peer last spoke on (``ZMQ_SRCFD``). When that connection closes, the session is kept
+  ``session_grace_s`` for a reconnect (a DEALER reconnects under the same routing id) and
+  then freed; the table never holds more than ``max_sessions`` (the oldest orphan goes
+  first, else the session heard from least recently). Without this every client identity ever seen kept its session for good (issue 26).
 
 Without a secret nothing runs unless ``insecure=True`` is asked for by name, and that
 is logged at WARNING on every socket it builds.
@@ -44,6 +49,7 @@ log = logging.getLogger("kvxfer.engine.channel")
 MAX_FRAME_BYTES = 16 << 20
 MAX_CONNECTIONS = 512
 HANDSHAKE_TIMEOUT_S = 5.0
+SESSION_GRACE_S = 10.0  #: a session whose connection closed waits this long for its peer to reconnect
 LISTEN_BACKLOG = 4096  #: pending TCP connections the kernel may queue for us (a flood must not delay clients)
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"kvxfer"
@@ -76,14 +82,27 @@ def _count(counter: dict[str, int], reason: str) -> None:
 
 
 class ServerChannel:
-    """The coordinator's ROUTER socket: one session per peer, every refusal counted."""
+    """The coordinator's ROUTER socket: one session per connected peer, every refusal counted.
+
+    ``events()`` reports the peers whose connection closed (each bound to the connection it
+    last spoke on), so the owner never has to map file descriptors itself: a descriptor number
+    is reused by the next connection, and only this class sees the order of the two.
+    """
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, secret: Optional[bytes], *,
                  max_frame_bytes: int = MAX_FRAME_BYTES, max_connections: int = MAX_CONNECTIONS,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, curve: bool = True) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, curve: bool = True,
+                 session_grace_s: float = SESSION_GRACE_S, max_sessions: Optional[int] = None) -> None:
         self.max_connections = max_connections
+        self.max_sessions = max_sessions if max_sessions is not None else 2 * max_connections
+        self.session_grace_s = session_grace_s
         self.dropped: dict[str, int] = {}
         self._sessions: dict[bytes, SessionChannel] = {}
+        self._peer_fd: dict[bytes, int] = {}      # peer -> the connection (fd) it last spoke on
+        self._fd_peer: dict[int, bytes] = {}
+        self._orphaned: dict[bytes, float] = {}   # sessions whose connection closed -> when (oldest first)
+        self._closed_peers: list[bytes] = []      # for the next events()
+        self._at_session_cap_logged = 0.0
         self._server = SessionServer(secret) if secret is not None else None
         self._open: set[int] = set()           # fds of the TCP connections open now
         self._session_fds: set[int] = set()    # of those, the ones through our session handshake (the cap counts them)
@@ -128,6 +147,11 @@ class ServerChannel:
         return len(self._session_fds)
 
     @property
+    def sessions(self) -> int:
+        """Sessions held now: one per connected peer, plus those waiting ``session_grace_s`` for a reconnect."""
+        return len(self._sessions)
+
+    @property
     def tcp_connections(self) -> int:
         """Every TCP connection open now, handshakes in progress included."""
         return len(self._open)
@@ -152,14 +176,15 @@ class ServerChannel:
                 except FrameDropped as exc:
                     _count(self.dropped, exc.reason)
                     return None
-                self._sessions[peer] = session  # a new hello from a peer replaces its old session
-                try:
-                    self._session_fds.add(int(frame.get(zmq.SRCFD)))
-                except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-                    pass   # no fd information: the connection is counted among the admitted for a while
-                else:
+                self._sessions.pop(peer, None)  # a new hello from a peer replaces its old session
+                self._sessions[peer] = session
+                fd = self._bind(peer, frame)
+                if fd is not None:
+                    self._session_fds.add(fd)
                     if self._admitted:
                         self._admitted.popleft()
+                # else no fd information: the connection is counted among the admitted for a while
+                self._cap_sessions(keep=peer)
                 self._send_raw(peer, welcome)
                 return None
             session = self._sessions.get(peer)
@@ -171,6 +196,8 @@ class ServerChannel:
             except FrameDropped as exc:
                 _count(self.dropped, exc.reason)
                 return None
+            self._sessions[peer] = self._sessions.pop(peer)  # most recently heard last: the cap drops the oldest
+        self._bind(peer, frame)  # authentic (or insecure): this is the peer's connection now
         try:
             msg = wire.decode(payload)
         except wire.WireError as exc:
@@ -200,14 +227,82 @@ class ServerChannel:
             pass  # a peer that is gone; heartbeats and pid checks will remove it
 
     def forget(self, peer: bytes) -> None:
+        """Drop ``peer``'s session now (it must handshake again to be heard)."""
         self._sessions.pop(peer, None)
+        self._orphaned.pop(peer, None)
+
+    # --- which connection a peer speaks on --------------------------------------------------
+    def _bind(self, peer: bytes, frame: zmq.Frame) -> Optional[int]:
+        """Note the connection ``frame`` came on as ``peer``'s; its fd, or ``None`` without fd information.
+
+        On a change, connection events are read first: the fd may be a reused number whose
+        previous connection's close is still queued on the monitor, and reading it later would
+        count the close against this peer.
+        """
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return None
+        if self._peer_fd.get(peer) == fd:
+            return fd
+        self._read_monitor()
+        before = self._peer_fd.get(peer)
+        if before is not None and self._fd_peer.get(before) == peer:
+            del self._fd_peer[before]
+        earlier = self._fd_peer.get(fd)
+        if earlier is not None and earlier != peer:  # its close was never reported: it is gone all the same
+            self._connection_closed(earlier)
+        self._peer_fd[peer], self._fd_peer[fd] = fd, peer
+        self._orphaned.pop(peer, None)  # reconnected in time: the session lives on
+        return fd
+
+    def _connection_closed(self, peer: bytes) -> None:
+        self._peer_fd.pop(peer, None)
+        self._closed_peers.append(peer)
+        if peer in self._sessions:
+            self._orphaned.pop(peer, None)
+            self._orphaned[peer] = time.monotonic()
+
+    def _expire_sessions(self, now: float) -> None:
+        """Free the sessions whose connection closed more than ``session_grace_s`` ago."""
+        while self._orphaned:
+            peer, since = next(iter(self._orphaned.items()))
+            if now - since <= self.session_grace_s:
+                break
+            del self._orphaned[peer]
+            self._sessions.pop(peer, None)
+
+    def _cap_sessions(self, keep: bytes) -> None:
+        """At most ``max_sessions``: the oldest orphaned session goes first, else the one heard from least recently."""
+        while len(self._sessions) > self.max_sessions:
+            if self._orphaned:
+                victim = next(iter(self._orphaned))
+                del self._orphaned[victim]
+            else:
+                victim = next(p for p in self._sessions if p != keep)
+                now = time.monotonic()
+                if now - self._at_session_cap_logged > 5.0:
+                    self._at_session_cap_logged = now
+                    log.warning("control session table full (max_sessions=%d, all connected): the session heard from "
+                                "least recently (%r) is dropped; its peer must handshake again", self.max_sessions,
+                                victim[:64])
+            self._sessions.pop(victim, None)
+            fd = self._peer_fd.pop(victim, None)
+            if fd is not None and self._fd_peer.get(fd) == victim:
+                del self._fd_peer[fd]
 
     # --- connection events and the cap -----------------------------------------------------
-    def events(self) -> list[int]:
-        """Handle monitor and ZAP traffic; returns the fds of connections that closed."""
+    def events(self) -> list[bytes]:
+        """Handle monitor and ZAP traffic, free expired sessions; returns the peers whose connection closed."""
+        self._read_monitor()
+        self._serve_zap()  # after the accepts above, so the count includes the connection asking
+        self._expire_sessions(time.monotonic())
+        closed, self._closed_peers = self._closed_peers, []
+        return closed
+
+    def _read_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        closed = []
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             fd = int(event["value"])
@@ -216,11 +311,11 @@ class ServerChannel:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._open.discard(fd)
                 self._session_fds.discard(fd)
-                closed.append(fd)
+                peer = self._fd_peer.pop(fd, None)
+                if peer is not None and self._peer_fd.get(peer) == fd:
+                    self._connection_closed(peer)
             else:
                 _count(self.dropped, "handshake failed")
-        self._serve_zap()  # after the accepts above, so the count includes the connection asking
-        return closed
 
     def _serve_zap(self) -> None:
         """Admit a connection at its handshake unless ``max_connections`` authenticated ones are open.

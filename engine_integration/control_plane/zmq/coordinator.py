@@ -59,7 +59,7 @@ from engine_integration.control_plane import policy
 from engine_integration.control_plane.policy import process_gone
 from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES,
-                                                          ServerChannel, resolve_secret)
+                                                          SESSION_GRACE_S, ServerChannel, resolve_secret)
 
 log = logging.getLogger("kvxfer.engine.coordinator")
 
@@ -77,6 +77,8 @@ class CoordinatorConfig:
     max_frame_bytes: int = MAX_FRAME_BYTES  #: larger frames drop their connection before being buffered
     max_connections: int = MAX_CONNECTIONS  #: authenticated connections beyond this are refused (logged)
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  #: a connection not through its handshake by then is closed
+    session_grace_s: float = SESSION_GRACE_S  #: a session whose connection closed is freed after this
+    max_sessions: Optional[int] = None  #: sessions held at most (None: twice ``max_connections``)
     #: a decode silent this long past its removal is presumed dead: pins of requests whose reads are
     #: torn-read checked (generation counters) are freed. None: only confirmed death frees pins.
     pin_grace_s: Optional[float] = 10.0
@@ -163,13 +165,11 @@ class Coordinator:
         self.ctx = zmq.Context()
         self.channel = ServerChannel(self.ctx, config.host, config.port, secret,
                                      max_frame_bytes=config.max_frame_bytes, max_connections=config.max_connections,
-                                     handshake_timeout_s=config.handshake_timeout_s)
+                                     handshake_timeout_s=config.handshake_timeout_s,
+                                     session_grace_s=config.session_grace_s, max_sessions=config.max_sessions)
         self.sock = self.channel.sock
         self.port = self.channel.port
         self.address = f"tcp://{config.host}:{self.port}"
-        # "Socket gone": the monitor reports a closed connection by its fd; each engine
-        # message tells us which fd that engine's connection uses (ZMQ_SRCFD).
-        self._fd_owner: dict[int, bytes] = {}
         self.host = socket.gethostname()
         self.engines: dict[bytes, _Engine] = {}
         self.removed: dict[bytes, str] = {}
@@ -215,12 +215,7 @@ class Coordinator:
             return
         if got is None:  # a handshake, or refused and counted
             return
-        zmq_id, msg, frame = got
-        if zmq_id in self.engines or isinstance(msg, wire.Register):
-            try:
-                self._fd_owner[int(frame.get(zmq.SRCFD))] = zmq_id
-            except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-                pass  # no fd information: heartbeats and pid checks still apply
+        zmq_id, msg, _frame = got
         try:
             self.handle(zmq_id, msg)
         except Exception:  # a bug must cost one message, not the cluster
@@ -234,8 +229,8 @@ class Coordinator:
         log.warning("coordinator: refused %s from %s: %s", type(msg).__name__, who, why)
 
     def _connection_events(self) -> None:
-        for fd in self.channel.events():
-            eng = self.engines.get(self._fd_owner.pop(fd, b""))
+        for peer in self.channel.events():  # "socket gone", by the connection each peer last spoke on
+            eng = self.engines.get(peer)
             if eng is not None and eng.alive:
                 gone = eng.reg.host == self.host and process_gone(eng.reg.pid)
                 self._remove(eng, f"{eng.reg.role} {eng.identity!r} closed its connection to the coordinator"
@@ -652,7 +647,7 @@ class Coordinator:
         live = sum(1 for r in self.requests.values() if r.stage != "done")
         stuck = sum(1 for r in self.requests.values() if r.stuck and r.source_pinned)
         return wire.Stats(engines, live, self.channel.dropped_total, dict(self.channel.dropped),
-                          self.channel.connections, self.channel.tcp_connections, stuck)
+                          self.channel.connections, self.channel.tcp_connections, stuck, self.channel.sessions)
 
 
 # --- running it as a process ------------------------------------------------------------

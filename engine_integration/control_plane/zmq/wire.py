@@ -226,6 +226,7 @@ class Stats(Msg, frozen=True, tag="stats"):
     connections: Count = 0     #: authenticated control connections open now (what ``max_connections`` caps)
     tcp_connections: Count = 0  #: every TCP connection open now, handshakes in progress included
     stuck_requests: Count = 0  #: failed requests whose live decode never released them (pins kept: no counters)
+    sessions: Count = 0        #: control sessions held (connected peers, and closed ones within their grace)
 
 
 AnyMsg = Union[Register, Heartbeat, HandoffReady, TransferReady, ReadDone, SendKV, Finished, Failed, Goodbye,
