@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, TransferState, abort_parts
-from kvxfer.plan.peer_records import transfer_peer_records
+from kvxfer.errors import BlockIdError, PeerMetadataError, TornReadError
 from kvxfer.plan.descriptors import IdList
-from kvxfer.errors import BlockIdError, TornReadError
+from kvxfer.plan.peer_records import transfer_peer_records
+from kvxfer.plan.request import plan_request
+from kvxfer.security.meta_seal import HOST_FIELD
 
 _UNREAD = -1
 
@@ -84,12 +86,35 @@ class GenerationChecker:
         expected = np.asarray(expected_generations, dtype=np.int64)
         if expected.shape != (len(src_block_ids),):
             raise BlockIdError(f"{expected.size} expected generations for {len(src_block_ids)} blocks")
-        # The counters' meta is checked now, before any byte moves: refused later, the data read
-        # would have run for nothing and the check could never be made.
-        self.registration.parse_peer_meta(peer_generations_meta)
+        self._check_counters_meta(peer_kv_meta, peer_generations_meta, src_block_ids, dst_block_ids)
         data = self.kv.begin_pull_blocks(peer_kv_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
         return VerifiedPull(self, peer_kv_meta, data, peer_generations_meta, np.asarray(src_block_ids), np.asarray(dst_block_ids),
                             expected, request_id)
+
+    def _check_counters_meta(self, kv_meta: Mapping[str, Any], generations_meta: Mapping[str, Any],
+                             src_block_ids: IdList, dst_block_ids: IdList) -> None:
+        """Refuse a generations meta the counters read would refuse, before the data read is posted.
+
+        The counters read is planned here exactly as it will be posted (seal, dtype, geometry,
+        block range), and the table must be the data source's own: one record, of the agent,
+        host and block count the data is read from. Refused after the data read, the read would
+        have run for nothing and left the source waiting for its read-done; accepted from
+        another pool, the check would compare counters of blocks that are not the ones read.
+        """
+        records = transfer_peer_records(generations_meta, src_block_ids)
+        if len(records) != 1:
+            raise PeerMetadataError(f"a generations meta names one counter table, this one names {len(records)}")
+        plan_request(generations_meta, src_block_ids, dst_block_ids, self.registration.local_pool,
+                     self.registration.parse_peer_meta)
+        sources = transfer_peer_records(kv_meta, src_block_ids)
+        if len(sources) != 1:
+            return  # several data sources: no one table can be theirs; the plan above is all there is to check
+        data, table = sources[0][0], records[0][0]
+        for name in ("agent_name", HOST_FIELD, "num_blocks"):
+            if data.get(name) != table.get(name):
+                raise PeerMetadataError(
+                    f"the generations meta's {name!r} is {table.get(name)!r} but the data is read from "
+                    f"{data.get(name)!r}: the counters must be the data source's own table")
 
     def close(self) -> None:
         self.registration.close()
