@@ -16,7 +16,8 @@ import torch
 
 from kvxfer.backends.nccl import NcclBackend
 from kvxfer.backends.nccl.push_plan import own_peer_geometry
-from kvxfer.plan.request import LocalPool, plan_pull
+from kvxfer.plan.pool import LocalPool
+from kvxfer.plan.request import plan_pull
 from kvxfer.backends.nccl.staging import ByteRows, StagingPool, pool_bytes
 from kvxfer.backends.nccl.wire import HEADER_BYTES, MessageHeader
 from kvxfer.errors import BackendUnavailableError, TransferError

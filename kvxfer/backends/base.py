@@ -54,7 +54,8 @@ from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferErr
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry, dtype_name, export_geometry_meta, parse_geometry_meta
 from kvxfer.plan.peer_records import transfer_peer_records
-from kvxfer.plan.request import LocalPool, RequestPlan, plan_pull, plan_request
+from kvxfer.plan.pool import LocalPool
+from kvxfer.plan.request import RequestPlan, plan_pull, plan_request
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.security.meta_seal import (
     HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,

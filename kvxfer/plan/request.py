@@ -24,40 +24,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
-import torch
 
 from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.plan.descriptors import (
     CopyPlan, IdList, check_plan_bounds, plan_block_copies, plan_checked_block_copies, validate_block_ids,
 )
-from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, check_peer_compatible, dtype_from_name, staging_geometry
+from kvxfer.plan.geometry import PeerGeometry, check_peer_compatible, staging_geometry
 from kvxfer.plan.peer_records import is_whole_request, transfer_peer_records
+from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull, reshard_transfers_for_pull
-from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.plan.staged_reshard import StagedChunk, plan_staged_kv, staging_pays
-
-
-@dataclass(frozen=True)
-class LocalPool:
-    """What planning knows of the pool a rank reads into: its geometry, dtype and SSM identity.
-
-    A backend describes its own registration with one (``KVTransportBackend.local_pool``);
-    a push sender describes the decode's pool from its meta (``from_peer``).
-    """
-
-    geometry: BufferGeometry
-    dtype: str  # the wire spelling, e.g. "bfloat16"
-    ssm_layout: Optional[SSMShardLayout] = None
-    ssm_state_kind: Optional[str] = None
-
-    @staticmethod
-    def from_peer(peer: PeerGeometry) -> "LocalPool":
-        return LocalPool(peer.geometry, peer.dtype, peer.ssm_layout, peer.ssm_state_kind)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ fragments touch (whole slices) stay one row and are coalesced as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -27,12 +27,10 @@ from kvxfer.plan.descriptors import CopyPlan, IdList, block_runs, check_plan_bou
 from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
 from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.reshard import KVReshardTransfer, kv_transfer_between
 from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.plan.ssm_reshard import SSMReshardTransfer, ssm_transfer_between
-
-if TYPE_CHECKING:
-    from kvxfer.plan.request import LocalPool
 
 _I64 = np.int64
 
@@ -253,7 +251,7 @@ def plan_ssm_reshard_copies(src: BufferGeometry, src_layout: SSMShardLayout, dst
 
 
 # --- what kvxfer.plan.request calls for one (local pool, peer) pair --------------------------------
-def reshard_transfers_for_pull(local: "LocalPool", peer: PeerGeometry) -> Optional[list]:
+def reshard_transfers_for_pull(local: LocalPool, peer: PeerGeometry) -> Optional[list]:
     """The transfers pool ``local`` reads from ``peer``, or None when this is not a reshard pull.
 
     A reshard pull is one where both sides carry a layout of the same kind (KV
@@ -283,7 +281,7 @@ def reshard_transfers_for_pull(local: "LocalPool", peer: PeerGeometry) -> Option
     return [] if transfer is None else [transfer]
 
 
-def plan_reshard_pull_strided(local: "LocalPool", peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[StridedPlan]:
+def plan_reshard_pull_strided(local: LocalPool, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[StridedPlan]:
     """Strided rows for a reshard pull into pool ``local`` from ``peer``, or None if not a reshard pull.
 
     For transports with strided descriptors (a NIXL backend can post these rows from
@@ -298,7 +296,7 @@ def plan_reshard_pull_strided(local: "LocalPool", peer: PeerGeometry, src_ids: I
     return plan_kv_reshard_strided(peer.geometry, local.geometry, transfers, src_ids, dst_ids)
 
 
-def plan_reshard_pull(local: "LocalPool", peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
+def plan_reshard_pull(local: LocalPool, peer: PeerGeometry, src_ids: IdList, dst_ids: IdList) -> Optional[CopyPlan]:
     """Flat byte plan for a reshard pull into pool ``local`` from ``peer``, or None if not a reshard pull.
 
     What ``kvxfer.plan.request.plan_pull`` returns for reshard pulls. An empty plan

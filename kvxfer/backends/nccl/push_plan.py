@@ -29,7 +29,8 @@ from kvxfer.backends.base import KVTransportBackend
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.plan.descriptors import CopyPlan
 from kvxfer.plan.geometry import PeerGeometry
-from kvxfer.plan.request import LocalPool, plan_pull
+from kvxfer.plan.pool import LocalPool
+from kvxfer.plan.request import plan_pull
 from kvxfer.plan.layout import KVShardLayout
 
 
