@@ -136,7 +136,8 @@ def make_certificates(folder: Path, *, client_names: tuple[str, ...] = ("root", 
     Client certificates carry **no Common Name** (the name goes in a subjectAltName): with auth on,
     etcd's JSON gateway refuses every ``/v3`` request whose client certificate has one (it cannot map a
     CN to a user: ``embed/serve.go``). Returns paths: ``ca``, ``server_cert``, ``server_key``,
-    ``client[name] = (cert, key)``, ``client_with_cn``, ``rogue_ca``, ``rogue_client = (cert, key)``, and
+    ``client[name] = (cert, key)``, ``client_with_cn``, ``rogue_ca``, ``rogue_client = (cert, key)``,
+    ``expired_client`` and ``future_client`` (of the CA, out of their validity dates, no CN), and
     ``tls``, the ``TlsFiles`` an ``EtcdServer`` serves with.
     """
     import datetime
@@ -160,14 +161,14 @@ def make_certificates(folder: Path, *, client_names: tuple[str, ...] = ("root", 
         return str(cert_path), str(key_path)
 
     def issue(common_name: str, issuer: Any, issuer_key: Any, *, ca: bool = False, server: bool = False,
-              with_cn: bool = True) -> tuple:
+              with_cn: bool = True, valid_from_days: float = 0.0, valid_days: float = 1.0) -> tuple:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if with_cn else [])
         builder = (x509.CertificateBuilder().subject_name(subject)
                    .issuer_name(issuer.subject if issuer is not None else subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .not_valid_before(now + datetime.timedelta(days=valid_from_days, minutes=-5))
+                   .not_valid_after(now + datetime.timedelta(days=valid_from_days + valid_days))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName(
@@ -190,10 +191,14 @@ def make_certificates(folder: Path, *, client_names: tuple[str, ...] = ("root", 
     rogue_key, rogue_cert = issue("someone else's CA", None, None, ca=True)
     rogue_ca, _ = write("rogue-ca", rogue_key, rogue_cert)
     rogue_client = write("rogue-client", *issue("kvxfer", rogue_cert, rogue_key, with_cn=False))
+    expired = write("client-expired", *issue("kvxfer", ca_cert, ca_key, with_cn=False, valid_from_days=-30,
+                                             valid_days=29))
+    future = write("client-future", *issue("kvxfer", ca_cert, ca_key, with_cn=False, valid_from_days=30))
     tls = TlsFiles(ca_file=ca_path, cert_file=server_cert, key_file=server_key,
                    client_cert_file=clients[client_names[0]][0], client_key_file=clients[client_names[0]][1])
     return {"ca": ca_path, "server_cert": server_cert, "server_key": server_key, "client": clients,
-            "client_with_cn": with_cn, "rogue_ca": rogue_ca, "rogue_client": rogue_client, "tls": tls}
+            "client_with_cn": with_cn, "rogue_ca": rogue_ca, "rogue_client": rogue_client,
+            "expired_client": expired, "future_client": future, "tls": tls}
 
 
 class TcpProxy:

@@ -97,6 +97,30 @@ def test_refused_without_the_right_certificates_whatever_the_password(tls_etcd, 
     client.close()
 
 
+@pytest.mark.parametrize("which, says", [("expired_client", "expired on"), ("future_client", "is not valid before")])
+def test_an_out_of_date_client_certificate_is_named_before_connecting(tls_etcd, tmp_path, which, says):
+    """Issue 26: etcd refuses an expired client certificate with a bare TLS alert ("bad certificate",
+    no name, no reason). The client reads its own certificate's dates first and says which one and why."""
+    import ssl
+
+    from engine_integration.control_plane.etcd.certs import CertificateDateError
+
+    server, pki, password = tls_etcd
+    cert, key = pki[which]
+    context = ssl.create_default_context(cafile=pki["ca"])   # what etcd itself answers: no reason given
+    context.load_cert_chain(cert, key)
+    raw = EtcdHttpClient([server.endpoint], user="kvxfer", password=password, timeout_s=1.0, tls=context)
+    with pytest.raises(EtcdError) as refused:
+        raw.range_prefix(b"/kvxfer/")
+    raw.close()
+    assert "expired" not in str(refused.value) and cert not in str(refused.value)
+    with pytest.raises(CertificateDateError, match=f"etcd client certificate {cert} {says}"):
+        EtcdStore(_config(server, pki, cert_file=cert, key_file=key, user="kvxfer", password=password))
+    url = f"etcd://kvxfer@{server.endpoint}/tls?ca={pki['ca']}&cert={cert}&key={key}"
+    with pytest.raises(CertificateDateError, match=says):   # the URL way (kvxfer generate --control-plane)
+        open_control_plane(url, cluster_key=b"k" * 32, password_file=password_file(tmp_path, password))
+
+
 def test_the_url_carries_the_certificate_paths(tls_etcd, tmp_path):
     server, pki, password = tls_etcd
     cert, key = pki["client"]["kvxfer"]

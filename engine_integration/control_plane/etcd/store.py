@@ -120,6 +120,9 @@ class EtcdConfig:
             raise ValueError("a client certificate needs both cert_file and key_file")
         context = ssl.create_default_context(cafile=self.ca_file)
         if self.cert_file:
+            from engine_integration.control_plane.etcd.certs import check_certificate_dates
+
+            check_certificate_dates(self.cert_file, "etcd client certificate")  # etcd would say "bad certificate"
             context.load_cert_chain(self.cert_file, self.key_file)
         return context
 

@@ -209,9 +209,12 @@ class Coordinator:
     def _receive(self) -> None:
         try:
             got = self.channel.receive()
-        except Exception:  # the channel refuses by counting; anything else must cost one frame, not the plane
+        except Exception as exc:  # the channel refuses by counting; anything else must cost one frame, not the plane
             self.channel.count("invalid")
-            log.exception("coordinator: a control frame could not be read; dropped")
+            # one line: a peer sending junk must not fill the log with tracebacks (the detail is at DEBUG)
+            log.warning("coordinator: a control frame could not be read (%s: %s); dropped", type(exc).__name__,
+                        str(exc)[:200])
+            log.debug("coordinator: the unreadable control frame's traceback", exc_info=True)
             return
         if got is None:  # a handshake, or refused and counted
             return
