@@ -327,6 +327,10 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         self._disagg_identity: Optional[str] = None
         self._plane_target: Any = None               # what connect() uses without a plane argument
         self._spawned: Any = None                    # a coordinator this engine started (stopped with it)
+        #: while this file exists the engine computes nothing (no prefill, no decode token) but keeps
+        #: serving its plane: heartbeats, handoffs, pulls and commits go on, so a state it holds (a
+        #: full pool, a request running) stays put until whoever made the file has seen it
+        self.pause_file: Optional[str] = None
 
     def set_disaggregation_config(self, *, role: str, identity: str, spawn_coordinator: bool,
                                   coordinator_group: Any) -> None:
@@ -476,6 +480,18 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         self.plane.push_failed(request_id, reason)  # type: ignore[union-attr]
 
     # --- the loop -------------------------------------------------------------------------
+    def paused(self) -> bool:
+        return self.pause_file is not None and os.path.exists(self.pause_file)
+
+    def step(self) -> list[dict[str, Any]]:
+        if not self.paused():
+            return StateHandoffDynamicInferenceEngine.step(self)
+        self._poll_source()
+        if self._handoff_sink is not None:
+            for event in self._handoff_sink.step():
+                self._on_handoff_event(event)
+        return []
+
     def _between_decode_chunks(self) -> None:
         """Take new handoffs and finish pulls mid-step, so a long decode batch does not delay them."""
         if self.plane is not None:
@@ -500,7 +516,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         for record in self.step():
             plane.finished(record)
         plane.tick()
-        if handled or self.waiting or self.running:
+        if handled or ((self.waiting or self.running) and not self.paused()):
             return 0.0
         sink = self._handoff_sink
         if sink is not None and (sink.num_transferring or sink.num_queued or sink.num_quarantined_blocks):

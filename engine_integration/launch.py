@@ -67,6 +67,9 @@ class ClusterConfig:
     etcd_password_file: Optional[str] = None  #: else ``$KVXFER_ETCD_PASSWORD_FILE`` (an etcd started here: its own)
     #: decode choice by expected cached prefix (``policy.pick_decode``); False: least loaded only
     prefix_routing: bool = True
+    #: a folder where a file named after an engine pauses its compute (``EngineSpec.pause_file``): a
+    #: test holds a state (a decode's pool full of a running request) until it has observed it
+    pause_dir: Optional[str] = None
 
 
 def _with_prefix_routing(url: str, on: bool) -> str:
@@ -114,6 +117,7 @@ class DisaggCluster:
                           device=c.device or default_device(),
                           num_blocks=c.prefill_blocks if role == "prefill" else c.decode_blocks,
                           transfer_timeout_s=c.transfer_timeout_s, control_plane=self.service.url,
+                          pause_file=os.path.join(c.pause_dir, identity) if c.pause_dir else None,
                           **self.service.engine_options())
         return replace(base, **overrides)
 

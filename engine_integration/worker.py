@@ -42,6 +42,8 @@ class EngineSpec:
     #: push backends: the ``torch.distributed`` world this engine joins before it builds its backend,
     #: ``kvxfer.harness.child.GroupSpec`` fields plus ``rank`` (fixed at launch; see ``launch.DisaggCluster``)
     process_group: Optional[dict[str, Any]] = None
+    #: the engine computes nothing while this file exists (``DisaggDynamicInferenceEngine.pause_file``)
+    pause_file: Optional[str] = None
 
     def plane_options(self, url: str) -> dict[str, Any]:
         """What ``open_control_plane(url)`` needs from this spec."""
@@ -80,6 +82,7 @@ def build_engine(spec: EngineSpec, plane_url: str) -> Any:
     except BaseException:
         engine.disconnect("registration failed")
         raise
+    engine.pause_file = spec.pause_file
     return engine
 
 

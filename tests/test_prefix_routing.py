@@ -8,7 +8,12 @@ request, how many prompt blocks it reused from its own cache and how many it pul
 - a request whose family a decode has cached goes to that decode, which reuses the prefix
   (``cached_prefix_blocks``) and pulls only the rest;
 - while that decode has no room (a long request of the family holds its whole pool), the
-  next request of the family goes to the other decode and pulls everything;
+  next request of the family goes to the other decode and pulls everything. The long
+  request is held on its decode (``ClusterConfig.pause_dir``: that decode computes nothing
+  while its pause file exists, its plane and pulls go on) until the test has seen its pool
+  full and routed the next request: a state a test waits for must last until it is seen,
+  and the load figures are sampled (issue 26: a blocker that finished between two samples
+  was never seen on a fast machine, and a slow one could finish it before the next request);
 - every token equals co-located generation.
 
 The routing decision itself, on a table of fleets and on both planes alike, is in
@@ -17,6 +22,7 @@ The routing decision itself, on a table of fleets and on both planes alike, is i
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -77,11 +83,12 @@ def test_allocator_evicts_a_freed_prefix_from_its_end_and_counts_evictions():
 
 # --- end to end, both planes ------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["zmq", "etcd"])
-def fleet(request):
+def fleet(request, tmp_path_factory):
     if request.param == "etcd":
         request.getfixturevalue("etcd_required")
     config = ClusterConfig(backend="ucx", decode_blocks=DECODE_BLOCKS, prefill_blocks=512, request_timeout_s=60.0,
-                           control_plane=ETCD_PLANE if request.param == "etcd" else None)
+                           control_plane=ETCD_PLANE if request.param == "etcd" else None,
+                           pause_dir=str(tmp_path_factory.mktemp("pause")))
     with DisaggCluster(config) as cluster:
         cluster.start_engine(cluster.spec("decode", "decode-1"))
         cluster.wait_for_stats(lambda s: all(s.engines.get(d, {}).get("alive") and
@@ -106,28 +113,42 @@ def test_a_family_follows_its_cached_prefix_while_the_decode_has_room(fleet):
         assert first.decode in ("decode-0", "decode-1")
         assert (first.cached_prefix_blocks, first.pulled_blocks) == (0, PROMPT_BLOCKS)
     home = {"A": a0.decode, "B": b0.decode}
+    served_home_a = sum(r.decode == home["A"] for r in (a0, b0))
 
     # later requests of a family, alone or two families at once, go home and pull only the rest
     for n in (1, 2):
         results = _generate(cluster, [prompt("A", n), prompt("B", n)], NEW)
         for family, result in zip("AB", results):
             assert result.decode == home[family], (plane, n, family, result)
+            served_home_a += result.decode == home["A"]
             assert (result.cached_prefix_blocks, result.pulled_blocks) == (PREFIX_BLOCKS,
                                                                            PROMPT_BLOCKS - PREFIX_BLOCKS)
 
-    # a long request of family A fills A's home; while it runs, the next one of A falls back
+    # a long request of family A fills A's home; while it runs (held there), the next one of A falls back
     client = cluster.client
     other = "decode-1" if home["A"] == "decode-0" else "decode-0"
-    blocker = client.submit(prompt("A", 3), BLOCKER_NEW)
-    cluster.wait_for_stats(lambda s: s.engines.get(home["A"], {}).get("free_blocks") == 0, timeout_s=30)
-    t0 = time.monotonic()
-    [fallback] = _generate(cluster, [prompt("A", 4)], NEW)
-    still_running = client.stats().engines.get(home["A"], {}).get("running", 0) > 0
+    # The blocker needs home's whole pool, so it is sent only once home's load figures say the
+    # pool is whole again: on etcd a prefill counts the blocks it routed to a decode until that
+    # decode's next figures, and a blocker sent at once went to the other decode (issue 26). Figures
+    # published after home's last commit (etcd counts commits; the coordinator's own count is exact).
+    cluster.wait_for_stats(lambda s: s.engines.get(home["A"], {}).get("free_blocks") == DECODE_BLOCKS
+                           and s.engines[home["A"]].get("running") == 0
+                           and s.engines[home["A"]].get("commits", served_home_a) >= served_home_a, timeout_s=20)
+    pause = os.path.join(cluster.config.pause_dir, home["A"])
+    open(pause, "w").close()
+    try:
+        blocker = client.submit(prompt("A", 3), BLOCKER_NEW)
+        cluster.wait_for_stats(lambda s: s.engines.get(home["A"], {}).get("free_blocks") == 0, timeout_s=30)
+        t0 = time.monotonic()
+        [fallback] = _generate(cluster, [prompt("A", 4)], NEW)
+        still_running = client.stats().engines.get(home["A"], {}).get("running", 0)
+    finally:
+        os.unlink(pause)
     [blocked] = client.collect([blocker], timeout_s=60)
     assert blocked.ok and blocked.decode == home["A"] and blocked.cached_prefix_blocks == PREFIX_BLOCKS
     assert blocked.tokens == generate_colocated([prompt("A", 3)], BLOCKER_NEW)[0].tokens
-    print(f"\n{plane}: fallback served by {fallback.decode} in {time.monotonic() - t0:.2f}s "
-          f"(blocker still running after it: {still_running})")
+    print(f"\n{plane}: fallback served by {fallback.decode} in {time.monotonic() - t0:.2f}s")
+    assert still_running == 1     # the blocker held its pool the whole time
     assert fallback.decode == other, (plane, fallback)
     assert (fallback.cached_prefix_blocks, fallback.pulled_blocks) == (0, PROMPT_BLOCKS)   # it never saw family A
 
