@@ -1,8 +1,8 @@
 """The control-plane operations of one handoff, counted on both planes (issue 22, item 6).
 
-A 1 x 1 plane-only fleet (``kvxfer.bench.fleet_sim``: the real ``EtcdPlane`` and
+A 1 x 1 plane-only fleet (``engine_integration.bench.fleet_sim``: the real ``EtcdPlane`` and
 ``CoordinatorPlane`` in real host processes, a real secured etcd, a real coordinator
-process) runs a few handoffs through ``kvxfer.bench.fleet_scale.run_point``, which counts
+process) runs a few handoffs through ``engine_integration.bench.fleet_scale.run_point``, which counts
 every etcd gateway call and every coordinator message in the window. The writes of a
 handoff and its messages are fixed by the protocol; a change that multiplies them (a
 second publish, a claim per poll, a message per block) fails here. Idle polls, keepalives
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.bench.fleet_scale import FleetPoint, run_point
+from engine_integration.bench.fleet_scale import FleetPoint, run_point
 
 from etcd_support import secured_etcd
 

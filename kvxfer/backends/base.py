@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
-from kvxfer.backends.staged import StagedHandle
+from kvxfer.backends.staged import StagedHandle, StagingPort
 from kvxfer.backends.staging import StagingArena, staging_bytes_from_env
 from kvxfer.backends.stats import TransferStats
 from kvxfer.backends.transfer import (  # the handle and request types: importable from here, the contract, too
@@ -295,7 +295,9 @@ class KVTransportBackend(ABC):
 
     def _start_pull(self, pull: "PullRequest") -> TransferHandle:
         if pull.staged:
-            return StagedHandle(self, pull)
+            port = StagingPort(arena=self._staging_arena, post_read=self._post_read, notify_source=self._notify_source,
+                               pool=self.memory_buffer, timeout_s=self.timeout_s)
+            return StagedHandle(port, pull)
         return self._post_read(pull)
 
     def _post_pulls(self, pulls: Sequence[Optional["PullRequest"]], request_id: RequestId) -> TransferHandle:

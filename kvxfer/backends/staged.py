@@ -19,17 +19,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from kvxfer.backends.staging import StagingArena
 from kvxfer.backends.transfer import PullRequest, TransferHandle, TransferStartError, TransferState
 from kvxfer.errors import TransferError
 from kvxfer.plan.staged_reshard import Placement, StagedChunk
 
-if TYPE_CHECKING:
-    from kvxfer.backends.base import KVTransportBackend
+
+@dataclasses.dataclass(frozen=True)
+class StagingPort:
+    """All a staged pull needs of its backend, and nothing more: the staging region (made on first
+    use), the transport's ordinary read, the source's notice, the pool the heads land in, the timeout."""
+
+    arena: Callable[[], StagingArena]
+    post_read: Callable[[PullRequest], TransferHandle]
+    notify_source: Callable[..., None]  # (peer_meta, request_id, failure=None)
+    pool: torch.Tensor
+    timeout_s: float
 
 
 #: Chunks a pull keeps posted at once: the next chunk's read overlaps the last one's placement.
@@ -49,9 +59,9 @@ class StagedHandle(TransferHandle):
 
     path = "staged"
 
-    def __init__(self, backend: "KVTransportBackend", pull: PullRequest) -> None:
-        super().__init__(pull.request_id, backend.timeout_s)
-        self._backend = backend
+    def __init__(self, port: StagingPort, pull: PullRequest) -> None:
+        super().__init__(pull.request_id, port.timeout_s)
+        self._port = port
         self._pull = pull
         self._chunks = list(pull.staged)
         self._next = 0
@@ -71,14 +81,14 @@ class StagedHandle(TransferHandle):
 
     def _post_next(self) -> bool:
         chunk = self._chunks[self._next]
-        arena = self._backend._staging_arena()
+        arena = self._port.arena()
         offset = arena.allocate(chunk.staging_bytes)
         if offset is None:
             return False
         sub = dataclasses.replace(self._pull, plan=chunk.read, staged=(), notify=False, report_failure=False,
                                   local_base=arena.base + offset)
         try:
-            part = self._backend._post_read(sub)
+            part = self._port.post_read(sub)
         except TransferStartError as exc:  # part of the read may be moving into that range
             if exc.storage_safe:
                 arena.release(offset, chunk.staging_bytes)
@@ -93,16 +103,16 @@ class StagedHandle(TransferHandle):
         return True
 
     def _place(self, posted: _Posted) -> None:
-        arena = self._backend._staging_arena()
+        arena = self._port.arena()
         staging = arena.view(posted.offset, posted.chunk.staging_bytes)
         for placement in posted.chunk.placements:
-            apply_placement(staging, self._backend.memory_buffer, placement)
+            apply_placement(staging, self._port.pool, placement)
         if staging.is_cuda:  # the range is reused only after the copy out of it has run
             torch.cuda.current_stream(staging.device).synchronize()
         arena.release(posted.offset, posted.chunk.staging_bytes)
 
     def _abort(self) -> bool:
-        arena = self._backend._staging_arena()
+        arena = self._port.arena()
         while self._posted:
             posted = self._posted.popleft()
             part = posted.part
@@ -118,7 +128,7 @@ class StagedHandle(TransferHandle):
     def _quarantine(self, offset: int, nbytes: int, parts: Sequence[TransferHandle]) -> None:
         """Keep a range whose read may still land out of use; the source hears once all are over."""
         self._reads_left += 1
-        self._backend._staging_arena().quarantine(
+        self._port.arena().quarantine(
             offset, nbytes, read_over=lambda: all(p.storage_safe for p in parts), on_reclaimed=self._one_read_over)
 
     def _one_read_over(self) -> None:
@@ -133,10 +143,10 @@ class StagedHandle(TransferHandle):
 
     def _on_done(self) -> None:
         if self._pull.notify:
-            self._backend._notify_source(self._pull.peer_meta, self.request_id)
+            self._port.notify_source(self._pull.peer_meta, self.request_id)
 
     def _tell_source(self) -> None:
-        self._backend._notify_source(self._pull.peer_meta, self.request_id, failure=self._failure_reason or "")
+        self._port.notify_source(self._pull.peer_meta, self.request_id, failure=self._failure_reason or "")
 
 
 def apply_placement(staging: torch.Tensor, pool: torch.Tensor, placement: Placement) -> None:

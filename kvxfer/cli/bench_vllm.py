@@ -1,0 +1,39 @@
+"""``kvxfer bench-vllm``: the command-line face of ``kvxfer.bench.vllm_bench`` (arguments in, usage errors
+as exit 2 before anything starts, a failed or token-unequal target as exit 1)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvxfer.bench.vllm_bench import TARGETS, check_args, render, run_vllm_bench
+from kvxfer.cli.args import int_at_least, writable_file
+from kvxfer.cli.errors import RunFailed, UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int_at_least(1), default=40, help="prompts per connector")
+    parser.add_argument("--min-tokens", type=int_at_least(1), default=64, help="shortest prompt, tokens")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=1024, help="longest prompt, tokens")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated, from {','.join(TARGETS)}")
+    parser.add_argument("--model", help="a local model directory (default: a tiny random Llama made in a temp dir)")
+    parser.add_argument("--json", type=writable_file, default="bench-results/vllm-bench.json",
+                        help="where to write the report")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts")
+
+
+def run_command(args: argparse.Namespace, console: Any) -> int:
+    problems = check_args(args)
+    if problems:
+        raise UsageError(*problems[0])
+    report = run_vllm_bench(args, progress=lambda line: console.print(line, highlight=False))
+    from kvxfer.bench.report import write_report
+
+    render(report, console)
+    path = write_report(report, args.json, console)
+    failed = [r["target"] for r in report["results"] if "error" in r or r["tokens_equal"] != r["tokens_total"]]
+    if failed:
+        raise RunFailed(f"bench-vllm: {', '.join(failed)} failed or gave tokens unlike co-located generation",
+                        f"see {path}")
+    return 0
