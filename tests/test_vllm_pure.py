@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -113,11 +114,11 @@ def test_config_errors_name_the_key():
     assert KvxferConfig.from_extra_config({"backend": "UCX", "kv_ip": "0.0.0.0"}).remote_host == "127.0.0.1"
 
 
-def layout(tp=1, heads=2, block=32):
+def layout(tp=1, heads=2, block=32, num_blocks=1024):
     return EngineLayout(model={"num_layers": 4, "num_kv_heads": heads, "head_size": 64, "dtype": "bfloat16",
                                "kv_dtype": "auto"}, tp_size=tp, pp_size=1, block_size=block,
-                        regions=({"layers": 4, "layer_shape": [1024, heads // tp, block, 128], "blocks_axis": 0,
-                                  "dtype": "bfloat16"},))
+                        regions=({"layers": 4, "layer_shape": [None, heads // tp, block, 128], "blocks_axis": 0,
+                                  "dtype": "bfloat16"},), num_blocks=num_blocks)
 
 
 def handshake_doc(key=None, lay=None):
@@ -183,8 +184,32 @@ def test_side_channel_serves_and_refuses():
             HandshakeListener("0.0.0.0", listener.port, lambda: doc, local_peers_only=True)
     finally:
         listener.close()
-    with pytest.raises(PeerMetadataError, match="no handshake"):
-        fetch_handshake("127.0.0.1", listener.port, 0.5)
+    started = time.monotonic()
+    with pytest.raises(PeerMetadataError, match="refused"):  # a closed port answers at once: no timeout waited
+        fetch_handshake("127.0.0.1", listener.port, 5.0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_ticket_block_ids_bounded():
+    """A forged ticket's id list is bounded by the tokens it claims before any id is walked: 2**20 ids
+    for 79 tokens are refused in far less than the 0.25 s a walk took."""
+    params = ticket(remote_block_ids=[list(range(1 << 20))])
+    started = time.perf_counter()
+    with pytest.raises(PeerMetadataError, match="more than the 4"):
+        parse_ticket(params, block_size=32)
+    with pytest.raises(PeerMetadataError, match="remote_num_tokens"):
+        parse_ticket(ticket(remote_num_tokens=10_000), block_size=32, max_tokens=len(PROMPT))
+    assert time.perf_counter() - started < 0.02
+    assert parse_ticket(ticket(remote_block_ids=[[1, 2, 3, 4]]), block_size=32).block_ids == (1, 2, 3, 4)
+
+
+def test_pools_of_different_sizes_are_compatible():
+    """vLLM sizes each pool by profiling: the number of blocks is not compared, everything else is."""
+    small, large = kv_regions({"l0": torch.zeros(100, 2, 32, 128)}, 100), kv_regions({"l0": torch.zeros(300, 2, 32, 128)}, 300)
+    assert small[0].signature == large[0].signature
+    check_compatible(layout(num_blocks=100), "nixl", parse_handshake(handshake_doc(lay=layout(num_blocks=300)), None))
+    with pytest.raises(LayoutError, match="model"):  # what a block holds still has to match
+        check_compatible(layout(heads=4, tp=2), "nixl", parse_handshake(handshake_doc(lay=layout(heads=2, tp=2)), None))
 
 
 def test_kv_regions_one_registration_for_layers_of_one_buffer():

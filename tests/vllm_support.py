@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import pytest
 
+from kvxfer.bench.vllm_control import REPO as REPO_ROOT
 from kvxfer.bench.vllm_control import VllmInstance, vllm_python
 
 BLOCK = 32
@@ -33,9 +34,9 @@ def make_model(directory: str) -> str:
 
 
 def start(name: str, model: str, *, role: str, cpu: str, extra: dict[str, Any], policy: str = "fail",
-          env: Optional[dict[str, str]] = None) -> VllmInstance:
+          env: Optional[dict[str, str]] = None, blocks: int = 1024) -> VllmInstance:
     args = ["--model", model, "--role", role, "--policy", policy, "--extra", json.dumps(extra), "--kv-port", "0",
-            "--block-size", str(BLOCK), "--blocks", "1024"]
+            "--block-size", str(BLOCK), "--blocks", str(blocks)]
     return VllmInstance(name, args, cpu=cpu, env=env)
 
 
@@ -90,3 +91,260 @@ def counters(instance: VllmInstance) -> dict[str, Any]:
 
 def delta(after: dict[str, Any], before: dict[str, Any], name: str) -> float:
     return after.get(name, 0) - before.get(name, 0)
+
+
+# --- connector-level real processes (no vLLM): a KV source, a handshake listener, a decode's Receiver ---------
+#
+# ``python -m tests.vllm_support source BACKEND BLOCKS [KEY_HEX]`` registers a KV pool shaped like vLLM's CPU layout
+# (4 layers of [blocks, 2 heads, 32 tokens, 128]) and a lease table with a real kvxfer backend, prints
+# ``{"pid", "kv", "lease", "layout"}`` on one line, and drains read-dones until stdin closes.
+# ``python -m tests.vllm_support listener DOC_BYTES`` serves a document of that size with the connector's
+# HandshakeListener (logging to stderr) and answers ``stats`` lines on stdin with its counters, RSS and fds.
+
+LAYERS, HEADS, HEAD2 = 4, 2, 128
+_MARK = "KVXFER-TEST-REPLY "  # transports log to stdout too
+
+
+def kv_pool(blocks: int):
+    """A pool in vLLM's CPU layout, block ``b`` of layer ``l`` filled with ``(7 * b + l) % 100``, and its regions."""
+    import torch
+
+    from kvxfer.integrations.vllm.kv_buffers import kv_regions
+
+    buffer = torch.zeros(LAYERS, blocks, HEADS, BLOCK, HEAD2, dtype=torch.bfloat16)
+    for layer in range(LAYERS):
+        buffer[layer] = (7 * torch.arange(blocks) + layer).remainder(100).view(-1, 1, 1, 1).to(torch.bfloat16)
+    regions = kv_regions({f"model.layers.{i}.attn": buffer[i] for i in range(LAYERS)}, blocks)
+    return buffer, regions
+
+
+def engine_layout(regions, blocks: int):
+    from kvxfer.integrations.vllm.handshake import EngineLayout
+    from kvxfer.integrations.vllm.kv_buffers import layout_signature
+
+    signature = layout_signature(regions, BLOCK)
+    return EngineLayout(model={"num_layers": LAYERS, "num_kv_heads": HEADS, "head_size": HEAD2 // 2,
+                               "dtype": "bfloat16", "kv_dtype": "auto"}, tp_size=1, pp_size=1, block_size=BLOCK,
+                        regions=tuple(signature["regions"]), num_blocks=blocks)
+
+
+def _source_main(backend_name: str, blocks: int, key_hex: str = "") -> None:
+    import os
+    import sys
+    import threading
+    import time as _time
+
+    import torch
+
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    _, regions = kv_pool(blocks)
+    cls = construct_kv_transfer_backend_class(backend_name)
+    first = cls(agent_name=f"src-{os.getpid()}", memory_buffer=regions[0].view, expected_num_blocks=blocks,
+                timeout_s=5.0, meta_key=bytes.fromhex(key_hex) if key_hex else None)
+    table = torch.zeros(64, dtype=torch.int64)
+    lease = first.new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
+    print(_MARK + json.dumps({"pid": os.getpid(), "kv": [first.export_meta()], "lease": lease.export_meta(),
+                      "layout": engine_layout(regions, blocks).to_dict()}), flush=True)
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    while not closed.is_set():
+        for source in (first, lease):
+            source.drain_read_done()
+            source.drain_read_failed()
+        _time.sleep(0.01)
+    lease.close()
+    first.close()
+
+
+def _listener_main(doc_bytes: int) -> None:
+    import logging
+    import os
+    import sys
+
+    from kvxfer.integrations.vllm.side_channel import HandshakeListener
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    document = json.dumps({"pad": "x" * doc_bytes}).encode()
+    listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=True)
+    print(_MARK + json.dumps({"port": listener.port}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            with open("/proc/self/status") as status:
+                rss_kib = next(int(x.split()[1]) for x in status if x.startswith("VmRSS:"))
+            print(_MARK + json.dumps({"served": listener.served, "junk": listener.junk, "dropped": listener.dropped,
+                              "open": listener.open_connections, "rss_mib": rss_kib / 1024,
+                              "fds": len(os.listdir("/proc/self/fd"))}), flush=True)
+    listener.close()
+
+
+class Child:
+    """A helper process of this module (``source`` / ``listener``), stopped, continued and closed by the test."""
+
+    def __init__(self, *args: str, env: Optional[dict[str, str]] = None, stderr: Any = None) -> None:
+        import os
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_support", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=str(REPO_ROOT),
+                                     env={**os.environ, **(env or {})})
+        self.info = self.ask(None)
+
+    def ask(self, line: Optional[str], timeout_s: float = 60.0) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+            if not ready:
+                raise AssertionError(f"helper {self.proc.args[3:]} did not answer within {timeout_s}s")
+            text = self.proc.stdout.readline()
+            if not text:
+                raise AssertionError(f"helper {self.proc.args[3:]} exited ({self.proc.wait()})")
+            if text.startswith(_MARK):
+                return json.loads(text[len(_MARK):])
+
+    def signal(self, sig: int) -> None:
+        import os
+
+        os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        import signal as _signal
+
+        if self.proc.poll() is None:
+            self.signal(_signal.SIGCONT)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=15)
+            except (subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+class Producer:
+    """A source process plus its handshake, served by this process (so the source can be stalled while the
+    listener answers: a TP worker behind its live scheduler), and tickets signed as a producer would."""
+
+    def __init__(self, stack: ExitStack, backend: str, blocks: int = 64, env: Optional[dict[str, str]] = None,
+                 cluster_key: Optional[bytes] = None) -> None:
+        import os
+
+        from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
+        from kvxfer.integrations.vllm.side_channel import HandshakeListener
+        from kvxfer.integrations.vllm.tickets import ticket_key
+
+        self.source = Child("source", backend, str(blocks), cluster_key.hex() if cluster_key else "", env=env)
+        stack.callback(self.source.close)
+        self.engine_id, self.instance, self.backend, self.blocks = f"eng-{os.urandom(4).hex()}", os.urandom(8).hex(), \
+            backend, blocks
+        self._instance_key = None if cluster_key else os.urandom(32)
+        self.key = ticket_key(cluster_key, self._instance_key)
+        self._leases = 0
+        document = build_handshake(engine_id=self.engine_id, instance=self.instance, backend=backend,
+                                   layout=EngineLayout.from_dict(self.source.info["layout"]),
+                                   ranks={0: {"kv": self.source.info["kv"], "lease": self.source.info["lease"]}},
+                                   ticket_key=self._instance_key, cluster_key=cluster_key)
+        self.listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=cluster_key is None)
+        stack.callback(self.listener.close)
+
+    def ticket(self, block_ids: list[int], request_id: str, num_tokens: Optional[int] = None) -> dict[str, Any]:
+        from kvxfer.integrations.vllm.tickets import sign_ticket
+
+        self._leases += 1
+        params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(block_ids)],
+                      remote_engine_id=self.engine_id, remote_request_id=request_id, remote_host="127.0.0.1",
+                      remote_port=self.listener.port, tp_size=1, remote_num_tokens=num_tokens or
+                      max(1, len(block_ids)) * BLOCK, transfer_mode="pull")
+        return sign_ticket(params, {"instance": self.instance, "slot": self._leases % 64, "lease": self._leases,
+                                    "backend": self.backend, "prompt": "0" * 64}, self.key)
+
+
+class Decode:
+    """A decode worker's receiving half, as ``KvxferWorker`` builds it, in this process."""
+
+    def __init__(self, stack: ExitStack, backend: str, blocks: int = 64, scratch_slots: int = 1025,
+                 transfer_timeout_s: float = 2.0, handshake_timeout_s: float = 5.0,
+                 cluster_key: Optional[bytes] = None) -> None:
+        import os
+
+        import torch
+
+        from kvxfer.backends import construct_kv_transfer_backend_class
+        from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_sources
+        from kvxfer.integrations.vllm.receiver import Receiver
+
+        self.buffer, regions = kv_pool(blocks)
+        self.buffer.zero_()
+        cls = construct_kv_transfer_backend_class(backend)
+        first = cls(agent_name=f"dst-{os.urandom(4).hex()}", memory_buffer=regions[0].view,
+                    expected_num_blocks=blocks, timeout_s=transfer_timeout_s, meta_key=cluster_key)
+        scratch = torch.zeros(scratch_slots, dtype=torch.int64)
+        self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch_slots)
+        stack.callback(first.close)
+        stack.callback(self.scratch_backend.close)
+
+        def prepare(handshake):
+            confirm_sources(handshake, 0, list(zip([first], handshake.rank_kv_metas[0])), self.scratch_backend,
+                            transfer_timeout_s)
+
+        self.handshakes = HandshakeCache(handshake_timeout_s, cluster_key, False, prepare)
+        stack.callback(self.handshakes.close)
+        self.receiver = Receiver(tp_rank=0, backend_name=backend, layout=engine_layout(regions, blocks),
+                                 regions=[first], scratch_backend=self.scratch_backend, scratch=scratch,
+                                 handshakes=self.handshakes, cluster_key=cluster_key,
+                                 handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=transfer_timeout_s)
+        self.longest_call_s = 0.0
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.done_at: dict[str, float] = {}
+
+    def submit(self, request_id: str, params: dict[str, Any], local_blocks: list[int], awaiting: bool = True) -> None:
+        from kvxfer.integrations.vllm.specs import LoadSpec
+
+        self._timed(self.receiver.submit, LoadSpec(request_id, params, tuple(local_blocks), 0, awaiting=awaiting))
+
+    def _timed(self, call, *args):
+        import time as _time
+
+        began = _time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.longest_call_s = max(self.longest_call_s, _time.perf_counter() - began)
+
+    def step(self) -> None:
+        """What an engine step does here: collect, and remember when each request was reported."""
+        import time as _time
+
+        finished, failed = self._timed(self.receiver.collect)
+        now = _time.monotonic()
+        for request_id in finished:
+            self.done_at[request_id] = now
+        self.finished |= finished
+        self.failed |= failed
+
+    def run_until(self, request_ids: set[str], timeout_s: float) -> float:
+        """Step every 5 ms until all ``request_ids`` are reported; the seconds it took."""
+        import time as _time
+
+        started = _time.monotonic()
+        while not request_ids <= self.finished:
+            if _time.monotonic() - started > timeout_s:
+                raise AssertionError(f"{sorted(request_ids - self.finished)} not reported within {timeout_s}s")
+            self.step()
+            _time.sleep(0.005)
+        return _time.monotonic() - started
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1] == "source":
+        _source_main(sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
+    elif sys.argv[1] == "listener":
+        _listener_main(int(sys.argv[2]))

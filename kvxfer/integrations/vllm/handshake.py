@@ -4,7 +4,9 @@ Built by the producer's scheduler from what each worker reported (``get_handshak
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
 (``check_compatible``): equal tensor parallelism, block size, model and per-block layout,
-or a refusal that names both sides' layouts. Pure, apart from JSON.
+or a refusal that names both sides' layouts. The pools' lengths (``num_blocks``) may differ:
+vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
+against the producer's ``num_blocks`` instead. Pure, apart from JSON.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Mapping, Optional
 from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
 
 
 @dataclass(frozen=True)
@@ -28,26 +30,28 @@ class EngineLayout:
     pp_size: int
     block_size: int
     regions: tuple[Mapping[str, Any], ...]  # kv_buffers.layout_signature()["regions"]
+    num_blocks: int = 0  # this instance's pool length: not compared, block ids are checked against it
 
     def describe(self) -> str:
         heads = self.model.get("num_kv_heads")
         per_rank = heads // self.tp_size if isinstance(heads, int) and self.tp_size else "?"
         shapes = ", ".join(str(tuple(r.get("layer_shape", ()))) for r in self.regions) or "none"
         return (f"TP {self.tp_size} x PP {self.pp_size}, {heads} KV heads ({per_rank} per rank), block_size "
-                f"{self.block_size}, per-layer KV {shapes} {self.model.get('kv_dtype')}")
+                f"{self.block_size}, per-layer KV {shapes} {self.model.get('kv_dtype')}, {self.num_blocks} blocks")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dict(self.model), "tp_size": self.tp_size, "pp_size": self.pp_size,
-                "block_size": self.block_size, "regions": [dict(r) for r in self.regions]}
+                "block_size": self.block_size, "regions": [dict(r) for r in self.regions],
+                "num_blocks": self.num_blocks}
 
     @classmethod
     def from_dict(cls, d: Any) -> "EngineLayout":
         if not isinstance(d, Mapping) or not isinstance(d.get("model"), Mapping) or not isinstance(d.get("regions"), list):
             raise PeerMetadataError("handshake field 'layout' is malformed")
         ints = {}
-        for name in ("tp_size", "pp_size", "block_size"):
+        for name in ("tp_size", "pp_size", "block_size", "num_blocks"):
             value = d.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 20:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 40:
                 raise PeerMetadataError(f"handshake layout field {name!r} must be a positive int, got {value!r:.40}")
             ints[name] = value
         return cls(model=dict(d["model"]), regions=tuple(r if isinstance(r, Mapping) else {} for r in d["regions"]),

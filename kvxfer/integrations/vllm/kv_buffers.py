@@ -13,7 +13,10 @@ do not are grouped by storage, one registration each.
 
 Whole blocks are read, so the layout inside a block (NHD, HND, K and V interleaved) does
 not matter as long as both sides have the same one; ``layout_signature`` is what the
-handshake compares.
+handshake compares. The number of blocks is not part of it: vLLM sizes each instance's
+pool by profiling its memory, so a prefill's and a decode's pools differ in length, and a
+block id is checked against the pool it names instead (the producer's ``num_blocks`` in the
+handshake, the backend's plan).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ class KVRegion:
 
     @property
     def signature(self) -> dict:
-        return {"layers": len(self.layers), "layer_shape": list(self.layer_shape), "blocks_axis": self.blocks_axis,
+        """What a peer's region must share for a block to mean the same bytes: everything but the pool's length."""
+        per_block = [None if i == self.blocks_axis else size for i, size in enumerate(self.layer_shape)]
+        return {"layers": len(self.layers), "layer_shape": per_block, "blocks_axis": self.blocks_axis,
                 "dtype": str(self.view.dtype).removeprefix("torch.")}
 
 
@@ -98,5 +103,7 @@ def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], n
 
 
 def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:
-    """What both sides must agree on for whole-block reads to be byte-exact."""
-    return {"block_size": block_size, "regions": [r.signature for r in regions]}
+    """What both sides must agree on for whole-block reads to be byte-exact (``layer_shape``
+    has ``None`` on the blocks axis), and this side's ``num_blocks``, which they need not."""
+    return {"block_size": block_size, "regions": [r.signature for r in regions],
+            "num_blocks": regions[0].view.shape[1] if regions else 0}

@@ -1,18 +1,26 @@
 """Decode worker: one load per request, from ticket to verified blocks, and what is reported.
 
-A load goes: check the ticket's schema (scheduler already checked the prompt digest) ->
-the producer's handshake (cached per engine, fetched on a background thread) -> the ticket's
-signature, instance and the two layouts -> one ``begin_pull_blocks`` per KV region (one on
-vLLM's CPU layout) with the producer's block ids from the ticket and the blocks vLLM
-allocated here, no read-done -> once every byte landed, one 8-byte read of the lease slot
-that carries the read-done -> ``lease_holds`` -> reported in ``finished_recving``.
+A load goes: check the ticket's schema (scheduler already checked the prompt digest; the
+block-id list is bounded by the tokens it claims before it is walked) and, with a cluster
+key, its signature -> the producer's handshake (``handshake_cache``: fetched and its metas
+confirmed off the engine's thread) -> the ticket's signature (without a cluster key: the
+key came in the handshake), instance, the two layouts, and the block ids against the
+producer's pool -> one ``begin_pull_blocks`` per KV region (one on vLLM's CPU layout) with
+the producer's block ids from the ticket and the blocks vLLM allocated here, no read-done
+-> once every byte landed, one 8-byte read of the lease slot that carries the read-done ->
+``lease_holds`` -> reported in ``finished_recving``.
+
+Nothing here waits on a peer: each call posts or polls and returns. The engine step pays
+the posting of its loads (local planning and the transport's post) plus at most
+``completion_spin_us`` of polling.
 
 Failures (``failed_recving``, which vLLM handles per ``kv_load_failure_policy``) are reported
 only when no byte can still land in the request's blocks: every handle ``storage_safe``.
 Until then the load is *quarantined*: not reported, so vLLM keeps the blocks allocated to
 the request (THE RULE, docs/reliability.md). Refusals happen before anything is posted.
 Every wait is bounded: handshakes by ``handshake_timeout_s``, transfers by the backend's
-``timeout_s`` (``transfer_timeout_s``).
+``timeout_s`` (``transfer_timeout_s``), a wait for a lease scratch slot by ``transfer_timeout_s``
+(``ScratchSlots``: a slot of a failed read comes back once that read is proven over).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,58 +35,68 @@ import torch
 
 from kvxfer.backends.base import TransferHandle, TransferStartError, abort_parts
 from kvxfer.errors import KVXferError, TransferError
-from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible, parse_handshake
+from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
+from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
 from kvxfer.integrations.vllm.leases import lease_holds
-from kvxfer.integrations.vllm.metadata import LoadSpec
-from kvxfer.integrations.vllm.side_channel import fetch_handshake
+from kvxfer.integrations.vllm.specs import LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
 _UNREAD = -(1 << 62)  # a scratch slot's value before the lease lands: never "holds"
-_RETRY_FAILED_HANDSHAKE_S = 2.0
 RECENT = 4096  # handoff records kept for stats()
 
 
-class HandshakeCache:
-    """Producers' handshakes by ``(engine_id, host, port)``: fetched once, off the engine's thread."""
+class ScratchSlots:
+    """The decode's lease scratch: one int64 slot per lease read in flight.
 
-    def __init__(self, timeout_s: float, cluster_key: Optional[bytes], allow_unauthenticated: bool) -> None:
-        self._timeout_s = timeout_s
-        self._key = cluster_key
-        self._allow = allow_unauthenticated
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-vllm-handshake")
-        self._entries: dict[tuple, tuple[Future, float]] = {}
-        self.fetches = 0
+    A slot follows its read: it is free again when the read completed, and when the read
+    failed only once no byte can still land in it (``storage_safe``); until then it is
+    quarantined with the handles that could still write it, and ``reclaim`` (every step)
+    returns it as soon as they are safe. A slot is never handed out while a byte may land.
+    """
 
-    def get(self, engine_id: str, host: str, port: int) -> Optional[Handshake]:
-        """The handshake, None while it is being fetched; raises what the fetch or check raised."""
-        key = (engine_id, host, port)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0].done() and entry[0].exception() is not None \
-                and time.monotonic() - entry[1] > _RETRY_FAILED_HANDSHAKE_S:
-            entry = None  # a failed fetch is retried for later requests
-        if entry is None:
-            self.fetches += 1
-            entry = self._entries[key] = (self._pool.submit(self._fetch, engine_id, host, port), time.monotonic())
-        future = entry[0]
-        if not future.done():
+    def __init__(self, scratch: torch.Tensor) -> None:
+        self.tensor = scratch
+        self._free = list(range(scratch.numel() - 1, -1, -1))
+        self._held: list[tuple[int, list[TransferHandle]]] = []
+        self.lost = 0  # slots a failed start left unsafe with nothing to ask: never reused
+
+    def take(self) -> Optional[int]:
+        if not self._free:
             return None
-        return future.result()
+        slot = self._free.pop()
+        self.tensor[slot] = _UNREAD
+        return slot
 
-    def _fetch(self, engine_id: str, host: str, port: int) -> Handshake:
-        handshake = parse_handshake(fetch_handshake(host, port, self._timeout_s), self._key,
-                                    allow_unauthenticated=self._allow)
-        if handshake.engine_id != engine_id:
-            raise KVXferError(f"{host}:{port} serves prefill engine {handshake.engine_id!r}, the ticket names "
-                              f"{engine_id!r}: the proxy paired the ticket with the wrong address")
-        return handshake
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
 
-    def invalidate(self, engine_id: str, host: str, port: int) -> None:
-        self._entries.pop((engine_id, host, port), None)
+    def quarantine(self, slot: int, handles: Sequence[TransferHandle]) -> None:
+        if handles:
+            self._held.append((slot, list(handles)))
+        else:
+            self.lost += 1
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def reclaim(self) -> int:
+        if not self._held:
+            return 0
+        still = [(slot, hs) for slot, hs in self._held if not all(h.storage_safe for h in hs)]
+        back = [slot for slot, hs in self._held if all(h.storage_safe for h in hs)]
+        self._held = still
+        self._free.extend(back)
+        if back:
+            logger.info("kvxfer vllm: %d lease scratch slot(s) back in use: no byte can land in them any more",
+                        len(back))
+        return len(back)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def quarantined(self) -> int:
+        return len(self._held)
 
 
 @dataclass
@@ -93,6 +110,8 @@ class _Load:
     lease: Optional[TransferHandle] = None
     slot: Optional[int] = None
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
+    verified: bool = False  # the ticket's signature checked (before the handshake, with a cluster key)
+    slot_wait: Optional[float] = None  # since when it waits for a scratch slot
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for "where did the time go"
     bytes: int = 0
     descriptors: int = 0
@@ -101,18 +120,18 @@ class _Load:
 class Receiver:
     def __init__(self, *, tp_rank: int, backend_name: str, layout: EngineLayout, regions: Sequence[Any],
                  scratch_backend: Any, scratch: torch.Tensor, handshakes: HandshakeCache,
-                 cluster_key: Optional[bytes], handshake_timeout_s: float, spin_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 cluster_key: Optional[bytes], handshake_timeout_s: float, transfer_timeout_s: float = 30.0,
+                 spin_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._tp_rank = tp_rank
         self._backend_name = backend_name
         self._layout = layout
         self._regions = list(regions)
         self._scratch_backend = scratch_backend
-        self._scratch = scratch
-        self._free_slots = list(range(scratch.numel() - 1, -1, -1))
+        self.slots = ScratchSlots(scratch)
         self._handshakes = handshakes
         self._cluster_key = cluster_key
         self._handshake_timeout_s = handshake_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
         self._spin_s = spin_s
         self._clock = clock
         self._loads: dict[str, _Load] = {}
@@ -135,6 +154,7 @@ class Receiver:
 
     def collect(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` since the last call (failed ones are in both)."""
+        self.slots.reclaim()
         for load in list(self._loads.values()):
             self._step(load)
         self._spin()
@@ -185,7 +205,10 @@ class Receiver:
             return self._refuse(load, spec.refusal)
         if load.ticket is None:
             try:
-                load.ticket = parse_ticket(spec.params)
+                load.ticket = parse_ticket(spec.params, block_size=self._layout.block_size)
+                if self._cluster_key is not None:  # checked before anything the ticket names is contacted
+                    load.ticket.verify(ticket_key(self._cluster_key, None))
+                    load.verified = True
             except KVXferError as exc:
                 return self._refuse(load, str(exc))
         ticket = load.ticket
@@ -203,7 +226,7 @@ class Receiver:
         if ticket.instance != handshake.instance:
             if not load.refetched:  # the producer restarted since we cached it: ask again once
                 load.refetched, load.handshake = True, None
-                self._handshakes.invalidate(ticket.engine_id, ticket.host, ticket.port)
+                self._handshakes.invalidate(ticket.host, ticket.port)
                 return None
             return self._refuse(load, f"kv_transfer_params name prefill instance {ticket.instance!r} but "
                                       f"{ticket.host}:{ticket.port} now runs {handshake.instance!r} (restarted): "
@@ -213,7 +236,8 @@ class Receiver:
             if key is None:
                 raise KVXferError("this decode has KVXFER_SECRET_FILE set but the prefill does not: configure the "
                                   "same cluster secret on both")
-            ticket.verify(key)
+            if not load.verified:
+                ticket.verify(key)
             if ticket.backend != self._backend_name:
                 raise KVXferError(f"the ticket was made for backend {ticket.backend!r}, this decode uses "
                                   f"{self._backend_name!r}")
@@ -231,6 +255,9 @@ class Receiver:
         if len(remote) < len(local):
             return self._refuse(load, f"the ticket names {len(ticket.block_ids)} blocks, the request needs blocks "
                                       f"{spec.first_block}..{spec.first_block + len(local) - 1}")
+        pool = handshake.layout.num_blocks
+        if remote and max(remote) >= pool:  # signed by the producer, but checked against what it serves
+            return self._refuse(load, f"the ticket names block {max(remote)}, the prefill's pool has {pool} blocks")
         if not local:
             return self._post_lease(load)
         self._post_data(load, remote, local)
@@ -266,18 +293,23 @@ class Receiver:
     def _post_lease(self, load: _Load) -> None:
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None
-        if not self._free_slots:
-            return None  # every scratch slot is in use: try again next step (bounded by the loads in flight)
-        slot = self._free_slots.pop()
-        self._scratch[slot] = _UNREAD
+        slot = self.slots.take()
+        if slot is None:  # every scratch slot is in use: try again next step, up to the transfer timeout
+            now = self._clock()
+            load.slot_wait = load.slot_wait if load.slot_wait is not None else now
+            if now - load.slot_wait <= self._transfer_timeout_s:
+                return None
+            return self._finish_failed(load, load.failing or (
+                f"no lease scratch slot came free within transfer_timeout_s={self._transfer_timeout_s}s "
+                f"({self.slots.quarantined} held by failed reads that may still land)"))
         try:
             load.lease = self._scratch_backend.begin_pull_blocks(
                 handshake.rank_lease_metas[self._tp_rank], [ticket.slot], [slot], request_id=ticket.request_id)
         except KVXferError as exc:
             if isinstance(exc, TransferStartError) and not exc.storage_safe:
-                pass  # the scratch slot stays out of use: a byte may still land there
+                self.slots.quarantine(slot, exc.cleanup_handles)  # back once those are safe
             else:
-                self._free_slots.append(slot)
+                self.slots.give_back(slot)
             return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
         load.slot = slot
         load.marks["lease_posted"] = self._clock()
@@ -290,10 +322,12 @@ class Receiver:
                 return None
         except TransferError as exc:
             if load.lease.storage_safe:
-                self._free_slots.append(load.slot)
+                self.slots.give_back(load.slot)
+            else:  # a byte may still land in the slot: it comes back when the read is proven over
+                self.slots.quarantine(load.slot, [load.lease])
             return self._finish_failed(load, load.failing or f"reading the lease of the prefill's blocks failed: {exc}")
-        seen = int(self._scratch[load.slot])
-        self._free_slots.append(load.slot)
+        seen = int(self.slots.tensor[load.slot])
+        self.slots.give_back(load.slot)
         if load.failing:
             return self._finish_failed(load, load.failing)
         if not lease_holds(seen, load.ticket.lease):

@@ -127,13 +127,12 @@ class KvxferScheduler:
         self._loads.append(LoadSpec(request.request_id, spec_params, local_ids, first, awaiting=True,
                                     refusal=self._prompt_refusal(request, spec_params)))
 
-    @staticmethod
-    def _prompt_refusal(request: "Request", params: dict[str, Any]) -> Optional[str]:
+    def _prompt_refusal(self, request: "Request", params: dict[str, Any]) -> Optional[str]:
         tokens = request.prompt_token_ids
         if tokens is None:
             return "the request has no prompt token ids (prompt embeds): its KV cannot be matched to a ticket"
         try:
-            parse_ticket(params).check_prompt(tokens)
+            parse_ticket(params, block_size=self.block_size, max_tokens=len(tokens)).check_prompt(tokens)
         except KVXferError as exc:
             return str(exc)
         return None

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvxfer.integrations.vllm.metadata import SendSpec
+from kvxfer.integrations.vllm.specs import SendSpec
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 

@@ -1,16 +1,29 @@
-"""A producer's handshake listener on ``kv_ip:kv_port``, and the decode's fetch from it.
+"""A producer's handshake listener on ``kv_ip:kv_port``, and the decode's fetches from it.
 
 The decode needs each prefill rank's ``export_meta()`` (its registered KV pool and lease
 table, with transport keys) once per producer instance, not per request: a meta is a few KB
 and would bloat every ``kv_transfer_params`` that a proxy carries. So, like NixlConnector's
-side channel, the producer's scheduler serves one sealed handshake document over ZeroMQ and
-decodes cache it per ``(engine_id, instance)``.
+side channel, the producer's scheduler serves one sealed handshake document and decodes
+cache it (``handshake_cache``).
+
+The wire is plain TCP, one question per connection: the decode sends ``REQUEST``, the
+producer answers with an 8-byte big-endian length and the JSON document (or
+``{"error": ...}``) and closes. Plain sockets, not ZeroMQ, because the listener is reachable
+by whoever can reach the port and must stay bounded against them, which needs what ZeroMQ
+hides: which connections are open (capped at ``MAX_CONNECTIONS``, the oldest dropped), how
+long each may stay (``CONNECTION_S``), and what is queued for a peer that does not read (at
+most one document per connection, a view of the one shared ``bytes``: nothing is copied per
+peer). Bytes that are not ``REQUEST`` close the connection with one log line (and at most
+one line per ``_JUNK_LOG_S`` for a flood), never a traceback.
+
+The decode side (``HandshakeFetcher``) multiplexes every fetch on one thread with its own
+deadline, so a producer that never answers (a closed port, a black-holed address, a stalled
+process) delays no fetch but its own.
 
 The document is sealed (and with a cluster secret signed) by ``kvxfer.security.meta_seal``;
 without a secret it also carries the instance's ticket key, so the listener answers only
 peers on its own host then (loopback), matching kvxfer's rule that unsigned metas are
-same-host only. Requests and replies are bounded in size; a malformed request gets an error
-reply, never a crash.
+same-host only.
 """
 
 from __future__ import annotations
@@ -18,123 +31,421 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
+import selectors
+import socket
+import struct
 import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
-
-import zmq
 
 from kvxfer.errors import PeerMetadataError
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
 MAX_HANDSHAKE_BYTES = 16 << 20
-_MAX_REQUEST_BYTES = 4096
-GET_HANDSHAKE = "kvxfer-vllm/get-handshake/1"
+REQUEST = b"KVXFER-VLLM-HANDSHAKE/2\n"
+#: Connections the listener keeps open at once; beyond it the oldest is closed.
+MAX_CONNECTIONS = 128
+#: A connection is closed this long after it was accepted, answered or not.
+CONNECTION_S = 5.0
+#: Fetches a decode runs at once (one per producer address, see ``handshake_cache``).
+MAX_FETCHES = 32
+_LENGTH = struct.Struct(">Q")
+_JUNK_LOG_S = 10.0
+
+
+def _frame(document: bytes) -> bytes:
+    return _LENGTH.pack(len(document)) + document
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    peer: str
+    since: float
+    asked: bytes = b""
+    reply: Optional[memoryview] = None
 
 
 class HandshakeListener:
-    """ROUTER socket on a background thread, answering ``GET_HANDSHAKE`` with ``document()``."""
+    """TCP listener on a background thread, answering ``REQUEST`` with ``document()`` (bounded, see the module)."""
 
-    def __init__(self, host: str, port: int, document: Callable[[], bytes], *, local_peers_only: bool) -> None:
+    def __init__(self, host: str, port: int, document: Callable[[], bytes], *, local_peers_only: bool,
+                 max_connections: int = MAX_CONNECTIONS, connection_s: float = CONNECTION_S) -> None:
         self._document = document
+        self._framed: tuple[Optional[bytes], bytes] = (None, b"")  # (document, its frame): framed once
         self._local_only = local_peers_only
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
-        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._max_connections = max_connections
+        self._connection_s = connection_s
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-            else:
-                self._sock.bind(f"tcp://{host}:{port}")
-                self.port = port
-        except zmq.ZMQError as exc:
+            self._sock.bind((host, port))
+        except OSError as exc:
             self._sock.close()
             raise OSError(
                 f"KvxferConnector cannot listen on {host}:{port} ({exc}); another vLLM instance on this host may "
                 "use it: give each producer its own kv_port (KVTransferConfig.kv_port, or 0 for a free port) "
                 "or kv_connector_extra_config 'kv_ip'"
             ) from None
+        self._sock.listen(128)
+        self._sock.setblocking(False)
+        self.port = self._sock.getsockname()[1]
         self.host = host
         self.served = 0
         self.refused = 0
+        self.junk = 0
+        self.dropped = 0  # connections closed because too many were open
+        self._junk_logged_at = -_JUNK_LOG_S
+        self._junk_unlogged = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._conns: dict[socket.socket, _Conn] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvxfer-vllm-handshake", daemon=True)
         self._thread.start()
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
     def _serve(self) -> None:
         while not self._stop.is_set():
-            try:
-                frames = self._sock.recv_multipart(copy=False)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError:
-                return
-            try:
-                self._answer(frames)
-            except Exception:  # a peer's bytes must never stop the listener
-                logger.exception("kvxfer vllm: handshake request failed")
+            timeout = None
+            if self._conns:
+                oldest = min(c.since for c in self._conns.values())
+                timeout = max(0.0, oldest + self._connection_s - time.monotonic())
+            for key, events in self._selector.select(timeout):
+                if key.fileobj is self._sock:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    return
+                else:
+                    conn = self._conns.get(key.fileobj)
+                    if conn is not None:
+                        try:
+                            self._on_ready(conn, events)
+                        except OSError:
+                            self._close(conn)
+            now = time.monotonic()
+            for conn in [c for c in self._conns.values() if now - c.since > self._connection_s]:
+                self._close(conn)
 
-    def _answer(self, frames: list) -> None:
-        if len(frames) != 3:
+    def _accept(self) -> None:
+        for _ in range(64):  # a burst of peers, without starving the open connections
+            try:
+                sock, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of fds, say: the peers wait in the backlog
+                logger.warning("kvxfer vllm: handshake listener cannot accept: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(self._conns) >= self._max_connections:
+                self.dropped += 1
+                self._close(min(self._conns.values(), key=lambda c: c.since))
+            conn = self._conns[sock] = _Conn(sock, str(address[0]), time.monotonic())
+            self._selector.register(sock, selectors.EVENT_READ)
+            if self._local_only and not _is_loopback(conn.peer):
+                self.refused += 1
+                self._reply(conn, json.dumps({"error": f"peer {conn.peer} is not on this host: without "
+                                                       "KVXFER_SECRET_FILE this producer serves its metas to "
+                                                       "same-host decodes only; configure the cluster secret on "
+                                                       "both sides"}).encode())
+
+    def _on_ready(self, conn: _Conn, events: int) -> None:
+        if conn.reply is not None:
+            if events & selectors.EVENT_WRITE:
+                self._send(conn)
             return
-        identity, request = frames[0].bytes, frames[2].bytes
-        peer = frames[2].get("Peer-Address") or ""
-        if self._local_only and not _is_loopback(peer):
-            self.refused += 1
-            reply = json.dumps({"error": f"peer {peer} is not on this host: without KVXFER_SECRET_FILE this producer "
-                                          "serves its metas to same-host decodes only; configure the cluster secret "
-                                          "on both sides"}).encode()
-        elif request != GET_HANDSHAKE.encode():
-            self.refused += 1
-            reply = json.dumps({"error": "unknown request (run the same kvxfer on both sides)"}).encode()
-        else:
+        chunk = conn.sock.recv(len(REQUEST) - len(conn.asked))
+        if not chunk:
+            return self._close(conn)
+        conn.asked += chunk
+        if not REQUEST.startswith(conn.asked):
+            return self._junk(conn)
+        if conn.asked == REQUEST:
             self.served += 1
-            reply = self._document()
-        self._sock.send_multipart([identity, b"", reply])
+            self._reply(conn, None)
+
+    def _reply(self, conn: _Conn, error: Optional[bytes]) -> None:
+        if error is not None:
+            frame = _frame(error)
+        else:
+            document = self._document()
+            if self._framed[0] is not document:
+                self._framed = (document, _frame(document))
+            frame = self._framed[1]
+        conn.reply = memoryview(frame)  # a view: a peer that never reads costs no copy
+        self._selector.modify(conn.sock, selectors.EVENT_WRITE)
+        self._send(conn)
+
+    def _send(self, conn: _Conn) -> None:
+        assert conn.reply is not None
+        try:
+            sent = conn.sock.send(conn.reply)
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.reply = conn.reply[sent:]
+        if not conn.reply:
+            self._close(conn)
+
+    def _junk(self, conn: _Conn) -> None:
+        """One line, rate-limited: a scanner or an old client is the peer's problem, not a traceback."""
+        self.junk += 1
+        now = time.monotonic()
+        if now - self._junk_logged_at >= _JUNK_LOG_S:
+            more = f" (and {self._junk_unlogged} more since the last such line)" if self._junk_unlogged else ""
+            logger.warning("kvxfer vllm: handshake listener: peer %s sent %r, not a KvxferConnector handshake request "
+                           "(another program, or a decode of another kvxfer version); connection closed%s", conn.peer,
+                           conn.asked[:16], more)
+            self._junk_logged_at, self._junk_unlogged = now, 0
+        else:
+            self._junk_unlogged += 1
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         self._thread.join(timeout=2.0)
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        self._selector.close()
         self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def _is_loopback(address: str) -> bool:
     try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
+        return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
     except ValueError:
         return False
 
 
-def fetch_handshake(host: str, port: int, timeout_s: float) -> dict[str, Any]:
-    """The producer's handshake document; ``PeerMetadataError`` when it cannot be had in time."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_BYTES)
-    try:
-        sock.connect(f"tcp://{host}:{port}")
-        sock.send(GET_HANDSHAKE.encode())
-        if not sock.poll(int(timeout_s * 1000)):
-            raise PeerMetadataError(
-                f"no handshake from the prefill instance at {host}:{port} within {timeout_s}s (dead, unreachable, "
-                "or not a KvxferConnector producer)"
-            )
-        raw = sock.recv()
-    except zmq.ZMQError as exc:
-        raise PeerMetadataError(f"handshake with the prefill instance at {host}:{port} failed: {exc}") from None
-    finally:
-        sock.close()
+def _decode(raw: bytes, where: str) -> dict[str, Any]:
     try:
         document = json.loads(raw)
     except ValueError:
-        raise PeerMetadataError(f"the prefill instance at {host}:{port} answered with a malformed handshake") from None
+        raise PeerMetadataError(f"the prefill instance at {where} answered with a malformed handshake") from None
     if not isinstance(document, dict):
-        raise PeerMetadataError(f"the prefill instance at {host}:{port} answered with a malformed handshake")
+        raise PeerMetadataError(f"the prefill instance at {where} answered with a malformed handshake")
     if "error" in document:
-        raise PeerMetadataError(f"the prefill instance at {host}:{port} refused the handshake: {document['error']!s:.300}")
+        raise PeerMetadataError(f"the prefill instance at {where} refused the handshake: {document['error']!s:.300}")
     return document
+
+
+@dataclass
+class _Fetch:
+    host: str
+    port: int
+    deadline: float
+    timeout_s: float
+    done: Callable[[Optional[dict], Optional[BaseException]], None]
+    address: str = ""
+    sock: Optional[socket.socket] = None
+    sent: int = 0
+    received: bytearray = field(default_factory=bytearray)
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class HandshakeFetcher:
+    """Every handshake fetch of one decode worker, multiplexed on one thread (see the module).
+
+    ``fetch`` never blocks; ``done(document, None)`` or ``done(None, error)`` is called on the
+    fetcher's thread within ``timeout_s`` (names that are not addresses are resolved on two
+    helper threads first). At most ``MAX_FETCHES`` run at once; more is refused at once.
+    """
+
+    def __init__(self, max_fetches: int = MAX_FETCHES) -> None:
+        self._max = max_fetches
+        self._incoming: deque[_Fetch] = deque()
+        self._active: dict[socket.socket, _Fetch] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+        self._resolver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-vllm-resolve")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvxfer-vllm-handshake-fetch", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        return self._count
+
+    def fetch(self, host: str, port: int, timeout_s: float,
+              done: Callable[[Optional[dict], Optional[BaseException]], None]) -> None:
+        with self._lock:
+            if self._count >= self._max:
+                raise PeerMetadataError(f"handshakes with {self._max} prefill addresses are already pending; "
+                                        f"{host}:{port} is not asked (too many unreachable producers named at once)")
+            self._count += 1
+        job = _Fetch(host, port, time.monotonic() + timeout_s, timeout_s, done)
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            self._resolver.submit(self._resolve, job)
+            return
+        self._enqueue(job, host.strip("[]"))
+
+    def _resolve(self, job: _Fetch) -> None:
+        try:
+            address = socket.getaddrinfo(job.host, job.port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            return self._finish(job, None, PeerMetadataError(f"cannot resolve prefill host {job.host!r}: {exc}"))
+        self._enqueue(job, address)
+
+    def _enqueue(self, job: _Fetch, address: str) -> None:
+        job.address = address
+        self._incoming.append(job)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        while not self._closed:
+            deadlines = [job.deadline for job in self._active.values()]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            for key, events in self._selector.select(timeout):
+                if key.fileobj is self._wake_r:
+                    try:
+                        self._wake_r.recv(4096)
+                    except OSError:
+                        pass
+                    continue
+                job = self._active.get(key.fileobj)
+                if job is not None:
+                    self._progress(job, events)
+            while self._incoming:
+                self._start(self._incoming.popleft())
+            now = time.monotonic()
+            for job in [j for j in self._active.values() if now >= j.deadline]:
+                self._finish(job, None, PeerMetadataError(
+                    f"no handshake from the prefill instance at {job.where} within {job.timeout_s}s (dead, "
+                    "unreachable, or not a KvxferConnector producer)"))
+
+    def _start(self, job: _Fetch) -> None:
+        address = job.address
+        try:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            job.sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            job.sock.setblocking(False)
+            job.sock.connect_ex((address, job.port))
+            self._active[job.sock] = job
+            self._selector.register(job.sock, selectors.EVENT_WRITE)
+        except OSError as exc:
+            self._finish(job, None, PeerMetadataError(f"handshake with the prefill instance at {job.where} "
+                                                      f"failed: {exc}"))
+
+    def _progress(self, job: _Fetch, events: int) -> None:
+        assert job.sock is not None
+        try:
+            if job.sent < len(REQUEST):
+                error = job.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise OSError(error, f"connect: {os.strerror(error)}")
+                job.sent += job.sock.send(REQUEST[job.sent:])
+                if job.sent == len(REQUEST):
+                    self._selector.modify(job.sock, selectors.EVENT_READ)
+                return
+            chunk = job.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._finish(job, None, PeerMetadataError(f"handshake with the prefill instance at {job.where} "
+                                                             f"failed: {exc.strerror or exc}"))
+        job.received += chunk
+        if len(job.received) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(job.received)
+            if length > MAX_HANDSHAKE_BYTES:
+                return self._finish(job, None, PeerMetadataError(
+                    f"the prefill instance at {job.where} announced a {length}-byte handshake (limit "
+                    f"{MAX_HANDSHAKE_BYTES})"))
+            if len(job.received) >= _LENGTH.size + length:
+                body = bytes(job.received[_LENGTH.size:_LENGTH.size + length])
+                try:
+                    document = _decode(body, job.where)
+                except PeerMetadataError as exc:
+                    return self._finish(job, None, exc)
+                return self._finish(job, document, None)
+        if not chunk:
+            self._finish(job, None, PeerMetadataError(f"the prefill instance at {job.where} closed the connection "
+                                                      "before its handshake was complete"))
+
+    def _finish(self, job: _Fetch, document: Optional[dict], error: Optional[BaseException]) -> None:
+        if job.sock is not None:
+            if self._active.pop(job.sock, None) is not None:
+                self._selector.unregister(job.sock)
+            job.sock.close()
+            job.sock = None
+        with self._lock:
+            self._count -= 1
+        try:
+            job.done(document, error)
+        except Exception:  # the callback's bug must not stop every other fetch
+            logger.exception("kvxfer vllm: handshake completion failed")
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2.0)
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        for sock in list(self._active):
+            sock.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def fetch_handshake(host: str, port: int, timeout_s: float) -> dict[str, Any]:
+    """One blocking fetch (tools and tests); ``PeerMetadataError`` when it cannot be had in time."""
+    fetcher = HandshakeFetcher(max_fetches=1)
+    result: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def done(document: Optional[dict], error: Optional[BaseException]) -> None:
+        result.update(document=document, error=error)
+        finished.set()
+
+    try:
+        fetcher.fetch(host, port, timeout_s, done)
+        finished.wait(timeout_s + 5.0)
+    finally:
+        fetcher.close()
+    if result.get("error") is not None:
+        raise result["error"]
+    if result.get("document") is None:
+        raise PeerMetadataError(f"no handshake from the prefill instance at {host}:{port} within {timeout_s}s")
+    return result["document"]
 
 
 def local_only_policy(cluster_secret: Optional[bytes]) -> bool:

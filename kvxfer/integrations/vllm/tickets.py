@@ -116,8 +116,11 @@ def _int(params: Mapping[str, Any], name: str, low: int, high: int) -> int:
     return value
 
 
-def block_ids_of(value: Any) -> tuple[int, ...]:
-    """``remote_block_ids`` as NixlConnector 0.32 writes it (one list per KV cache group) or flat."""
+def block_ids_of(value: Any, max_count: int = MAX_BLOCKS) -> tuple[int, ...]:
+    """``remote_block_ids`` as NixlConnector 0.32 writes it (one list per KV cache group) or flat.
+
+    The length is checked against ``max_count`` before any id is looked at: a forged list of
+    a million ids costs a ``len``, not a walk on the engine's thread."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(g, (list, tuple)) for g in value):
         if len(value) != 1:
             raise PeerMetadataError(
@@ -127,14 +130,21 @@ def block_ids_of(value: Any) -> tuple[int, ...]:
         value = value[0]
     if not isinstance(value, (list, tuple)) or len(value) > MAX_BLOCKS:
         raise PeerMetadataError("kv_transfer_params 'remote_block_ids' must be a list of block ids")
+    if len(value) > max_count:
+        raise PeerMetadataError(f"kv_transfer_params 'remote_block_ids' lists {len(value)} blocks, more than the "
+                                f"{max_count} that 'remote_num_tokens' can fill")
     for b in value:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 1 << 40:
             raise PeerMetadataError(f"kv_transfer_params 'remote_block_ids' holds {b!r:.40}, not a block id")
     return tuple(value)
 
 
-def parse_ticket(params: Any) -> Ticket:
-    """Schema-check a decode request's ``kv_transfer_params``; ``PeerMetadataError`` names the field."""
+def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: Optional[int] = None) -> Ticket:
+    """Schema-check a decode request's ``kv_transfer_params``; ``PeerMetadataError`` names the field.
+
+    ``remote_num_tokens`` is bounded by ``max_tokens`` (the decode's prompt, when known) and
+    the block-id list by the blocks those tokens fill (``block_size``, plus the one the
+    producer may have allocated for the token it sampled), checked before the ids are read."""
     if not isinstance(params, Mapping):
         raise PeerMetadataError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
     ticket = params.get(TICKET_FIELD)
@@ -149,14 +159,16 @@ def parse_ticket(params: Any) -> Ticket:
     digest = ticket.get("prompt")
     if not isinstance(digest, str) or len(digest) != 64:
         raise PeerMetadataError("kv_transfer_params 'kvxfer.prompt' must be a SHA-256 hex digest")
+    num_tokens = _int(params, "remote_num_tokens", 1, max_tokens if max_tokens else 1 << 40)
+    max_blocks = -(-num_tokens // block_size) + 1 if block_size else num_tokens + 1
     return Ticket(
         engine_id=_str(params, "remote_engine_id"),
         request_id=_str(params, "remote_request_id"),
         host=_str(params, "remote_host"),
         port=_int(params, "remote_port", 1, 65535),
         tp_size=_int(params, "tp_size", 1, 1 << 16),
-        block_ids=block_ids_of(params.get("remote_block_ids")),
-        num_tokens=_int(params, "remote_num_tokens", 1, 1 << 40),
+        block_ids=block_ids_of(params.get("remote_block_ids"), min(max_blocks, MAX_BLOCKS)),
+        num_tokens=num_tokens,
         instance=_str(ticket, "instance"),
         slot=_int(ticket, "slot", 0, (1 << 24) - 1),
         lease=_int(ticket, "lease", 1, (1 << 62)),

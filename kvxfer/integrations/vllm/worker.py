@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -20,10 +21,11 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.vllm.config import KvxferConfig
-from kvxfer.integrations.vllm.handshake import EngineLayout
+from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake
+from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_sources
 from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
-from kvxfer.integrations.vllm.receiver import HandshakeCache, Receiver
+from kvxfer.integrations.vllm.receiver import Receiver
 from kvxfer.integrations.vllm.sender import Sender
 from kvxfer.security.meta_seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
 
@@ -72,6 +74,8 @@ class KvxferWorker:
         self.layout: Optional[EngineLayout] = None
         self._handshake_payload: Optional[str] = None
         self._last_counters: dict[str, int] = {}
+        self._step_started: Optional[float] = None
+        self._step_hold_max_s = 0.0  # the longest engine step spent in this connector since the last stats()
 
     # --- start-up --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -80,7 +84,8 @@ class KvxferWorker:
         signature = layout_signature(regions, self.block_size)
         self.layout = EngineLayout(model=engine_model(self.vllm_config), tp_size=self.tp_size,
                                    pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
-                                   block_size=self.block_size, regions=tuple(signature["regions"]))
+                                   block_size=self.block_size, regions=tuple(signature["regions"]),
+                                   num_blocks=num_blocks)
         cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
         agent = f"vllm-{self.engine_id[:24]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
         common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
@@ -101,22 +106,35 @@ class KvxferWorker:
             scratch = torch.zeros(max(1024, min(num_blocks, 65536)) + 1, dtype=torch.int64)
             self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
             self.handshakes = HandshakeCache(self.cfg.handshake_timeout_s, self.cluster_key,
-                                             unauthenticated_metas_allowed_by_env())
+                                             unauthenticated_metas_allowed_by_env(), prepare=self._confirm_sources)
             self.receiver = Receiver(tp_rank=self.tp_rank, backend_name=self.cfg.backend_name, layout=self.layout,
                                      regions=self.backends, scratch_backend=self.scratch_backend, scratch=scratch,
                                      handshakes=self.handshakes, cluster_key=self.cluster_key,
                                      handshake_timeout_s=self.cfg.handshake_timeout_s,
+                                     transfer_timeout_s=self.cfg.transfer_timeout_s,
                                      spin_s=self.cfg.completion_spin_us / 1e6)
         total = sum(r.view.numel() * r.view.element_size() for r in regions)
         logger.info("kvxfer vllm: registered %d KV region(s) (%d layers, %.1f MiB, %d blocks) with the %s backend "
                     "as %r", len(regions), sum(len(r.layers) for r in regions), total / 2**20, num_blocks,
                     self.cfg.backend_name, agent)
 
+    def _confirm_sources(self, handshake: Handshake) -> None:
+        """On the handshake cache's pool, never the engine's thread: have the backend check (and
+        remember) every meta this rank will read through. ucx without a cluster key asks each
+        source process whether it exported its meta, which a stalled source answers only at the
+        timeout; done here, the reads later find the answer remembered."""
+        if handshake.backend != self.cfg.backend_name:
+            return  # refused with both names by check_compatible
+        confirm_sources(handshake, self.tp_rank, list(zip(self.backends, handshake.rank_kv_metas[self.tp_rank]))
+                        if self.tp_rank < len(handshake.rank_kv_metas) else [], self.scratch_backend,
+                        self.cfg.transfer_timeout_s)
+
     def handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
         return None if self._handshake_payload is None else KvxferHandshakeMetadata(self._handshake_payload)
 
     # --- every step ------------------------------------------------------------------------
     def start_load(self, metadata: KvxferConnectorMetadata) -> None:
+        self._step_started = time.perf_counter()
         for spec in metadata.sends:
             if self.sender is None:
                 logger.error("kvxfer vllm: asked to export request %s but this instance is not a kv producer",
@@ -132,18 +150,28 @@ class KvxferWorker:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)``."""
+        began = time.perf_counter()
         sent = self.sender.collect() if self.sender is not None else set()
         received, failed = self.receiver.collect() if self.receiver is not None else (set(), set())
+        ended = time.perf_counter()
+        # vLLM calls start_load then this, once per step: together, what the step spent here
+        held = ended - (self._step_started if self._step_started is not None else began)
+        self._step_started = None
+        self._step_hold_max_s = max(self._step_hold_max_s, held)
         return sent, received, failed
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters (for tests, ``kvxfer bench-vllm`` and operators via ``collective_rpc``)."""
-        out: dict[str, Any] = {"backend": self.cfg.backend_name, "tp_rank": self.tp_rank}
+        out: dict[str, Any] = {"backend": self.cfg.backend_name, "tp_rank": self.tp_rank,
+                               "step_hold_max_s": self._step_hold_max_s}
+        self._step_hold_max_s = 0.0
         if self.sender is not None:
             out.update(self.sender.counters, pins_held=self.sender.held)
         if self.receiver is not None:
             out.update(self.receiver.counters, loads_in_flight=self.receiver.in_flight,
-                       recent=list(self.receiver.recent), handshake_fetches=self.handshakes.fetches)
+                       recent=list(self.receiver.recent), handshake_fetches=self.handshakes.fetches,
+                       handshakes_cached=len(self.handshakes), scratch_free=self.receiver.slots.free,
+                       scratch_quarantined=self.receiver.slots.quarantined)
         out["transport"] = [b.stats() for b in self.backends]
         return out
 

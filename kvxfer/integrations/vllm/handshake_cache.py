@@ -1,0 +1,163 @@
+"""A decode worker's producers' handshakes: fetched once per address, checked, prepared, bounded.
+
+Whatever a ticket names is fetched only after the ticket verified where it can (a cluster
+key: ``receiver``), but without a key the ticket key comes *in* the handshake, so an
+unsigned ticket naming any address of this host still causes a fetch. What keeps such junk
+from delaying genuine loads, and from growing the process:
+
+- one entry, and at most one fetch, per address ``(host, port)``: 200 made-up engine ids
+  naming one address cost one fetch; an entry whose handshake names another engine than
+  the ticket refuses that ticket, nothing more;
+- fetches run concurrently on one thread (``side_channel.HandshakeFetcher``), each with its
+  own deadline, so a closed port (refused at once) or a silent address delays only itself;
+  at most ``MAX_FETCHES`` run at once, more is refused at once (a bounded queue);
+- at most ``max_entries`` addresses are kept, least recently used evicted first;
+- a failure is remembered for ``FAILED_KEPT_S``: the loads naming a dead or stalled
+  producer in that time are refused at once, without asking again.
+
+``prepare(handshake)`` runs after the handshake checked, on a small pool of its own, before
+any load uses it: the worker confirms the handshake's metas with the backend there (ucx
+without a cluster key asks each source process whether it exported its meta, up to 5 s for
+a stalled one), so no such wait ever happens on the engine's step thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from kvxfer.errors import KVXferError
+from kvxfer.integrations.vllm.handshake import Handshake, parse_handshake
+from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
+
+logger = logging.getLogger("kvxfer.integrations.vllm")
+
+#: A failed fetch (or confirmation) is not retried for this long.
+FAILED_KEPT_S = 3.0
+#: Producer addresses whose handshakes a decode worker keeps.
+MAX_ENTRIES = 64
+
+
+@dataclass
+class _Entry:
+    started: float
+    handshake: Optional[Handshake] = None
+    error: Optional[BaseException] = None
+    finished: Optional[float] = None  # set last, once the entry is final
+
+
+class HandshakeCache:
+    def __init__(self, timeout_s: float, cluster_key: Optional[bytes], allow_unauthenticated: bool,
+                 prepare: Optional[Callable[[Handshake], None]] = None, *, max_entries: int = MAX_ENTRIES,
+                 max_fetches: int = MAX_FETCHES, clock: Callable[[], float] = time.monotonic) -> None:
+        self._timeout_s = timeout_s
+        self._key = cluster_key
+        self._allow = allow_unauthenticated
+        self._prepare = prepare
+        self._max_entries = max_entries
+        self._clock = clock
+        self._fetcher = HandshakeFetcher(max_fetches)
+        self._preparing = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-vllm-confirm")
+        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self.fetches = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, engine_id: str, host: str, port: int) -> Optional[Handshake]:
+        """The handshake of the producer at ``host:port``, None while it is being fetched;
+        raises what the fetch, its checks or ``prepare`` raised, or when it names another engine."""
+        target = (host, port)
+        entry = self._entries.get(target)
+        if entry is not None and entry.finished is not None and entry.error is not None \
+                and self._clock() - entry.finished > FAILED_KEPT_S:
+            entry = None  # a failure is remembered for a while, then asked again
+        if entry is None:
+            entry = self._start(target)
+        self._entries.move_to_end(target)
+        if entry.finished is None:
+            return None
+        if entry.error is not None:
+            raise entry.error
+        assert entry.handshake is not None
+        if entry.handshake.engine_id != engine_id:
+            raise KVXferError(f"{host}:{port} serves prefill engine {entry.handshake.engine_id!r}, the ticket names "
+                              f"{engine_id!r}: the proxy paired the ticket with the wrong address")
+        return entry.handshake
+
+    def _start(self, target: tuple[str, int]) -> _Entry:
+        self._evict()
+        entry = _Entry(self._clock())
+        self.fetches += 1
+        self._fetcher.fetch(target[0], target[1], self._timeout_s,
+                            lambda document, error: self._fetched(entry, target, document, error))
+        self._entries[target] = entry
+        return entry
+
+    def _evict(self) -> None:
+        """Least recently used finished entries go first; pending ones are bounded by the fetcher."""
+        while len(self._entries) >= self._max_entries:
+            victim = next((t for t, e in self._entries.items() if e.finished is not None), None)
+            if victim is None:
+                return
+            del self._entries[victim]
+
+    def _fetched(self, entry: _Entry, target: tuple[str, int], document: Optional[dict],
+                 error: Optional[BaseException]) -> None:
+        """On the fetcher's thread: check the document (fast), then prepare it on the pool."""
+        if error is None:
+            try:
+                handshake = parse_handshake(document, self._key, allow_unauthenticated=self._allow)
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            return self._final(entry, None, error)
+        if self._prepare is None:
+            return self._final(entry, handshake, None)
+        try:
+            self._preparing.submit(self._prepared, entry, target, handshake)
+        except RuntimeError as exc:  # closed
+            self._final(entry, None, exc)
+
+    def _prepared(self, entry: _Entry, target: tuple[str, int], handshake: Handshake) -> None:
+        assert self._prepare is not None
+        try:
+            self._prepare(handshake)
+        except Exception as exc:
+            logger.warning("kvxfer vllm: prefill engine %s at %s:%d: its metas could not be confirmed: %s",
+                           handshake.engine_id, target[0], target[1], exc)
+            return self._final(entry, None, exc)
+        self._final(entry, handshake, None)
+
+    def _final(self, entry: _Entry, handshake: Optional[Handshake], error: Optional[BaseException]) -> None:
+        entry.handshake, entry.error = handshake, error
+        entry.finished = self._clock()
+
+    def invalidate(self, host: str, port: int) -> None:
+        entry = self._entries.get((host, port))
+        if entry is not None and entry.finished is not None:
+            del self._entries[(host, port)]
+
+    def close(self) -> None:
+        self._fetcher.close()
+        self._preparing.shutdown(wait=False, cancel_futures=True)
+
+
+def confirm_sources(handshake: Handshake, tp_rank: int, kv: list[tuple[Any, dict[str, Any]]], lease_backend: Any,
+                    timeout_s: float) -> None:
+    """Check each ``(backend, meta)`` the way its reads will, so that they find it remembered:
+    the backend's ``confirm_peer`` where it has one, else ``parse_peer_meta`` (which runs the
+    backend's source check once per meta and caches the result)."""
+    pairs = list(kv)
+    if lease_backend is not None and tp_rank < len(handshake.rank_lease_metas):
+        pairs.append((lease_backend, handshake.rank_lease_metas[tp_rank]))
+    for backend, meta in pairs:
+        confirm = getattr(backend, "confirm_peer", None)
+        if confirm is not None:
+            confirm(meta, timeout_s)
+        else:
+            backend.parse_peer_meta(meta)
