@@ -14,15 +14,22 @@ posts its receives (``begin_pull_blocks``) and sends its meta to the prefill, th
 prefill pushes (``begin_push_blocks(decode_meta, src_ids, request_id=...)``), both
 poll to completion; the prefill's read-done is its push completing
 (``drain_read_done``). The decode verifies exactly as for a pull.
+
+The two processes sign and check each other's metas with a key of their own: a fresh
+0600 secret file per run (``kvxfer.security.auth.new_secret_file``), its path handed to
+both, removed afterwards, unless ``$KVXFER_SECRET_FILE`` already names the cluster's. The
+first command a new user runs must not warn that its own metas are UNAUTHENTICATED.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -35,6 +42,7 @@ from kvxfer.harness.child import (
     DECODE_RANK, PREFILL_RANK, Child, ChildError, GroupSpec, Pipe, host_group, join_group, leave_group,
 )
 from kvxfer.plan.geometry import dtype_from_name, parse_geometry_meta
+from kvxfer.security.auth import SECRET_FILE_ENV, load_secret, new_secret_file, remove_secret_file
 
 SENTINEL = 0xA5  # what the decode pool holds before the pull
 CONTROL_TIMEOUT_S = 120.0
@@ -136,24 +144,41 @@ def untouched(pool: torch.Tensor, num_blocks: int, written: np.ndarray) -> bool:
     return bool((_slices(pool, num_blocks)[:, torch.from_numpy(others).to(pool.device)] == SENTINEL).all())
 
 
-def make_backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor, agent_name: Optional[str] = None) -> KVTransportBackend:
-    """Register ``pool`` (of ``cfg``'s shape) with ``cfg.backend``; the agent is ``loopback-<role>`` unless named."""
+def make_backend(cfg: LoopbackConfig, role: str, pool: torch.Tensor, agent_name: Optional[str] = None,
+                 key_file: Optional[str] = None) -> KVTransportBackend:
+    """Register ``pool`` (of ``cfg``'s shape) with ``cfg.backend``; the agent is ``loopback-<role>`` unless named.
+
+    ``key_file``: the metas' key (else ``$KVXFER_SECRET_FILE``'s, the backend's default)."""
     cls = construct_kv_transfer_backend_class(cfg.backend)
     return cls(
         agent_name or f"loopback-{role}", pool, cfg.pool_blocks,
         heads_per_partition=cfg.num_heads, head_dim=cfg.head_dim, tokens_per_block=cfg.tokens_per_block,
-        timeout_s=cfg.timeout_s,
+        timeout_s=cfg.timeout_s, meta_key=load_secret(secret_file=key_file) if key_file else None,
     )
+
+
+@contextmanager
+def run_key_file() -> Iterator[Optional[str]]:
+    """A fresh key file for one run's two processes (removed after it); ``None`` when
+    ``$KVXFER_SECRET_FILE`` names one already (both processes read it from there)."""
+    if os.environ.get(SECRET_FILE_ENV):
+        yield None
+        return
+    path = new_secret_file()
+    try:
+        yield path
+    finally:
+        remove_secret_file(path)
 
 
 class _Prefill:
     """The prefill role: owns the source pool, pins the request's blocks until read-done."""
 
-    def __init__(self, cfg: LoopbackConfig) -> None:
+    def __init__(self, cfg: LoopbackConfig, key_file: Optional[str] = None) -> None:
         self.cfg = cfg
         self.src_ids, _ = cfg.block_ids()
         self.pool = make_pool(cfg, random_seed=cfg.seed + 1)
-        self.backend = make_backend(cfg, "prefill", self.pool)
+        self.backend = make_backend(cfg, "prefill", self.pool, key_file=key_file)
         self.pinned: set[int] = set(int(b) for b in self.src_ids)
 
     def offer(self) -> dict[str, Any]:
@@ -186,10 +211,10 @@ class _Prefill:
         self.backend.close()
 
 
-def _prefill_process(pipe: Pipe, cfg: LoopbackConfig) -> None:
+def _prefill_process(pipe: Pipe, cfg: LoopbackConfig, key_file: Optional[str] = None) -> None:
     """Child process body: offer the blocks, wait for read-done, report. Failures reach
     the parent through the harness as this process's own error."""
-    prefill = _Prefill(cfg)
+    prefill = _Prefill(cfg, key_file)
     try:
         pipe.send("offer", prefill.offer())
         if not pipe.poll(CONTROL_TIMEOUT_S):
@@ -203,11 +228,11 @@ def _prefill_process(pipe: Pipe, cfg: LoopbackConfig) -> None:
         prefill.close()
 
 
-def _push_prefill_process(pipe: Pipe, cfg: LoopbackConfig, spec: GroupSpec) -> None:
+def _push_prefill_process(pipe: Pipe, cfg: LoopbackConfig, spec: GroupSpec, key_file: Optional[str] = None) -> None:
     """Child process body for a push backend: join the group, offer, push when the decode asks, report."""
     join_group(spec, PREFILL_RANK)
     try:
-        prefill = _Prefill(cfg)
+        prefill = _Prefill(cfg, key_file)
         try:
             pipe.send("offer", prefill.offer())
             if not pipe.poll(CONTROL_TIMEOUT_S):
@@ -277,16 +302,20 @@ def run_loopback(cfg: LoopbackConfig, on_phase: Optional[OnPhase] = None) -> Loo
     try:
         if construct_kv_transfer_backend_class(cfg.backend).is_push:
             result.direction = "push"
-            _run_push(cfg, result, phase)
+            with run_key_file() as key_file:
+                _run_push(cfg, result, phase, key_file)
             return result
         phase("allocating the decode pool")
         pool = make_pool(cfg, random_seed=None)
-        phase(f"registering the decode pool with {cfg.backend}")
-        decode = make_backend(cfg, "decode", pool)
         if cfg.backend == "local":
+            phase(f"registering the decode pool with {cfg.backend}")
+            decode = make_backend(cfg, "decode", pool)
             _run_in_process(cfg, decode, pool, result, phase)
         else:
-            _run_two_processes(cfg, decode, pool, result, phase)
+            with run_key_file() as key_file:
+                phase(f"registering the decode pool with {cfg.backend}")
+                decode = make_backend(cfg, "decode", pool, key_file=key_file)
+                _run_two_processes(cfg, decode, pool, result, phase, key_file)
     except ChildError as exc:
         result.error = str(exc)
         result.extra["child_traceback"] = exc.child_traceback
@@ -313,9 +342,9 @@ def _run_in_process(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch
 
 
 def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torch.Tensor, result: LoopbackResult,
-                       phase: OnPhase) -> None:
+                       phase: OnPhase, key_file: Optional[str] = None) -> None:
     phase("starting the prefill process")
-    with Child("prefill", _prefill_process, cfg) as prefill:
+    with Child("prefill", _prefill_process, cfg, key_file) as prefill:
         _, offer = prefill.recv(CONTROL_TIMEOUT_S, expected="offer")
         phase(f"pulling {cfg.request_blocks} blocks")
         try:
@@ -332,11 +361,11 @@ def _run_two_processes(cfg: LoopbackConfig, decode: KVTransportBackend, pool: to
         result.read_done_ok, result.read_done_s, result.freed_blocks = done["ok"], done["latency_s"], done["freed"]
 
 
-def _run_push(cfg: LoopbackConfig, result: LoopbackResult, phase: OnPhase) -> None:
+def _run_push(cfg: LoopbackConfig, result: LoopbackResult, phase: OnPhase, key_file: Optional[str] = None) -> None:
     """A push backend: both processes in one Gloo group; decode posts receives and asks, prefill pushes."""
     phase("starting the prefill process")
     store, spec = host_group(timeout_s=max(cfg.timeout_s, 60.0))
-    with Child("prefill", _push_prefill_process, cfg, spec) as prefill:
+    with Child("prefill", _push_prefill_process, cfg, spec, key_file) as prefill:
         phase("joining the process group")
         decode = None
         try:
@@ -344,7 +373,7 @@ def _run_push(cfg: LoopbackConfig, result: LoopbackResult, phase: OnPhase) -> No
             phase("allocating the decode pool")
             pool = make_pool(cfg, random_seed=None)
             phase(f"registering the decode pool with {cfg.backend}")
-            decode = make_backend(cfg, "decode", pool)
+            decode = make_backend(cfg, "decode", pool, key_file=key_file)
             _, offer = prefill.recv(CONTROL_TIMEOUT_S, expected="offer")
             ask = {"meta": decode.export_meta(), "request_id": offer["request_id"]}
             phase(f"receiving {cfg.request_blocks} pushed blocks")

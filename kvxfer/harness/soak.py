@@ -28,6 +28,7 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
 from kvxfer.errors import KVXferError
 from kvxfer.harness.child import Child, ChildError, Pipe
+from kvxfer.harness.loopback import run_key_file
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 CONTROL_TIMEOUT_S = 60.0
@@ -111,19 +112,23 @@ def _slices(pool: torch.Tensor, cfg: SoakConfig) -> torch.Tensor:
     return pool.view(torch.uint8).view(2 * cfg.num_layers, cfg.pool_blocks, -1)
 
 
-def _make_backend(cfg: SoakConfig, role: str, pool: torch.Tensor) -> KVTransportBackend:
+def _make_backend(cfg: SoakConfig, role: str, pool: torch.Tensor, key_file: Optional[str] = None) -> KVTransportBackend:
+    """``key_file``: the metas' key for a two-process run (``loopback.run_key_file``), else the environment's."""
+    from kvxfer.security.auth import load_secret
+
     cls = construct_kv_transfer_backend_class(cfg.backend)
-    return cls(f"soak-{role}", pool, cfg.pool_blocks, timeout_s=cfg.timeout_s)
+    return cls(f"soak-{role}", pool, cfg.pool_blocks, timeout_s=cfg.timeout_s,
+               meta_key=load_secret(secret_file=key_file) if key_file else None)
 
 
 class SoakPrefill:
     """Allocates, writes, pins, publishes; frees only on read-done (or a failure report)."""
 
-    def __init__(self, cfg: SoakConfig) -> None:
+    def __init__(self, cfg: SoakConfig, key_file: Optional[str] = None) -> None:
         self.cfg = cfg
         self.rng = np.random.default_rng(cfg.seed + 1)
         self.pool = torch.zeros(cfg.pool_shape, dtype=torch.bfloat16)
-        self.backend = _make_backend(cfg, "prefill", self.pool)
+        self.backend = _make_backend(cfg, "prefill", self.pool, key_file)
         self.generations = BlockGenerations(self.backend)
         self.free: deque[int] = deque(int(b) for b in self.rng.permutation(cfg.pool_blocks))
         self.pinned: dict[Any, list[int]] = {}
@@ -168,12 +173,12 @@ class SoakPrefill:
 class SoakDecode:
     """Reserves, pulls with the torn-read check, verifies every byte, frees."""
 
-    def __init__(self, cfg: SoakConfig, metas: dict[str, Any]) -> None:
+    def __init__(self, cfg: SoakConfig, metas: dict[str, Any], key_file: Optional[str] = None) -> None:
         self.cfg = cfg
         self.metas = metas
         self.rng = np.random.default_rng(cfg.seed + 2)
         self.pool = torch.zeros(cfg.pool_shape, dtype=torch.bfloat16)
-        self.backend = _make_backend(cfg, "decode", self.pool)
+        self.backend = _make_backend(cfg, "decode", self.pool, key_file)
         self.checker = GenerationChecker(self.backend)
         self.free: deque[int] = deque(int(b) for b in self.rng.permutation(cfg.pool_blocks))
         self.open: dict[Any, tuple[TransferHandle, list[int], int]] = {}
@@ -283,10 +288,10 @@ def _finish(report: SoakReport, prefill: dict[str, Any], decode: dict[str, Any])
     report.rss_growth_mib = {"prefill": prefill["rss_growth_mib"], "decode": decode["rss_growth_mib"]}
 
 
-def _prefill_process(pipe: Pipe, cfg: SoakConfig) -> None:
+def _prefill_process(pipe: Pipe, cfg: SoakConfig, key_file: Optional[str] = None) -> None:
     """Child: publish handoffs as read-dones free room; report at the end. Failures reach
     the parent through the harness as this process's own error."""
-    prefill = SoakPrefill(cfg)
+    prefill = SoakPrefill(cfg, key_file)
     pipe.send("metas", prefill.metas())
     deadline = time.monotonic() + max(60.0, cfg.handoffs * 0.5)
     while time.monotonic() < deadline:
@@ -302,11 +307,17 @@ def _prefill_process(pipe: Pipe, cfg: SoakConfig) -> None:
 
 
 def _soak_two_processes(cfg: SoakConfig, report: SoakReport, on_progress: OnProgress) -> None:
+    """The two processes sign and check metas with a key of this run's own (``loopback.run_key_file``)."""
+    with run_key_file() as key_file:
+        _soak_with_key(cfg, report, on_progress, key_file)
+
+
+def _soak_with_key(cfg: SoakConfig, report: SoakReport, on_progress: OnProgress, key_file: Optional[str]) -> None:
     decode = None
-    with Child("prefill", _prefill_process, cfg) as prefill:
+    with Child("prefill", _prefill_process, cfg, key_file) as prefill:
         try:
             _, metas = prefill.recv(CONTROL_TIMEOUT_S, expected="metas")
-            decode = SoakDecode(cfg, metas)
+            decode = SoakDecode(cfg, metas, key_file)
             prefill_report: Optional[dict[str, Any]] = None
 
             def next_handoff() -> Optional[dict[str, Any]]:
