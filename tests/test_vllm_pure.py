@@ -226,5 +226,8 @@ def test_kv_regions_one_registration_for_layers_of_one_buffer():
     assert len(regions) == 3 and regions[0].view.shape == (2, 100, 16 * 2 * 64)
     with pytest.raises(GeometryError, match="exactly one"):
         kv_regions({"l0": torch.zeros(100, 100, 4)}, 100)
-    with pytest.raises(GeometryError, match="not contiguous"):
-        kv_regions({"l0": torch.zeros(100, 8, 4).transpose(1, 2)}, 100)
+    with pytest.raises(GeometryError, match="not dense"):  # a strided slice: gaps between its elements
+        kv_regions({"l0": torch.zeros(100, 8, 4)[:, :, :2]}, 100)
+    # a permutation of a contiguous tensor (vLLM 0.32's NHD views) is dense: one block is one slice
+    (region,) = kv_regions({"l0": torch.zeros(100, 4, 8).transpose(1, 2)}, 100)
+    assert region.view.shape == (1, 100, 32) and region.signature["layout"] == "order021"

@@ -1,19 +1,23 @@
 """vLLM's per-layer KV tensors -> the fewest contiguous buffers kvxfer can register.
 
-``register_kv_caches`` receives one tensor per attention layer. On vLLM's CPU platform
-(0.32.0) each is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and all layers
-are views of one allocation, layer after layer (``KVCacheTensor.layer_stride``); on GPUs
-flash attention uses ``[2, num_blocks, block_size, heads, head_size]`` per layer, and
-allocations may be per layer. Nothing here assumes one of these: the blocks axis of each
-tensor is the one axis of size ``num_blocks`` (after vLLM's logical-to-kernel block split),
-everything after it is one block's slice, everything before it the outer index. Layers
-that tile one storage evenly become *one* view ``[num_layers * outer, num_blocks, slice]``,
-hence one registration and one descriptor run per block range for all layers; layers that
-do not are grouped by storage, one registration each.
+``register_kv_caches`` receives one tensor per attention layer. In vLLM 0.32 every platform
+hands 4-D views ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` of one allocation
+(``create_kv_cache_views``), strided by the resolved ``KVCacheLayout``: ``LBHNC`` (HND, the
+CPU backend's only layout; the views are contiguous) or ``LBNHC`` (NHD, which GPU backends
+may pick; the views are dense but not contiguous: heads and tokens are swapped in memory).
+Older flash attention used ``[2, num_blocks, block_size, heads, head_size]`` per layer, and
+allocations may be per layer. Nothing here assumes one of these: a tensor must be *dense*
+(some order of its axes is contiguous), its blocks axis is the one axis of size
+``num_blocks`` (after vLLM's logical-to-kernel block split), the axes after it in memory are
+one block's slice, those before it the outer index. Layers that tile one storage evenly
+become *one* view ``[num_layers * outer, num_blocks, slice]``, hence one registration and one
+descriptor run per block range for all layers; layers that do not are grouped by storage,
+one registration each. Block-outermost layouts (``BLHNC``: a block holds every layer's page)
+are not dense per layer and are refused.
 
 Whole blocks are read, so the layout inside a block (NHD, HND, K and V interleaved) does
 not matter as long as both sides have the same one; ``layout_signature`` is what the
-handshake compares. The number of blocks is not part of it: vLLM sizes each instance's
+handshake compares, the memory order of the axes (``layout``) included. The number of blocks is not part of it: vLLM sizes each instance's
 pool by profiling its memory, so a prefill's and a decode's pools differ in length, and a
 block id is checked against the pool it names instead (the producer's ``num_blocks`` in the
 handshake, the backend's plan).
@@ -38,13 +42,21 @@ class KVRegion:
     view: torch.Tensor
     layer_shape: tuple[int, ...]
     blocks_axis: int
+    memory_order: tuple[int, ...] = ()
+
+    @property
+    def layout(self) -> str:
+        """vLLM's name for a 0.32 view's layout (``LBHNC``/``LBNHC``), else the axes in memory order."""
+        if len(self.layer_shape) == 4 and self.blocks_axis == 0 and self.memory_order in ((0, 1, 2, 3), (0, 2, 1, 3)):
+            return "LBHNC" if self.memory_order == (0, 1, 2, 3) else "LBNHC"
+        return "order" + "".join(map(str, self.memory_order))
 
     @property
     def signature(self) -> dict:
         """What a peer's region must share for a block to mean the same bytes: everything but the pool's length."""
         per_block = [None if i == self.blocks_axis else size for i, size in enumerate(self.layer_shape)]
         return {"layers": len(self.layers), "layer_shape": per_block, "blocks_axis": self.blocks_axis,
-                "dtype": str(self.view.dtype).removeprefix("torch.")}
+                "layout": self.layout, "dtype": str(self.view.dtype).removeprefix("torch.")}
 
 
 def _blocks_axis(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
@@ -65,40 +77,54 @@ def kv_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[K
     by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
     shapes = set()
     for name, tensor in kv_caches.items():
-        if not tensor.is_contiguous():
-            raise GeometryError(
-                f"KV cache tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not "
-                "contiguous; KvxferConnector reads whole blocks of contiguous per-layer tensors"
-            )
-        shapes.add((tuple(tensor.shape), tensor.dtype))
+        order = memory_order(name, tensor)
+        shapes.add((tuple(tensor.shape), tuple(tensor.stride()), order, tensor.dtype))
         by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((name, tensor))
     if len(shapes) != 1:
         raise GeometryError(f"KV cache layers have different shapes/dtypes {sorted(map(str, shapes))}; "
                             "KvxferConnector supports one uniform attention group")
-    (shape, dtype), = shapes
+    (shape, _, order, dtype), = shapes
     regions = []
     for members in by_storage.values():
         members.sort(key=lambda item: item[1].data_ptr())
-        regions.extend(_tile(members, shape, num_blocks))
+        regions.extend(_tile(members, shape, order, num_blocks))
     regions.sort(key=lambda r: r.layers[0])
     return regions
 
 
-def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], num_blocks: int) -> list[KVRegion]:
+def memory_order(name: str, tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's axes from the largest stride to the smallest, if they tile its bytes densely
+    (contiguous, or a permutation of contiguous as vLLM's NHD views are); else ``GeometryError``."""
+    order = tuple(sorted(range(tensor.dim()), key=lambda i: (-tensor.stride(i), i)))
+    expected = 1
+    for axis in reversed(order):
+        if tensor.shape[axis] != 1 and tensor.stride(axis) != expected:
+            raise GeometryError(
+                f"KV cache tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not dense: "
+                "no order of its axes is contiguous (a block-outermost layout such as BLHNC interleaves layers "
+                "inside a block); KvxferConnector needs each layer's blocks as dense slices (LBHNC or LBNHC)"
+            )
+        expected *= tensor.shape[axis]
+    return order
+
+
+def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], order: tuple[int, ...],
+          num_blocks: int) -> list[KVRegion]:
     """One region for layers evenly spaced back to back in one storage; else one per layer."""
     first_name, first = members[0]
     axis = _blocks_axis(first_name, first, num_blocks)
     layer_bytes = first.numel() * first.element_size()
     back_to_back = all(t.data_ptr() - first.data_ptr() == i * layer_bytes for i, (_, t) in enumerate(members))
-    outer = math.prod(shape[:axis])
-    slice_elems = math.prod(shape[axis + 1:])
+    position = order.index(axis)
+    outer = math.prod(shape[i] for i in order[:position])
+    slice_elems = math.prod(shape[i] for i in order[position + 1:])
     groups = [members] if back_to_back else [[m] for m in members]
     out = []
     for group in groups:
         base = group[0][1]
         view = torch.empty(0, dtype=base.dtype, device=base.device)
         view.set_(base.untyped_storage(), base.storage_offset(), (len(group) * outer, num_blocks, slice_elems))
-        out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis))
+        out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis, order))
     return out
 
 

@@ -1,0 +1,68 @@
+"""Run with vLLM's Python: print, as JSON, what vLLM 0.32 itself computes for the TP tests.
+
+* ``mapping``: ``compute_tp_mapping`` (NixlConnector's source ranks, GQA dedup, readers per
+  prefill rank) for every (KV heads, prefill TP, decode TP, decode rank) of a grid, or the
+  assertion vLLM raises for the pair;
+* ``views``: the per-layer KV views ``create_kv_cache_views`` makes for each layout (shape,
+  strides, storage offset, in elements) from one allocation for all layers, as vLLM's GPU and
+  CPU workers allocate them.
+
+The tests rebuild those views on CPU tensors in kvxfer's own environment, so they exercise
+vLLM's real shapes and strides without importing vLLM there.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+
+def mapping() -> list[dict]:
+    out = []
+    for heads in (1, 2, 4, 8):
+        for src_tp in (1, 2, 4, 8):
+            for dst_tp in (1, 2, 4, 8):
+                for rank in range(dst_tp):
+                    topo = TransferTopology(tp_rank=rank, tp_size=dst_tp, block_size=16, engine_id="decode",
+                                            is_mla=False, is_mamba=False, total_num_kv_heads=heads, attn_backends=[])
+                    row = {"heads": heads, "src_tp": src_tp, "dst_tp": dst_tp, "rank": rank}
+                    try:
+                        m = compute_tp_mapping(topo, src_tp, (FullAttentionSpec,))
+                        row.update(sources=list(m.source_ranks_per_group[0]), consumers=m.local_consumers,
+                                   targets=topo.handshake_target_ranks(src_tp))
+                    except AssertionError as exc:
+                        row["error"] = str(exc)
+                    out.append(row)
+    return out
+
+
+def views(layout: str, layers: int, blocks: int, heads: int, block_size: int, head_size: int) -> list[dict]:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    lay = KVCacheLayout[layout]
+    if lay.is_layer_compact:
+        tensor = KVCacheTensor(size=page * blocks * layers, layers=[f"l{i}" for i in range(layers)],
+                               layer_stride=page * blocks, block_stride=page)
+    else:
+        tensor = KVCacheTensor(size=page * blocks * layers, layers=[f"l{i}" for i in range(layers)],
+                               layer_stride=page, block_stride=page * layers)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    return [{"shape": list(v.shape), "stride": list(v.stride()), "offset": (v.data_ptr() - raw.data_ptr()) // v.element_size(), "itemsize": v.element_size(),
+             "size": tensor.size // v.element_size()}
+            for v in create_kv_cache_views(raw, spec, blocks, lay, tensor)]
+
+
+if __name__ == "__main__":
+    geometry = dict(layers=3, blocks=7, block_size=4, head_size=8)
+    print(json.dumps({
+        "mapping": mapping(),
+        "views": {f"{layout}/{heads}": views(layout, heads=heads, **geometry)
+                  for layout in ("LBHNC", "LBNHC", "BLHNC") for heads in (1, 2, 4, 8)},
+        "geometry": geometry,
+    }))
