@@ -235,3 +235,34 @@ def test_block_outermost_layout_is_refused_by_name(facts):
     _, views = vllm_layers(facts, "BLHNC", 2)
     with pytest.raises(GeometryError, match="dense"):
         kv_regions({f"l{i}": v for i, v in enumerate(views)}, BLOCKS)
+
+
+# --- the handshake: different TP refused, with NixlConnector's reason where it has one ----------------
+
+def engine(tp: int, heads: int = 8, layout: str = "LBHNC"):
+    from kvxfer.integrations.vllm.handshake import EngineLayout
+    return EngineLayout(model={"num_layers": 4, "num_kv_heads": heads, "head_size": 64, "dtype": "bfloat16",
+                               "kv_dtype": "auto"}, tp_size=tp, pp_size=1, block_size=32,
+                        regions=({"layers": 4, "layer_shape": [None, max(1, heads // tp), 32, 128], "blocks_axis": 0,
+                                  "layout": layout, "dtype": "bfloat16"},), num_blocks=64)
+
+
+def producer(lay):
+    from kvxfer.integrations.vllm.handshake import build_handshake, parse_handshake
+    ranks = {r: {"kv": [{"m": r}], "lease": {"l": r}} for r in range(lay.tp_size)}
+    return parse_handshake(json.loads(build_handshake(engine_id="e1", instance="i1", backend="nixl", layout=lay,
+                                                      ranks=ranks, ticket_key=b"k" * 32, cluster_key=None)), None)
+
+
+def test_handshake_refuses_different_tp_naming_both_layouts():
+    from kvxfer.integrations.vllm.handshake import check_compatible
+    with pytest.raises(LayoutError) as info:  # mapped by NixlConnector, planned here, not posted yet
+        check_compatible(engine(4), "nixl", producer(engine(2)))
+    text = str(info.value)
+    assert "NixlConnector maps it, decode rank 0 reading heads 0..1 of prefill rank 0" in text
+    assert "prefill: TP 2 x PP 1, 8 KV heads (4 per rank)" in text and "decode: TP 4 x PP 1, 8 KV heads (2 per rank)" in text
+    with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*layout LBNHC.*layout LBHNC"):
+        check_compatible(engine(4), "nixl", producer(engine(2, layout="LBNHC")))
+    with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*replicates its KV heads"):
+        check_compatible(engine(1, heads=2), "nixl", producer(engine(4, heads=2)))
+    check_compatible(engine(2), "nixl", producer(engine(2)))  # equal TP: whole blocks, as before

@@ -4,7 +4,8 @@ Built by the producer's scheduler from what each worker reported (``get_handshak
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
 (``check_compatible``): equal tensor parallelism, block size, model and per-block layout,
-or a refusal that names both sides' layouts. The pools' lengths (``num_blocks``) may differ:
+or a refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason
+when it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
 against the producer's ``num_blocks`` instead. Pure, apart from JSON.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
+from kvxfer.integrations.vllm.tp_mapping import check_tp_pair, plan_rank_reads
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
@@ -125,6 +127,33 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
                      ticket_key)
 
 
+def layout_name(layout: EngineLayout) -> str:
+    """vLLM's layout name as the regions' signature carries it (``LBHNC``: HND, ``LBNHC``: NHD)."""
+    names = {str(r.get("layout", "?")) for r in layout.regions}
+    return names.pop() if len(names) == 1 else "/".join(sorted(names)) or "?"
+
+
+def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> str:
+    """Why different TP sizes are refused: NixlConnector's reason when it refuses the pair too
+    (``tp_mapping.check_tp_pair``), else that KvxferConnector does not read it yet, with the
+    reads NixlConnector would make for decode rank 0."""
+    heads = prefill.model.get("num_kv_heads")
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        return "tensor parallelism (no KV head count to map it with)"
+    try:
+        check_tp_pair(src_tp=prefill.tp_size, dst_tp=decode.tp_size, total_kv_heads=heads,
+                      src_layout=layout_name(prefill), dst_layout=layout_name(decode),
+                      src_block_size=prefill.block_size, dst_block_size=decode.block_size)
+        reads = plan_rank_reads(dst_rank=0, dst_tp=decode.tp_size, src_tp=prefill.tp_size, total_kv_heads=heads).reads
+    except LayoutError as exc:
+        return f"tensor parallelism, refused as NixlConnector refuses it ({exc})"
+    mapped = ", ".join(f"heads {r.src_head}..{r.src_head + r.num_heads - 1} of prefill rank {r.src_rank}"
+                       for r in reads)
+    return (f"tensor parallelism (prefill TP {prefill.tp_size}, decode TP {decode.tp_size}: NixlConnector maps it, "
+            f"decode rank 0 reading {mapped}; KvxferConnector plans these reads (tp_mapping, head_runs) but does "
+            "not post them yet)")
+
+
 def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake) -> None:
     """``LayoutError`` naming both layouts unless whole blocks can be read byte for byte."""
     if remote.backend != local_backend:
@@ -134,9 +163,10 @@ def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake)
     problems = []
     if theirs.model != local.model:
         problems.append("model")
-    if theirs.tp_size != local.tp_size or theirs.pp_size != local.pp_size:
-        problems.append("tensor/pipeline parallelism (KvxferConnector reads whole blocks between equal layouts; "
-                        "resharding across TP sizes is not supported in vLLM)")
+    if theirs.pp_size != local.pp_size:
+        problems.append("pipeline parallelism")
+    if theirs.tp_size != local.tp_size:
+        problems.append(tp_problem(theirs, local))
     if theirs.block_size != local.block_size:
         problems.append("block_size")
     if not problems and [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
