@@ -6,15 +6,17 @@ Layers, bottom up (one job per module):
   adapter       ``HandoffEngineAdapter``: what the state machines need from an engine
   source        prefill side: pin, publish, release on read-done / safe failure
   sink          decode side: FIFO reserve, cached prefix, pull, quarantine, admit
-  engine        ``StateHandoffDynamicInferenceEngine``; ``DisaggDynamicInferenceEngine``, which
-                takes a control plane object
+  reference_adapter  ``ReferenceEngineAdapter``: the reference engine as ``source``/``sink`` see it
+  handoff_engine  ``InferenceStateHandoffMixin``, ``StateHandoffDynamicInferenceEngine`` (no plane)
+  disagg_engine ``DisaggDynamicInferenceEngine``, which takes a control plane object
+  engine        the engines' public names, re-exported (``engine_integration.engine.DisaggDynamicInferenceEngine``)
   control_plane the interface (``base``), the policy written once (``policy``: compatibility,
                 admission, routing) and one package per plane: ``zmq/`` (a coordinator
                 process) and ``etcd/`` (state in etcd, no coordinator)
   worker, procs, launch   engine host processes, ``DisaggCluster`` (either plane), ``kvxfer generate``
   reference/    a small Llama-style engine with a paged KV cache (the test bed)
 
-Nothing below ``engine`` imports it, and no control-plane package imports the engine: a
+Nothing below the engines imports them, and no control-plane package imports the engine: a
 plane sees the engine only through ``control_plane.base.PlaneEngine``. Names are imported
 lazily so the coordinator process never imports torch.
 """
@@ -32,8 +34,8 @@ _EXPORTS = {
     "HandoffSource": "engine_integration.source",
     "HandoffSink": "engine_integration.sink",
     "SinkEvent": "engine_integration.sink",
-    "StateHandoffDynamicInferenceEngine": "engine_integration.engine",
-    "DisaggDynamicInferenceEngine": "engine_integration.engine",
+    "StateHandoffDynamicInferenceEngine": "engine_integration.handoff_engine",
+    "DisaggDynamicInferenceEngine": "engine_integration.disagg_engine",
     "RegistrationRefused": "engine_integration.control_plane.base",
     "ControlPlane": "engine_integration.control_plane.base",
     "GenerationResult": "engine_integration.control_plane.base",

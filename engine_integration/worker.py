@@ -65,7 +65,7 @@ def build_engine(spec: EngineSpec, plane_url: str) -> Any:
     reached the plane alone would leave every meta unsigned.
     """
     from engine_integration.control_plane import open_control_plane
-    from engine_integration.engine import DisaggDynamicInferenceEngine
+    from engine_integration.disagg_engine import DisaggDynamicInferenceEngine
     from engine_integration.reference import build_reference_engine
     from kvxfer.security.auth import SECRET_FILE_ENV
 

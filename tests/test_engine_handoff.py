@@ -11,7 +11,8 @@ from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.policy import compatibility_problem
 from engine_integration.control_plane.zmq.coordinator import member
 from engine_integration.descriptor import HandoffDescriptor
-from engine_integration.engine import StateHandoffDynamicInferenceEngine, _EngineAdapter
+from engine_integration.handoff_engine import StateHandoffDynamicInferenceEngine
+from engine_integration.reference_adapter import ReferenceEngineAdapter
 from engine_integration.launch import generate_colocated
 from engine_integration.poll import KVPoll
 from engine_integration.reference import BlockAllocator, ModelConfig, block_hashes, build_reference_engine
@@ -139,7 +140,7 @@ class _StubBackend:
 def test_failed_pull_quarantines_blocks_until_storage_safe():
     engine = build_reference_engine(MODEL, 8, engine_cls=StateHandoffDynamicInferenceEngine)
     handle = _FailingHandle()
-    sink = HandoffSink(_EngineAdapter(engine), _StubBackend(handle), lambda src, i: {"stub": True})
+    sink = HandoffSink(ReferenceEngineAdapter(engine), _StubBackend(handle), lambda src, i: {"stub": True})
     d = HandoffDescriptor(7, "p0", 0, (0, 1, 2), tuple(block_hashes(list(range(9)), 4)), tuple(range(9)), (5,))
     sink.submit(d, 4)
     [event] = sink.step()  # reserved, posted, polled: failed
@@ -155,7 +156,7 @@ def test_failed_pull_quarantines_blocks_until_storage_safe():
 def test_source_releases_on_read_done_or_safe_failure_once():
     engine = build_reference_engine(MODEL, 8, engine_cls=StateHandoffDynamicInferenceEngine)
     backend = _StubBackend()
-    source = HandoffSource(_EngineAdapter(engine), backend, "p0")
+    source = HandoffSource(ReferenceEngineAdapter(engine), backend, "p0")
     blocks = engine.context.allocator.allocate(2)
     d = source.export(1, blocks, list(range(6)), [3])
     engine.context.allocator.release(blocks)

@@ -4,7 +4,7 @@
 pair that the disaggregation engines are built on, the way Megatron's engines take a
 ``TextGenerationController`` and a ``DynamicInferenceContext``. ``ReferenceDynamicEngine``
 is the co-located engine (prefill and decode in one pool); the handoff engines in
-``engine_integration.engine`` extend it.
+``engine_integration.handoff_engine`` and ``disagg_engine`` extend it.
 """
 
 from __future__ import annotations
