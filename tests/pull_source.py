@@ -8,10 +8,15 @@ received since the last drain) until stdin closes.
 
 Pools are cut from a seeded global tensor (``global_kv``), so the test rebuilds every
 expected byte itself and nothing but metas crosses the pipe.
+
+``python -m tests.pull_source --read SPEC`` is the other side: a reader (decode) process with
+an empty pool, one that a test can SIGKILL mid-read (``ReaderProcess``). It answers ``pull``,
+``post``, ``close`` and ``stat`` lines (JSON) with one ``OK <json>`` or ``ERR <message>`` line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -39,6 +44,7 @@ class SourceSpec:
     pp_rank: int = 0
     global_rank: int = 0
     ucx_tls: Optional[str] = None
+    device: str = "cpu"  # where the source's pool lives ("cuda:0" for the VRAM tests)
 
     @property
     def num_blocks(self) -> int:
@@ -51,6 +57,12 @@ class SourceSpec:
         return dict(tp_size=self.tp_size, tp_rank=self.tp_rank, num_kv_heads_global=heads, global_rank=self.global_rank,
                     pp_size=self.pp_size, pp_rank=self.pp_rank, num_layers_global=layers, layer_start=start,
                     layer_end=end, head_dim=self.shape[5], tokens_per_block=self.shape[3])
+
+
+def child_pythonpath() -> str:
+    """This checkout first, then whatever the caller had (the GPU kit installs kvxfer's dependencies
+    into a folder named only by ``PYTHONPATH``)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def global_kv(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -73,7 +85,8 @@ def serve(spec: SourceSpec) -> None:
     from kvxfer.backends import construct_kv_transfer_backend_class
 
     cls = construct_kv_transfer_backend_class(spec.backend)
-    backend = cls(spec.name, shard(spec, global_kv(spec.shape, spec.seed)), spec.num_blocks, **spec.layout_kwargs())
+    pool = shard(spec, global_kv(spec.shape, spec.seed)).to(spec.device)
+    backend = cls(spec.name, pool, spec.num_blocks, **spec.layout_kwargs())
     print("READY " + json.dumps(backend.export_meta()), flush=True)
     for line in sys.stdin:
         if line.strip() == "drain":
@@ -88,12 +101,165 @@ def serve(spec: SourceSpec) -> None:
     backend.close()
 
 
+def pool_digest(pool: torch.Tensor) -> str:
+    """SHA-256 of a pool's bytes: how a reader process proves it read byte-exact."""
+    return hashlib.sha256(pool.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def read(spec: SourceSpec) -> None:
+    """The reader loop (see the module docstring): pulls into a zeroed pool of ``spec``'s shape."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    cls = construct_kv_transfer_backend_class(spec.backend)
+    pool = torch.zeros(shard(spec, global_kv(spec.shape, 0)).shape, dtype=torch.bfloat16)
+    backend = cls(spec.name, pool, spec.num_blocks, timeout_s=30.0, **spec.layout_kwargs())
+    handles: list[Any] = []
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            if command["op"] in ("pull", "post"):
+                handle = backend.begin_pull_blocks(command["meta"], command["src"], command["dst"],
+                                                   request_id=command.get("request_id"))
+                handles.append(handle)
+                if command["op"] == "pull":
+                    handle.wait(command.get("timeout_s", 30.0))
+                reply: Any = {"sha256": pool_digest(pool)}
+            elif command["op"] == "close":
+                backend.close()
+                reply = {}
+            elif command["op"] == "fds":
+                reply = {"fds": len(os.listdir("/proc/self/fd"))}
+            else:
+                raise ValueError(f"unknown op {command['op']!r}")
+        except Exception as exc:  # told to the test, which decides
+            print(f"ERR {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+            continue
+        print("OK " + json.dumps(reply), flush=True)
+
+
+class ReaderProcess:
+    """The test's handle on one reader process: ask it to pull or close, SIGKILL it."""
+
+    def __init__(self, spec: SourceSpec, env: Optional[dict[str, str]] = None) -> None:
+        full = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
+        full.pop("UCX_TLS", None)
+        if spec.ucx_tls:
+            full["UCX_TLS"] = spec.ucx_tls
+        self.spec = spec
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pull_source", "--read", json.dumps(asdict(spec))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full, cwd=ROOT)
+        self._line(("READY",))
+
+    def _line(self, prefixes: tuple[str, ...]) -> str:
+        """The next line that starts with one of ``prefixes`` (NIXL logs to stdout too)."""
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"reader {self.spec.name} exited ({self.proc.poll()})")
+            if line.startswith(prefixes):
+                return line
+
+    def ask(self, op: str, **fields: Any) -> Any:
+        """One command; its ``OK`` payload, or ``RuntimeError`` with the reader's error."""
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        line = self._line(("OK ", "ERR "))
+        if line.startswith("OK "):
+            return json.loads(line[3:])
+        raise RuntimeError(f"reader {self.spec.name}: {line.strip()}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def fork_server() -> None:
+    """``--fork-server``: one process with torch and kvxfer imported (no backend: UCX must not be
+    initialised before a fork) forks a source per spec line on stdin. The child registers its pool,
+    prints ``META <pid> <json>`` and sleeps until killed: sources that start in milliseconds,
+    for tests that meet dozens of them. Children are reaped by the kernel (SIGCHLD ignored)."""
+    import signal as _signal
+
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        raw = json.loads(line)
+        spec = SourceSpec(**{**raw, "shape": tuple(raw["shape"])})
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            try:
+                backend = construct_kv_transfer_backend_class(spec.backend)(
+                    spec.name, shard(spec, global_kv(spec.shape, spec.seed)), spec.num_blocks, **spec.layout_kwargs())
+                print(f"META {os.getpid()} " + json.dumps(backend.export_meta()), flush=True)
+            finally:
+                os.write(ready_w, b"x")
+            while True:
+                time.sleep(3600)
+        os.close(ready_w)
+        os.read(ready_r, 1)  # one child prints at a time
+        os.close(ready_r)
+
+
+class ForkedSources:
+    """The test's handle on a ``--fork-server``: ``start(spec)`` -> (pid, meta)."""
+
+    def __init__(self, ucx_tls: Optional[str] = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("UCX_TLS", None)
+        if ucx_tls:
+            env["UCX_TLS"] = ucx_tls
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pull_source", "--fork-server", "{}"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.pids: list[int] = []
+        self._next_line("READY")
+
+    def _next_line(self, prefix: str) -> str:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the fork server exited ({self.proc.poll()})")
+            if line.startswith(prefix):
+                return line[len(prefix):]
+
+    def start(self, spec: SourceSpec) -> tuple[int, dict[str, Any]]:
+        self.proc.stdin.write(json.dumps(asdict(spec)) + "\n")
+        self.proc.stdin.flush()
+        pid, meta = self._next_line("META ").split(" ", 1)
+        self.pids.append(int(pid))
+        return int(pid), json.loads(meta)
+
+    def close(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
 class SourceProcess:
     """The test's handle on one source process: its meta, its notices, SIGSTOP/SIGCONT/SIGKILL."""
 
     def __init__(self, spec: SourceSpec) -> None:
         self.spec = spec
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath()}
         env.pop("UCX_TLS", None)
         if spec.ucx_tls:
             env["UCX_TLS"] = spec.ucx_tls
@@ -159,5 +325,8 @@ class SourceProcess:
 
 
 if __name__ == "__main__":
-    raw = json.loads(sys.argv[1])
-    serve(SourceSpec(**{**raw, "shape": tuple(raw["shape"])}))
+    if sys.argv[1] == "--fork-server":
+        fork_server()
+    else:
+        raw = json.loads(sys.argv[-1])
+        (read if sys.argv[1] == "--read" else serve)(SourceSpec(**{**raw, "shape": tuple(raw["shape"])}))

@@ -63,6 +63,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -72,6 +73,7 @@ import torch
 from kvxfer.backends import register_backend
 from kvxfer.backends import notice as notify
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
+from kvxfer.backends.ucx.same_host import SourceWatch, process_start_time
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,
@@ -101,6 +103,14 @@ NIXL_META_VERSION = 1
 #: memory than it saves time; such pools post Nx3 rows instead.
 MAX_PREPPED_ENTRIES = 1 << 22
 _MEM_TYPES = ("DRAM", "VRAM")
+#: Remote-agent table bounds (issue 26, row 6: 41 sources met one after another left 41 remote
+#: agents). A peer whose process exited (pidfd, same host) is removed at once; one unused for
+#: PEER_IDLE_S is removed; beyond MAX_PEERS the least recently used one without open READs is.
+#: A removed peer is loaded again by its next pull.
+MAX_PEERS = 64
+PEER_IDLE_S = 300.0
+_PEER_SWEEP_S = 1.0
+PID_FIELD, START_FIELD = "nixl_pid", "nixl_pid_start"
 #: How long ``close()`` waits for READs that failed while active to end before parking the registration.
 CLOSE_SETTLE_S = 1.0
 #: Closed registrations kept (memory registered, tensor referenced) until their last active READ ends.
@@ -374,6 +384,12 @@ class _AgentShare:
         self._remote_dlists: dict[tuple, Any] = {}
         self._open_reads: dict[str, int] = {}  # peer name -> READs posted and not yet released
         self._forget_later: set[str] = set()  # peers to remove once their open READs end
+        self._last_used: "OrderedDict[str, float]" = OrderedDict()  # loaded peers, least recently used first
+        self._watches: dict[str, SourceWatch] = {}  # peers of this host, watched by pidfd
+        self.max_peers = MAX_PEERS
+        self.peer_idle_s = PEER_IDLE_S
+        self.peers_dropped = 0
+        self._next_sweep = 0.0
 
     @classmethod
     def acquire(cls, name: str) -> "_AgentShare":
@@ -410,6 +426,7 @@ class _AgentShare:
     def collect_notifications(self) -> None:
         """Route every new notification to the registration it names; count the rest."""
         with self.lock:
+            self.sweep()
             incoming = self.agent.get_new_notifs()
             for messages in incoming.values():
                 for message in messages:
@@ -424,8 +441,10 @@ class _AgentShare:
                         target._deliver_read_failed(note.request_id, note.reason)
 
     # --- peers ------------------------------------------------------------------------
-    def ensure_remote(self, peer: NixlPeer) -> None:
-        """Load the peer's metadata unless the same bytes are already loaded.
+    def ensure_remote(self, peer: NixlPeer, meta: Optional[Mapping[str, Any]] = None) -> None:
+        """Load the peer's metadata unless the same bytes are already loaded (then bound the table).
+
+        ``meta`` (the peer's export_meta) lets a peer of this host be watched by pidfd.
 
         Changed metadata from the same agent instance (a sibling registered since)
         is loaded over the old (NIXL merges it; live reads are unaffected). A new
@@ -440,7 +459,9 @@ class _AgentShare:
                         "another agent; give every process a unique agent_name"
                     )
                 return  # loopback: our own agent already knows its registrations
+            self.sweep()
             if self._remote_md.get(peer.name) == peer.metadata and peer.name not in self._forget_later:
+                self._touch(peer.name)
                 return
             if self._remote_instance.get(peer.name, peer.instance) != peer.instance or peer.name in self._forget_later:
                 if self._open_reads.get(peer.name):
@@ -474,6 +495,46 @@ class _AgentShare:
                 )
             self._remote_md[peer.name] = peer.metadata
             self._remote_instance[peer.name] = peer.instance
+            self._touch(peer.name)
+            old = self._watches.pop(peer.name, None)
+            if old is not None:
+                old.close()
+            watch = SourceWatch.for_meta(meta, PID_FIELD, START_FIELD) if meta is not None else None
+            if watch is not None:
+                self._watches[peer.name] = watch
+            self._evict_over_cap()
+
+    def _touch(self, name: str) -> None:
+        self._last_used[name] = time.monotonic()
+        self._last_used.move_to_end(name)
+
+    def _evict_over_cap(self) -> None:
+        """Lock held: beyond ``max_peers``, remove the least recently used peers without open READs."""
+        for name in list(self._last_used):
+            if len(self._remote_md) <= self.max_peers:
+                return
+            if not self._open_reads.get(name):
+                self._forget(name)
+                self.peers_dropped += 1
+
+    def sweep(self) -> None:
+        """Lock held, at most once a second: remove peers whose process exited (pidfd) or that went
+        unused for ``peer_idle_s``; a peer with READs open is left until they end."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + _PEER_SWEEP_S
+        for name in list(self._last_used):
+            if self._open_reads.get(name):
+                continue
+            watch = self._watches.get(name)
+            if (watch is not None and watch.exited()) or now - self._last_used[name] > self.peer_idle_s:
+                self._forget(name)
+                self.peers_dropped += 1
+
+    def peer_count(self) -> int:
+        with self.lock:
+            return len(self._remote_md)
 
     def remote_dlist(self, peer: NixlPeer, geometry: BufferGeometry) -> Any:
         """The prepared per-slice list of a peer region (made once, kept until the peer changes)."""
@@ -523,6 +584,10 @@ class _AgentShare:
         if self._remote_md.pop(name, None) is not None:
             self._remove_agent(name)
         self._remote_instance.pop(name, None)
+        self._last_used.pop(name, None)
+        watch = self._watches.pop(name, None)
+        if watch is not None:
+            watch.close()
 
     def _remove_agent(self, name: str) -> None:
         try:
@@ -770,6 +835,8 @@ class NixlBackend(KVTransportBackend):
             "nixl_agent_metadata": base64.b64encode(metadata).decode("ascii"),
             "nixl_buffer_id": self.buffer_id,
             "nixl_mem_type": self.mem_type,
+            PID_FIELD: os.getpid(),  # so that a reader of this host can watch us (pidfd) and forget us when we exit
+            START_FIELD: process_start_time(os.getpid()) or 0,
         }
 
     # --- public extras -------------------------------------------------------------------
@@ -788,6 +855,15 @@ class NixlBackend(KVTransportBackend):
         self._check_open()
         self._share.forget(agent_name)
 
+    def peer_count(self) -> int:
+        """Remote agents loaded in this process's agent (bounded: see ``MAX_PEERS``)."""
+        return self._share.peer_count()
+
+    @property
+    def peers_dropped(self) -> int:
+        """Remote agents removed because their process exited, they went idle, or the table was full."""
+        return self._share.peers_dropped
+
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         peer = super().parse_peer_meta(peer_meta)
         parse_nixl_peer(peer_meta)  # every field checked before anything is posted
@@ -803,7 +879,7 @@ class NixlBackend(KVTransportBackend):
         self._settle_unsettled()
         peer = parse_nixl_peer(pull.peer_meta)
         share = self._share
-        share.ensure_remote(peer)
+        share.ensure_remote(peer, pull.peer_meta)
         plan = pull.plan
         # ``notify=False`` (a caller whose later read carries the read-done): an empty
         # message makes NIXL send no notification at all. Failures are still reported.

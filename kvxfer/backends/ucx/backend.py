@@ -37,7 +37,7 @@ import os
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -45,11 +45,13 @@ import torch
 
 from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
+from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
 from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
+from kvxfer.plan.peer_records import transfer_peer_records
 from kvxfer.security.meta_seal import HOST_FIELD, SEAL_FIELD, host_identity
 
 logger = logging.getLogger("kvxfer.backends.ucx")
@@ -65,7 +67,14 @@ _NOTICE_MAX_PENDING = 4096
 #: Pulls up to this size are progressed once by the posting thread: on shared memory or CMA they
 #: usually complete there, and waking the progress thread for them cost more than the read
 #: (measured in vLLM: the wake-up and the lock it then holds were a quarter of a handoff).
-INLINE_PROGRESS_BYTES = 4 << 20  # notices kept for retry, all sources together; beyond, new ones are dropped (logged)
+INLINE_PROGRESS_BYTES = 4 << 20
+#: Peer table bounds (issue 26, row 6: 41 sources met one after another left 41 endpoints, rkeys
+#: and pidfds). A peer whose source exited (pidfd) or whose endpoint failed is dropped at once;
+#: one unused for PEER_IDLE_S is dropped; beyond MAX_PEERS the least recently used peer with no
+#: read in flight is dropped. A dropped peer is just connected again by its next pull.
+MAX_PEERS = 64
+PEER_IDLE_S = 300.0
+_PEER_SWEEP_S = 1.0  # how often the progress thread looks for peers to drop
 
 
 def _b64(data: bytes) -> str:
@@ -97,9 +106,15 @@ class _Peer:
         self.path = "peer-error-mode" if error_handling else "same-host"
         self.endpoint = _ucp.Endpoint(backend._worker, address, backend._on_endpoint_error,
                                       peer_error_handling=error_handling)
+        # No hardware GET on this endpoint (tcp): UCX would emulate gets with a handler in the
+        # source that aborts it when we are gone by the time it answers; so reads are asked of
+        # the source instead (served.py). Host memory only: a CUDA pool keeps ucp_get.
+        self.served = error_handling and not backend._region.cuda and \
+            _served.needs_serving(self.endpoint.transports())
         self.rkeys: dict[bytes, _ucp.RemoteKey] = {}
         self.batches: set[_ucp.GetBatch] = set()  # posted, not yet released
         self.abandoned = False  # closed with gets that can never complete (kept until close())
+        self.last_used = time.monotonic()
 
     def rkey(self, packed: bytes) -> _ucp.RemoteKey:
         key = self.rkeys.get(packed)
@@ -310,7 +325,11 @@ class UcxBackend(KVTransportBackend):
     # --- registration -----------------------------------------------------------------------
     def _register(self) -> None:
         self._state_lock = threading.Lock()
-        self._peers: dict[bytes, _Peer] = {}
+        self._peers: "OrderedDict[bytes, _Peer]" = OrderedDict()  # least recently used first
+        self.max_peers = MAX_PEERS
+        self.peer_idle_s = PEER_IDLE_S
+        self.peers_dropped = 0  # gone, idle or evicted: see _sweep_peers
+        self._next_sweep = 0.0
         self._retired: list[_Peer] = []  # dropped from the cache, endpoint still to close
         self._abandoned: list[_Peer] = []  # closed, with gets that can never complete: freed at close()
         self._live: set[UcxHandle] = set()
@@ -324,11 +343,16 @@ class UcxBackend(KVTransportBackend):
         self._worker_closed = False  # after close(): no get of ours can write any more
         self._offered: set[str] = set()  # seal digests of our exported metas (see confirm.py)
         self.sources_confirmed = 0  # unauthenticated metas of this host their sources confirmed
+        self._confirm_wait = threading.local()  # confirm_peer's timeout, seen by _check_peer_source in its thread
         self._context = _ucp.Context()
         try:
             self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
             self._region = _ucp.MemoryRegion(self._context, self.geometry.buf_ptr, self.geometry.region_bytes,
                                              cuda=self.memory_buffer.is_cuda)
+            self._read_token = _served.new_token()
+            if not self._region.cuda:  # reads of our pool served to readers that have no hardware GET
+                _served.Server(self._worker, self._read_token, self.geometry.buf_ptr, self.geometry.region_bytes)
+            self._served = _served.ServedReads(self._worker)
         except Exception:
             if getattr(self, "_worker", None) is not None:
                 self._worker.close()
@@ -348,6 +372,7 @@ class UcxBackend(KVTransportBackend):
             CONFIRM_FIELD: confirm_server().name,
             "ucx_worker_address": _b64(self._worker.address),
             "ucx_rkey": _b64(self._region.packed_rkey),
+            "ucx_read_token": _b64(self._read_token),
             "ucx_version": _ucp.version(),
             "memory_type": "cuda" if self._region.cuda else "host",
         }
@@ -365,8 +390,34 @@ class UcxBackend(KVTransportBackend):
         says it exported exactly this meta (``confirm.py``): a re-sealed forgery is refused here."""
         if self._meta_key is not None or sealed.get(HOST_FIELD) != host_identity():
             return  # signed: authenticated already; another host's (opted in): no one to ask
-        if confirm_exported(sealed, digest, timeout_s=min(CONFIRM_TIMEOUT_S, self.timeout_s)):
+        wait = getattr(self._confirm_wait, "seconds", None)  # set by confirm_peer, for its thread only
+        if confirm_exported(sealed, digest, timeout_s=min(CONFIRM_TIMEOUT_S, self.timeout_s) if wait is None else wait):
             self.sources_confirmed += 1
+
+    def confirm_peer(self, peer_meta: Any, timeout_s: Optional[float] = None) -> bool:
+        """Confirm a peer meta's sources ahead of the pull, e.g. from a background thread when the
+        meta arrives, so the pull itself does not wait on it. Cheap when done already.
+
+        ``peer_meta`` is anything ``begin_pull_blocks`` takes (one meta, or TP/PP wrapped). Each
+        source record is checked as a pull would check it (seal, fields, and, for an unsigned meta
+        of this host, the source's confirmation, waiting at most ``timeout_s``: default
+        ``min(5 s, timeout_s of this backend)``), and remembered. Returns True when every record
+        is accepted; False when a source could not be asked in time (stalled or gone): that is
+        remembered too, and pulls through the meta then fail after a short check instead of each
+        waiting the timeout, until the source answers. Raises ``PeerMetadataError`` for a meta
+        that is refused (forged, malformed). Thread-safe; posts nothing.
+        """
+        self._check_open()
+        self._confirm_wait.seconds = None if timeout_s is None else float(timeout_s)
+        try:
+            for record, _ in transfer_peer_records(peer_meta, []):
+                self.parse_peer_meta(record)
+        except TransferError as exc:
+            logger.info("ucx %r: a source could not confirm its meta ahead of the pull: %s", self.agent_name, exc)
+            return False
+        finally:
+            self._confirm_wait.seconds = None
+        return True
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         _unb64(peer_meta, "ucx_worker_address")  # checked first: a malformed meta is not worth asking about
@@ -379,14 +430,20 @@ class UcxBackend(KVTransportBackend):
         packed = _unb64(pull.peer_meta, "ucx_rkey")
         plan = pull.plan
         with self._worker.lock:
+            token = pull.peer_meta.get("ucx_read_token")
             try:
                 peer = self._peer_for(address, pull.peer_meta)
-                rkey = peer.rkey(packed)
+                rkey = None if peer.served and token else peer.rkey(packed)
             except _ucp.UcpError as exc:
                 raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
             local_base = self.geometry.buf_ptr if pull.local_base is None else pull.local_base  # pool or staging
-            batch = _ucp.GetBatch(peer.endpoint, rkey, local_base, pull.peer.geometry.buf_ptr,
-                                  plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
+            batch: Any
+            if rkey is None:
+                batch = _served.make_batch(self._served, peer.endpoint, _unb64(pull.peer_meta, "ucx_read_token"),
+                                           local_base, plan)
+            else:
+                batch = _ucp.GetBatch(peer.endpoint, rkey, local_base, pull.peer.geometry.buf_ptr,
+                                      plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
             peer.batches.add(batch)
             handle = UcxHandle(pull.request_id, self.timeout_s, self, peer, batch, notify=pull.notify,
                                report_failure=pull.report_failure)
@@ -409,7 +466,55 @@ class UcxBackend(KVTransportBackend):
             # the reads at once and proves that none of them can still land.
             watch = SourceWatch.for_meta(meta) if meta is not None else None
             peer = self._peers[address] = _Peer(self, address, watch)
+            self._evict_over_cap()
+        else:
+            self._peers.move_to_end(address)
+        peer.last_used = time.monotonic()
         return peer
+
+    def _evict_over_cap(self) -> None:
+        """Worker lock held: beyond ``max_peers``, drop the least recently used peers without reads in flight."""
+        over = len(self._peers) - self.max_peers
+        if over <= 0:
+            return
+        sending = {id(send.peer) for send in self._sends}
+        for peer in list(self._peers.values()):
+            if over <= 0:
+                return
+            if not peer.batches and id(peer) not in sending:
+                logger.debug("ucx %r: peer table full (%d): dropping the least recently used", self.agent_name,
+                             len(self._peers))
+                self._drop_peer(peer)
+                self.peers_dropped += 1
+                over -= 1
+
+    def _sweep_peers(self) -> None:
+        """Worker lock held (progress thread, at most once a second): drop peers whose source exited,
+        whose endpoint failed, or that went unused for ``peer_idle_s``; never one with reads in flight.
+        Notices still waiting for a source that exited are dropped with it: nobody is left to tell."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + _PEER_SWEEP_S
+        sending = {id(send.peer) for send in self._sends}
+        for peer in list(self._peers.values()):
+            if peer.batches or id(peer) in sending:
+                continue
+            gone = peer.source_exited
+            if gone or peer.failed or now - peer.last_used > self.peer_idle_s:
+                self._drop_peer(peer)
+                self.peers_dropped += 1
+                if gone:
+                    dropped = self._outbox.pop(peer.address, None)
+                    if dropped:
+                        self._outbox_size -= len(dropped)
+                        logger.info("ucx %r: dropped %d notice(s) for a source that exited", self.agent_name,
+                                    len(dropped))
+
+    def peer_count(self) -> int:
+        """Sources this backend holds an endpoint to (bounded: see ``MAX_PEERS``)."""
+        with self._worker.lock:
+            return len(self._peers)
 
     def _drop_peer(self, peer: _Peer) -> None:
         with self._worker.lock:
@@ -552,6 +657,8 @@ class UcxBackend(KVTransportBackend):
     def _housekeeping(self) -> None:
         """Progress-thread work (worker lock held): AM sends and retries, deferred failures, dead endpoints."""
         self._reap_sends()
+        self._served.reap()
+        self._sweep_peers()
         waiting = []
         for handle in self._deferred:
             if handle._batch.done:
@@ -607,6 +714,7 @@ class UcxBackend(KVTransportBackend):
             for send in self._sends:  # notices still leaving (e.g. to a stalled source): not waited for
                 self._worker.wait_request(send.request, time.monotonic(), give_up=True)
             self._sends = []
+            self._served.give_up(time.monotonic())
             if self._outbox_size:
                 logger.warning("ucx %r: closed with %d notices still undelivered (their sources unreachable)",
                                self.agent_name, self._outbox_size)

@@ -48,6 +48,9 @@ _WORKERS: dict[int, "Worker"] = {}
 #: The longest ``Worker.close`` waits for ``ucp_worker_destroy``.
 WORKER_DESTROY_TIMEOUT_S = 5.0
 _ENDPOINTS: dict[int, "Endpoint"] = {}
+#: Active-message handlers, key -> (worker, ``handler(header, data, length, param)``): run by
+#: ``ucp_worker_progress``, so with the worker lock held.
+_AM_HANDLERS: dict[int, tuple["Worker", Callable[[bytes, Any, int, Any], None]]] = {}
 _KEYS = itertools.count(1)
 
 
@@ -114,6 +117,16 @@ def in_progress(status: int) -> bool:
     return status == _lib.UCS_INPROGRESS
 
 
+def code(name: str) -> int:
+    """A ``ucs_status_t`` by name (``"UCS_ERR_CANCELED"``)."""
+    return int(getattr(_lib, name))
+
+
+def data_bytes(data: Any, length: int) -> bytes:
+    """A copy of an active message's data (valid only inside its handler)."""
+    return bytes(_ffi.buffer(data, length))
+
+
 def _check(status: int, what: str) -> None:
     if status != _lib.UCS_OK:
         raise UcpError(what, status)
@@ -132,9 +145,17 @@ def _install_callbacks(ffi: Any) -> None:
 
     @ffi.def_extern(onerror=_on_callback_error)
     def kvx_am_recv_py(arg, header, header_length, data, length, param):  # type: ignore[no-untyped-def]
-        worker = _WORKERS.get(int(ffi.cast("uintptr_t", arg)))
-        if worker is not None and worker.on_active_message is not None:
-            worker.on_active_message(bytes(ffi.buffer(header, header_length)))
+        # Every kvxfer message is eager (its data valid during this call). A rendezvous descriptor
+        # is nobody's here: released, so it cannot pin the sender's request.
+        entry = _AM_HANDLERS.get(int(ffi.cast("uintptr_t", arg)))
+        if entry is None:
+            return _lib.UCS_OK
+        worker, handler = entry
+        if param.recv_attr & _lib.UCP_AM_RECV_ATTR_FLAG_RNDV:
+            if worker.handle is not None:
+                _lib.ucp_am_data_release(worker.handle, data)
+            return _lib.UCS_OK
+        handler(bytes(ffi.buffer(header, header_length)), data, int(length), param)
         return _lib.UCS_OK
 
     @ffi.def_extern(onerror=_on_callback_error)
@@ -233,16 +254,31 @@ class Worker:
             efd = ffi.new("int *")
             _check(lib.ucp_worker_get_efd(self.handle, efd), "ucp_worker_get_efd")
             self.efd = efd[0]
-            am = ffi.new("ucp_am_handler_param_t *")
-            am.field_mask = (lib.UCP_AM_HANDLER_PARAM_FIELD_ID | lib.UCP_AM_HANDLER_PARAM_FIELD_CB
-                             | lib.UCP_AM_HANDLER_PARAM_FIELD_ARG)
-            am.id = am_id
-            am.cb = lib.kvx_am_recv_py
-            am.arg = ffi.cast("void *", self.key)
-            _check(lib.ucp_worker_set_am_recv_handler(self.handle, am), "ucp_worker_set_am_recv_handler")
+            self._am_keys: list[int] = []
+            self.set_am_handler(am_id, self._on_notice)
         except UcpError:
             self.close()
             raise
+
+    def _on_notice(self, header: bytes, data: Any, length: int, param: Any) -> None:
+        if self.on_active_message is not None:
+            self.on_active_message(header)
+
+    def set_am_handler(self, am_id: int, handler: Callable[[bytes, Any, int, Any], None]) -> None:
+        """Route active messages ``am_id`` to ``handler(header, data, length, param)`` (worker lock held;
+        ``data`` is valid only during the call)."""
+        ffi, lib = _ffi, _lib
+        key = next(_KEYS)
+        _AM_HANDLERS[key] = (self, handler)
+        self._am_keys.append(key)
+        am = ffi.new("ucp_am_handler_param_t *")
+        am.field_mask = (lib.UCP_AM_HANDLER_PARAM_FIELD_ID | lib.UCP_AM_HANDLER_PARAM_FIELD_CB
+                         | lib.UCP_AM_HANDLER_PARAM_FIELD_ARG)
+        am.id = am_id
+        am.cb = lib.kvx_am_recv_py
+        am.arg = ffi.cast("void *", key)
+        with self.lock:
+            _check(lib.ucp_worker_set_am_recv_handler(self.handle, am), "ucp_worker_set_am_recv_handler")
 
     # --- progress ----------------------------------------------------------------------
     def progress(self) -> None:
@@ -317,7 +353,7 @@ class Worker:
         with self.lock:
             handle, self.handle = self.handle, None
         if handle is None:
-            _WORKERS.pop(self.key, None)
+            self._forget_callbacks()
             return True
         destroyed = threading.Event()
 
@@ -332,8 +368,13 @@ class Worker:
                          "memory and sockets stay until the process exits)", timeout_s)
             return False
         _count("worker", -1)
-        _WORKERS.pop(self.key, None)  # kept until now: UCX may call our callbacks while it tears down
+        self._forget_callbacks()  # kept until now: UCX may call our callbacks while it tears down
         return True
+
+    def _forget_callbacks(self) -> None:
+        _WORKERS.pop(self.key, None)
+        for key in getattr(self, "_am_keys", ()):
+            _AM_HANDLERS.pop(key, None)
 
     def wait_request(self, request: Any, deadline: float, *, give_up: bool = False) -> int:
         """Progress until ``request`` (a non-NULL, non-error pointer) completes; free it; its status.
@@ -528,20 +569,65 @@ class GetBatch:
 
 def send_active_message(endpoint: Endpoint, am_id: int, payload: bytes) -> Optional[Any]:
     """Post a small AM (payload in the header, copied by UCX). Returns the request to wait on, or None."""
+    return send_request(endpoint, am_id, payload)
+
+
+def send_request(endpoint: Endpoint, am_id: int, payload: bytes, data: Optional[np.ndarray] = None,
+                 reply: bool = False) -> Optional[Any]:
+    """Post an AM: ``payload`` as its header (copied by UCX), ``data`` as an eager body (kept alive
+    by the caller until the request completes) and, with ``reply``, the endpoint the receiver may
+    answer on. Returns the request to wait on, or None."""
     ffi, lib = _ffi, _lib
     params = ffi.new("ucp_request_param_t *")
     params.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
     params.flags = lib.UCP_AM_SEND_FLAG_COPY_HEADER
+    body, size = ffi.NULL, 0
+    if data is not None:
+        params.flags |= lib.UCP_AM_SEND_FLAG_EAGER
+        body, size = ffi.cast("void *", data.ctypes.data), data.nbytes
+    if reply:
+        params.flags |= lib.UCP_AM_SEND_FLAG_REPLY
     with endpoint.worker.lock:
         if endpoint.handle is None:
             raise UcpError("ucp_am_send_nbx", int(lib.UCS_ERR_CANCELED))
-        ptr = lib.ucp_am_send_nbx(endpoint.handle, am_id, payload, len(payload), ffi.NULL, 0, params)
+        ptr = lib.ucp_am_send_nbx(endpoint.handle, am_id, payload, len(payload), body, size, params)
         status = lib.kvx_ptr_status(ptr)
         if status == lib.UCS_INPROGRESS:
             _count("request", 1)
             return ptr
     _check(status, "ucp_am_send_nbx")
     return None
+
+
+def reply_endpoint(param: Any) -> Any:
+    """The endpoint an active message may be answered on (in its handler only), or None."""
+    if not param.recv_attr & _lib.UCP_AM_RECV_ATTR_FIELD_REPLY_EP or param.reply_ep == _ffi.NULL:
+        return None
+    return param.reply_ep
+
+
+def serve_rows(reply_ep: Any, am_id: int, batch: int, first: int, base: int, rows: np.ndarray, chunk: int) -> int:
+    """Send ``rows`` (n x 2 uint64: offset from ``base``, length; indices from ``first``) back on
+    ``reply_ep`` as eager AMs (``kvx_serve_rows``); worker lock held (an AM handler). Returns how
+    many chunks could not be posted."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint64)
+    return int(_lib.kvx_serve_rows(reply_ep, am_id, batch, first, base,
+                                   _ffi.cast("const uint64_t *", rows.ctypes.data), rows.shape[0], chunk))
+
+
+def answer(reply_ep: Any, am_id: int, header: bytes) -> None:
+    """A header-only AM on ``reply_ep`` (in an AM handler); its request is left to UCX."""
+    params = _ffi.new("ucp_request_param_t *")
+    params.op_attr_mask = _lib.UCP_OP_ATTR_FIELD_FLAGS
+    params.flags = _lib.UCP_AM_SEND_FLAG_COPY_HEADER
+    ptr = _lib.ucp_am_send_nbx(reply_ep, am_id, header, len(header), _ffi.NULL, 0, params)
+    if _lib.kvx_ptr_status(ptr) == _lib.UCS_INPROGRESS:
+        _lib.ucp_request_free(ptr)
+
+
+def memmove(address: int, data: Any, length: int) -> None:
+    """Copy ``length`` bytes of an AM's ``data`` to ``address`` (host memory)."""
+    _ffi.memmove(_ffi.cast("void *", address), _ffi.cast("const void *", data), length)
 
 
 def request_status(worker: Worker, request: Any) -> int:

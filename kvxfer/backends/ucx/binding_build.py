@@ -96,6 +96,8 @@ typedef struct { uint64_t field_mask; ucp_transports_t transports; ...; } ucp_ep
 #define UCS_ERR_BUSY ...
 #define UCS_ERR_CANCELED ...
 #define UCS_ERR_TIMED_OUT ...
+#define UCS_ERR_INVALID_PARAM ...
+#define UCS_ERR_REJECTED ...
 #define UCS_MEMORY_TYPE_HOST ...
 #define UCS_MEMORY_TYPE_CUDA ...
 #define UCS_THREAD_MODE_SERIALIZED ...
@@ -122,6 +124,8 @@ typedef struct { uint64_t field_mask; ucp_transports_t transports; ...; } ucp_ep
 #define UCP_AM_HANDLER_PARAM_FIELD_ARG ...
 #define UCP_AM_SEND_FLAG_COPY_HEADER ...
 #define UCP_AM_SEND_FLAG_REPLY ...
+#define UCP_AM_SEND_FLAG_EAGER ...
+#define UCP_AM_RECV_ATTR_FIELD_REPLY_EP ...
 #define UCP_AM_RECV_ATTR_FLAG_RNDV ...
 #define UCP_EP_ATTR_FIELD_TRANSPORTS ...
 
@@ -155,6 +159,7 @@ void ucp_rkey_destroy(ucp_rkey_h rkey);
 
 ucs_status_ptr_t ucp_am_send_nbx(ucp_ep_h ep, unsigned id, const void *header, size_t header_length,
                                  const void *buffer, size_t count, const ucp_request_param_t *param);
+void ucp_am_data_release(ucp_worker_h worker, void *data);
 ucs_status_t ucp_request_check_status(void *request);
 void ucp_request_cancel(ucp_worker_h worker, void *request);
 void ucp_request_free(void *request);
@@ -168,6 +173,8 @@ int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t re
                   int cuda, kvx_counter_t *counter, void **requests, size_t *posted);
 size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n);
 size_t kvx_free_requests(void **requests, size_t n);
+size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
+                      const uint64_t *rows, size_t n, size_t chunk);
 
 extern "Python" ucs_status_t kvx_am_recv_py(void *arg, const void *header, size_t header_length,
                                             void *data, size_t length, const ucp_am_recv_param_t *param);
@@ -238,6 +245,47 @@ static size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n)
         }
     }
     return cancelled;
+}
+
+/* A served read's reply header: which batch, which row, where in the row the data goes. */
+typedef struct { uint64_t batch; uint64_t row; uint64_t offset; } kvx_served_hdr_t;
+
+/* Serve a read: send each row (offset, length pairs in rows[], relative to base; row indices
+ * from first) back on ep as eager active messages of at most chunk bytes, each headed by
+ * (batch, row, offset). Eager, so
+ * that the reader copies the data in its handler and never reads from us (no rendezvous: over
+ * tcp that would be UCX's software GET again). Requests are released at once: UCX frees each when
+ * it completes, with success or, the reader being gone, an error; never an abort. Returns the
+ * number of sends that could not be posted. */
+static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
+                             const uint64_t *rows, size_t n, size_t chunk)
+{
+    ucp_request_param_t param;
+    kvx_served_hdr_t hdr;
+    size_t i, failed = 0;
+    uint64_t done, len;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_EAGER;
+    hdr.batch = batch;
+    for (i = 0; i < n; ++i) {
+        hdr.row = first + i;
+        for (done = 0; done < rows[2 * i + 1]; done += len) {
+            ucs_status_ptr_t ptr;
+            len = rows[2 * i + 1] - done;
+            if (len > chunk) {
+                len = chunk;
+            }
+            hdr.offset = done;
+            ptr = ucp_am_send_nbx(ep, am_id, &hdr, sizeof(hdr), (void *)(uintptr_t)(base + rows[2 * i] + done),
+                                  len, &param);
+            if (UCS_PTR_IS_ERR(ptr)) {
+                ++failed;
+            } else if (ptr != NULL) {
+                ucp_request_free(ptr);
+            }
+        }
+    }
+    return failed;
 }
 
 /* Free a completed batch's requests; returns how many were freed. */

@@ -18,6 +18,7 @@ own worker and memory. Only the cluster key tells a real source from such a proc
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -43,6 +44,11 @@ _REQUEST_BYTES = len(_REQUEST) + _DIGEST_CHARS + 1
 _MAX_CONNECTIONS = 256   # connections open at once; the oldest is dropped beyond it
 _CONNECTION_S = 1.0      # a connection that has not asked within this is dropped
 _CREDENTIALS = struct.Struct("3i")   # struct ucred: pid, uid, gid
+#: connect() errors worth another try within the deadline: EAGAIN, the listener's backlog is full
+#: (a local connect flood: issue 26 saw 9 of 12 first pulls fail at once on it); ECONNREFUSED, no
+#: listener (yet). Retried after 5 ms, doubling up to 100 ms.
+_RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.ECONNREFUSED})
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.005, 0.1
 
 
 def _abstract(name: str) -> bytes:
@@ -80,42 +86,56 @@ class ConfirmServer:
             return digest in self._exported
 
     def _serve(self) -> None:
-        """Answer every connection that asks in time; nothing a connection sends can stall the others."""
+        """Answer every connection that asks in time; nothing a connection sends can stall the others.
+
+        The thread must outlive anything a connection does: once it is gone, no reader of this
+        host can read from us any more. So an unexpected error is logged and serving goes on.
+        """
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
         open_since: dict[socket.socket, tuple[float, bytes]] = {}
         while True:
-            for key, _ in selector.select(timeout=0.25):
-                if key.fileobj is self._listener:
-                    try:
-                        conn, _ = self._listener.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(False)
-                    if len(open_since) >= _MAX_CONNECTIONS:
-                        oldest = min(open_since, key=lambda c: open_since[c][0])
-                        self._drop(selector, open_since, oldest)
-                    open_since[conn] = (time.monotonic(), b"")
-                    selector.register(conn, selectors.EVENT_READ)
-                    continue
-                conn = key.fileobj
-                since, asked = open_since[conn]
+            try:
+                self._serve_once(selector, open_since)
+            except Exception:
+                logger.exception("ucx confirmation server: unexpected error (serving goes on)")
+                time.sleep(0.01)
+
+    def _serve_once(self, selector: selectors.BaseSelector, open_since: dict) -> None:
+        """One round: accept, read, answer; drop connections that did not ask within ``_CONNECTION_S``."""
+        for key, _ in selector.select(timeout=0.25):
+            if key.fileobj is self._listener:
                 try:
-                    chunk = conn.recv(_REQUEST_BYTES - len(asked))
-                except (BlockingIOError, InterruptedError):
-                    continue
+                    conn, _ = self._listener.accept()
                 except OSError:
-                    chunk = b""
-                asked += chunk
-                if chunk and len(asked) < _REQUEST_BYTES:
-                    open_since[conn] = (since, asked)
                     continue
-                if len(asked) == _REQUEST_BYTES:
-                    self._answer(conn, asked)
-                self._drop(selector, open_since, conn)
-            now = time.monotonic()
-            for conn in [c for c, (since, _) in open_since.items() if now - since > _CONNECTION_S]:
-                self._drop(selector, open_since, conn)
+                conn.setblocking(False)
+                if len(open_since) >= _MAX_CONNECTIONS:
+                    oldest = min(open_since, key=lambda c: open_since[c][0])
+                    self._drop(selector, open_since, oldest)
+                open_since[conn] = (time.monotonic(), b"")
+                selector.register(conn, selectors.EVENT_READ)
+                continue
+            conn = key.fileobj
+            if conn not in open_since:
+                continue  # dropped (oldest, at the cap) earlier in this same round
+            since, asked = open_since[conn]
+            try:
+                chunk = conn.recv(_REQUEST_BYTES - len(asked))
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                chunk = b""
+            asked += chunk
+            if chunk and len(asked) < _REQUEST_BYTES:
+                open_since[conn] = (since, asked)
+                continue
+            if len(asked) == _REQUEST_BYTES:
+                self._answer(conn, asked)
+            self._drop(selector, open_since, conn)
+        now = time.monotonic()
+        for conn in [c for c, (since, _) in open_since.items() if now - since > _CONNECTION_S]:
+            self._drop(selector, open_since, conn)
 
     def _answer(self, conn: socket.socket, asked: bytes) -> None:
         ok = asked.startswith(_REQUEST) and asked.endswith(b"\n") and \
@@ -153,6 +173,15 @@ def _refuse(why: str) -> PeerMetadataError:
 
 _confirmed: "OrderedDict[str, None]" = OrderedDict()   # digests confirmed in this process, most recent last
 _CONFIRMED_KEPT = 4096
+#: Digests whose source could not be asked in time (stalled or gone) -> (until, why): while one is
+#: remembered, the next pulls only check with a ``_PROBE_S`` question (a source that resumed is
+#: confirmed at once; one still stalled fails them fast) instead of each waiting out the whole
+#: timeout again (issue 26, row 4). Kept for as long as the question was given (at least
+#: ``_FAILED_MIN_S``), 1,024 at most.
+_failed: "OrderedDict[str, tuple[float, str]]" = OrderedDict()
+_FAILED_KEPT = 1024
+_FAILED_MIN_S = 1.0
+_PROBE_S = 0.2
 _confirmed_lock = threading.Lock()
 
 
@@ -160,18 +189,64 @@ def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = 
     """Return when the process ``sealed`` names has confirmed it exported the meta with seal
     ``digest`` (True: asked now; False: confirmed before, in this process). ``PeerMetadataError``
     when it denies it or another process answers; ``TransferError`` when it cannot be asked in
-    time (gone or stalled): either way before anything is posted. Call only with the meta's sealed fields. A digest names the whole meta, so one
-    confirmation serves every registration of this process."""
+    time (gone or stalled): either way before anything is posted. Call only with the meta's sealed
+    fields. A digest names the whole meta, so one confirmation serves every registration of this
+    process. A failure to ask is remembered (``_failed``): until it expires, a call only checks
+    for ``_PROBE_S``."""
     with _confirmed_lock:
         if digest in _confirmed:
             _confirmed.move_to_end(digest)
             return False
-    _ask(sealed, digest, timeout_s)
+        failure = _failed.get(digest)
+        if failure is not None and failure[0] <= time.monotonic():
+            del _failed[digest]
+            failure = None
+    if failure is not None:
+        try:
+            _ask(sealed, digest, min(timeout_s, _PROBE_S))
+        except TransferError:
+            raise TransferError(f"{failure[1]}; still unanswered ({min(timeout_s, _PROBE_S):g}s check; a full "
+                                f"{timeout_s:g}s wait again in {failure[0] - time.monotonic():.1f}s)") from None
+        with _confirmed_lock:
+            _failed.pop(digest, None)
+    else:
+        _ask_and_remember(sealed, digest, timeout_s)
     with _confirmed_lock:
         _confirmed[digest] = None
         while len(_confirmed) > _CONFIRMED_KEPT:
             _confirmed.popitem(last=False)
     return True
+
+
+def _ask_and_remember(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
+    try:
+        _ask(sealed, digest, timeout_s)
+    except TransferError as exc:
+        with _confirmed_lock:
+            _failed[digest] = (time.monotonic() + max(timeout_s, _FAILED_MIN_S), str(exc))
+            while len(_failed) > _FAILED_KEPT:
+                _failed.popitem(last=False)
+        raise
+
+
+def _connect(name: str, pid: int, start: int, deadline: float) -> socket.socket:
+    """A connected socket to ``name``; EAGAIN and ECONNREFUSED are tried again (with backoff) until
+    ``deadline``, unless the named process is gone (then there is nobody to wait for)."""
+    delay = _RETRY_FIRST_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(_abstract(name))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in _RETRY_ERRNOS or time.monotonic() + delay >= deadline:
+                raise
+            if exc.errno == errno.ECONNREFUSED and process_start_time(pid) != start:
+                raise ProcessLookupError(errno.ESRCH, "the process exited") from None
+        time.sleep(delay)
+        delay = min(2 * delay, _RETRY_MAX_S)
 
 
 def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
@@ -182,11 +257,10 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
         raise _refuse(f"its {CONFIRM_FIELD!r} field is missing or not the named process's (a source of an older kvxfer?)")
     if not isinstance(digest, str) or len(digest) != _DIGEST_CHARS:
         raise _refuse("its seal digest is malformed")
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = began + timeout_s
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(_abstract(name))
+        with _connect(name, pid, start, deadline) as sock:
             peer_pid, _, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                  _CREDENTIALS.size))
             if peer_pid != pid or process_start_time(pid) != start:
@@ -201,7 +275,8 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
                     break
                 answer += chunk
     except OSError as exc:   # gone, stalled, or no such socket: nothing was posted, so no byte can land
-        raise TransferError(f"the source of this meta (pid {pid}) could not confirm it within {timeout_s:g}s "
+        raise TransferError(f"the source of this meta (pid {pid}) could not confirm it: gave up after "
+                            f"{time.monotonic() - began:.2f}s of the {timeout_s:g}s allowed "
                             f"({exc or type(exc).__name__}); nothing was read, no byte can land") from None
     if answer != b"yes\n":
         raise _refuse(f"the source it names (pid {pid}) did not export it")

@@ -54,9 +54,10 @@ class SourceWatch:
         self.pid, self._fd = pid, fd
 
     @classmethod
-    def for_meta(cls, meta: Mapping[str, Any]) -> Optional["SourceWatch"]:
+    def for_meta(cls, meta: Mapping[str, Any], pid_field: str = PID_FIELD,
+                 start_field: str = START_FIELD) -> Optional["SourceWatch"]:
         """A watch when the meta's source runs on this host (and is the process it names), else None."""
-        pid, start = meta.get(PID_FIELD), meta.get(START_FIELD)
+        pid, start = meta.get(pid_field), meta.get(start_field)
         if meta.get(HOST_FIELD) != host_identity() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             return None
         if not hasattr(os, "pidfd_open"):
@@ -73,8 +74,11 @@ class SourceWatch:
     def exited(self) -> bool:
         if self._fd < 0:
             return True
-        readable, _, _ = select.select([self._fd], [], [], 0)
-        return bool(readable)
+        # poll, not select: select() refuses fds past 1024, and a busy process (an engine, or a
+        # process under a connect flood) holds that many.
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         if self._fd >= 0:
