@@ -1,0 +1,23 @@
+"""kvxfer as an SGLang PD transfer backend (``docs/sglang.md``).
+
+SGLang finds it through its plugin entry point (group ``sglang.srt.plugins``, name ``kvxfer``,
+object ``kvxfer.integrations.sglang:register``); after ``load_plugins()`` both roles accept
+``--disaggregation-transfer-backend kvxfer_nixl`` (or ``kvxfer``, the same) and ``kvxfer_ucx``.
+
+Modules: ``plugin`` (the hooks), ``regions`` (``KVArgs`` raw pointers -> registrable tensors,
+the layout both sides compare), ``pool`` (one kvxfer registration per manager), ``wire``
+(messages on SGLang's ZMQ sockets), ``source`` (prefill: rooms, leases, read-done),
+``puller`` (decode: the reads), ``conn`` (the ``Common*`` subclasses SGLang instantiates; the
+only module importing SGLang besides ``plugin``'s lookups).
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """SGLang's plugin entry point: add kvxfer's transfer backends (``plugin.register``)."""
+    from kvxfer.integrations.sglang.plugin import register as _register
+
+    _register()

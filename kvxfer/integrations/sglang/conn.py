@@ -1,0 +1,326 @@
+"""kvxfer's SGLang transfer backend classes: what ``get_kv_class`` returns for ``kvxfer_nixl`` /
+``kvxfer_ucx`` (``docs/sglang.md``).
+
+They subclass SGLang's ``Common*`` machinery, as SGLang's own NIXL backend does: SGLang's
+decode reads more than ``BaseKV*`` declares (``prefill_info_table``, ``try_ensure_parallel_info``,
+``bootstrap_infos``), and the bootstrap server, rank mapping, room table, heartbeats and
+status messages are SGLang's own. What changes is the data path: the prefill offers pages,
+the decode reads them with kvxfer (``puller``), the prefill frees them on kvxfer's read-done
+(``source``). Only this module imports SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_ACK_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress
+
+from kvxfer.backends.base import transfer_timeout_from_env
+from kvxfer.integrations.sglang import wire
+from kvxfer.integrations.sglang.pool import PoolRegistration
+from kvxfer.integrations.sglang.puller import Puller
+from kvxfer.integrations.sglang.regions import describe_mismatch, kv_layout
+from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
+
+logger = logging.getLogger("kvxfer.integrations.sglang")
+
+#: Rooms a prefill rank may have in flight (lease slots), and lease reads a decode rank may have in flight.
+MAX_ROOMS_ENV = "KVXFER_SGLANG_MAX_ROOMS"
+#: Seconds between the decode's liveness checks of each prefill it pulls from (SGLang's own minimum is 2 s).
+HEARTBEAT_ENV = "KVXFER_SGLANG_HEARTBEAT_S"
+
+
+def _endpoint(key: str) -> tuple[str, str, bool]:
+    ip, _, port = key.rpartition(":")
+    na = NetworkAddress(ip, int(port))
+    return ip, na.to_tcp(), na.is_ipv6
+
+
+class KvxferKVManager(CommonKVManager):
+    """One SGLang rank's manager: registers SGLang's pool with kvxfer once, then serves (prefill) or
+    pulls (decode) rooms. ``kvxfer_backend`` names the kvxfer transport."""
+
+    kvxfer_backend: ClassVar[str] = "nixl"
+    kv_status_msg_tag = b"KVXFER_STATUS"
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: Optional[bool] = False) -> None:
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.kvxfer_timeout_s = transfer_timeout_from_env()
+        slots = int(os.environ.get(MAX_ROOMS_ENV, "4096"))
+        device = str(getattr(server_args, "device", None) or "cuda")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # no CUDA in this process: SGLang's pool is host memory
+        role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self.kvxfer_pool = PoolRegistration(args, self.kvxfer_backend, device=device, table_slots=slots, role=role,
+                                            timeout_s=self.kvxfer_timeout_s)
+        self.kvxfer_layout = kv_layout(args, model=str(getattr(server_args, "model_path", "")),
+                                       tp_size=self.attn_tp_size, pp_size=self.pp_size)
+        self.kvxfer_key = wire.peer_key(self.local_ip, self.rank_port)
+        self._kvxfer_stop = threading.Event()
+        self.kvxfer_rooms: Optional[SourceRooms] = None
+        self.kvxfer_puller: Optional[Puller] = None
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._kvxfer_export = self.kvxfer_pool.export()
+            self.kvxfer_rooms = SourceRooms(LeaseTable(self.kvxfer_pool.table), prefill_key=self.kvxfer_key,
+                                            timeout_s=2 * self.kvxfer_timeout_s, send=self._kvxfer_push,
+                                            conclude=self._kvxfer_conclude)
+            self._kvxfer_threads(self._prefill_listen, self._prefill_service)
+        else:
+            self.kvxfer_puller = Puller(self.kvxfer_pool, self.kvxfer_layout, succeed=self._kvxfer_succeed,
+                                        fail=self._kvxfer_fail, send=self._kvxfer_push)
+            self._kvxfer_threads(self._decode_listen)
+            self.heartbeat_interval = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
+            self._start_heartbeat_checker_thread()
+
+    # --- plumbing ----------------------------------------------------------------------------
+    def _kvxfer_threads(self, *targets: Any) -> None:
+        for target in targets:
+            threading.Thread(target=self._guarded, args=(target,), name=f"kvxfer-sglang{target.__name__}",
+                             daemon=True).start()
+
+    def _guarded(self, target: Any) -> None:
+        try:
+            target()
+        except Exception:
+            if not self._kvxfer_stop.is_set():
+                logger.exception("kvxfer sglang: %s died; this rank's transfers will fail by timeout", target.__name__)
+
+    def _kvxfer_push(self, key: str, frames: list[bytes]) -> None:
+        _, tcp, ipv6 = _endpoint(key)
+        try:
+            self._send_multipart_locked(tcp, frames, is_ipv6=ipv6)
+        except Exception as exc:
+            logger.warning("kvxfer sglang: sending %s to %s failed: %s", frames[0][:16], key, exc)
+
+    def _recv(self) -> Optional[list[bytes]]:
+        if not self.server_socket.poll(200):
+            return None
+        return self.server_socket.recv_multipart()
+
+    # --- prefill -----------------------------------------------------------------------------
+    def _prefill_listen(self) -> None:
+        while not self._kvxfer_stop.is_set():
+            msg = self._recv()
+            if not msg:
+                continue
+            parsed = wire.decode(msg)
+            if parsed is None:
+                if msg[0] == b"ABORT":
+                    note = AbortNotification.from_zmq(msg)
+                    if note is not None:
+                        self.kvxfer_rooms.abort(note.room, "the decode aborted the request", tell_decode=False)
+                    continue
+                logger.warning("kvxfer sglang: prefill got an unexpected message %r", msg[0][:20])
+                continue
+            tag, body = parsed
+            if tag == wire.REG:
+                refused = describe_mismatch(self.kvxfer_layout, body.get("layout") or {})
+                if refused:
+                    logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", body.get("endpoint"),
+                                 refused)
+                self._kvxfer_push(body["endpoint"], wire.encode(wire.HELLO, {
+                    "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
+                    "refused": refused}))
+            elif tag == wire.META:
+                room = int(body["room"])
+                self.kvxfer_rooms.metadata(room, body)
+                self.update_status(room, KVPoll.WaitingForInput)
+            elif tag == wire.FAILED:
+                self.kvxfer_rooms.decode_failed(int(body["room"]), body.get("lease"), str(body.get("reason")))
+
+    def _prefill_service(self) -> None:
+        rooms, pool = self.kvxfer_rooms, self.kvxfer_pool
+        while not self._kvxfer_stop.is_set():
+            busy = False
+            for rid in pool.table_backend.drain_read_done():
+                rooms.read_done(str(rid))
+                busy = True
+            for backend in pool.all_backends():
+                for failure in backend.drain_read_failed():
+                    rooms.read_failed(failure.request_id, failure.reason)
+                    busy = True
+            rooms.expire()
+            rooms.flush()
+            if not busy:
+                time.sleep(0.0005)
+
+    def _kvxfer_conclude(self, room: int, success: bool, reason: Optional[str], endpoint: Optional[str]) -> None:
+        if success:
+            self.update_status(room, KVPoll.Success)
+            return
+        logger.warning("kvxfer sglang: room %s failed on the prefill: %s", room, reason)
+        self.record_failure(room, reason or "kvxfer transfer failed")
+        self.update_status(room, KVPoll.Failed)
+        if endpoint is not None:
+            ip, _, port = endpoint.rpartition(":")
+            self.send_kv_status_message(targets=[(ip, int(port))], bootstrap_room=room, status=KVPoll.Failed,
+                                        failure_reason=reason)
+
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: np.ndarray, index_slice: slice,
+                             is_last_chunk: bool, aux_index: Optional[int] = None,
+                             state_indices: Optional[list] = None, **_: Any) -> None:
+        """SGLang's ``CommonKVSender.send`` calls this per chunk: offer the pages to the decode."""
+        self.update_status(bootstrap_room, KVPoll.Transferring)
+        self.kvxfer_rooms.add_chunk(bootstrap_room, np.asarray(kv_indices), index_slice.start, index_slice.stop,
+                                    is_last_chunk, aux_index, state_indices)
+
+    # --- decode ------------------------------------------------------------------------------
+    def _decode_listen(self) -> None:
+        while not self._kvxfer_stop.is_set():
+            msg = self._recv()
+            if not msg:
+                continue
+            parsed = wire.decode(msg)
+            if parsed is not None:
+                tag, body = parsed
+                if tag == wire.HELLO:
+                    self.kvxfer_puller.post("hello", body)
+                elif tag == wire.CHUNK:
+                    self.kvxfer_puller.post("chunk", body)
+                continue
+            if msg[0] == ABORT_ACK_TAG:
+                continue
+            status = self.parse_kv_status_message(msg)
+            if status is not None:
+                room, code, prefill_rank, reason = status
+                self.apply_prefill_status(bootstrap_room=room, status=code, prefill_rank=prefill_rank,
+                                          failure_reason=reason)
+
+    def _kvxfer_succeed(self, room: int) -> None:
+        self.update_status(room, KVPoll.Success)
+
+    def _kvxfer_fail(self, room: int, reason: str) -> None:
+        logger.warning("kvxfer sglang: room %s failed on the decode: %s", room, reason)
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def check_status(self, bootstrap_room: int) -> KVPoll:
+        """SGLang frees a room's destination pages once it sees Failed; while a read of the room may
+        still land there, say Transferring (and have the puller abort the room's reads)."""
+        status = self.request_status[bootstrap_room]
+        puller = self.kvxfer_puller
+        if status == KVPoll.Failed and puller is not None and (puller.active(bootstrap_room)
+                                                               or puller.unsafe(bootstrap_room)):
+            puller.post("cancel", bootstrap_room)
+            return KVPoll.Transferring
+        return status
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's checks (page size, KV dtype, ...), then kvxfer's: pages are read whole, so both
+        sides need one attention TP size and no PP (resharding is not offered here)."""
+        if not super().try_ensure_parallel_info(bootstrap_addr):
+            return False
+        info = self.prefill_info_table[bootstrap_addr]
+        if info.attn_tp_size != self.attn_tp_size or info.pp_size != 1 or self.pp_size != 1:
+            self.prefill_info_table.pop(bootstrap_addr, None)
+            raise RuntimeError(
+                f"kvxfer ({self.kvxfer_backend}) reads whole KV pages, so prefill and decode need the same attention "
+                f"TP size and PP 1: prefill {bootstrap_addr} has attn_tp_size={info.attn_tp_size} pp_size="
+                f"{info.pp_size}, this decode has attn_tp_size={self.attn_tp_size} pp_size={self.pp_size}. "
+                "Launch both with the same --tp (or use SGLang's nixl/mooncake backend for mixed TP)")
+        return True
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        return wire.encode(wire.REG, {"endpoint": self.kvxfer_key, "layout": self.kvxfer_layout})
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
+                                        kv_indices: np.ndarray, aux_index: Optional[int],
+                                        state_indices: Optional[list], decode_prefix_len: Optional[int],
+                                        is_dummy: bool, device_kv_indices: Optional[np.ndarray] = None,
+                                        ) -> list[bytes]:
+        return wire.encode(wire.META, {"room": int(bootstrap_room), "endpoint": self.kvxfer_key})
+
+    # --- for tests and operators -------------------------------------------------------------
+    def kvxfer_sizes(self) -> dict[str, int]:
+        """Entries in every table this manager keeps (all zero once no request is in flight)."""
+        out = {"request_status": len(self.request_status), "failure_records": len(self.failure_records)}
+        if self.kvxfer_rooms is not None:
+            out.update({f"source_{k}": v for k, v in self.kvxfer_rooms.sizes().items()})
+            out["transfer_infos"] = len(self.transfer_infos)
+        if self.kvxfer_puller is not None:
+            out.update({f"puller_{k}": v for k, v in self.kvxfer_puller.sizes().items()})
+            out["prefill_response_tracker"] = len(self.prefill_response_tracker)
+            out["required_prefill_response_num_table"] = len(self.required_prefill_response_num_table)
+        return out
+
+    def kvxfer_close(self) -> None:
+        self._kvxfer_stop.set()
+        if self.kvxfer_puller is not None:
+            self.kvxfer_puller.close()
+        self.kvxfer_pool.close()
+
+
+class KvxferNixlKVManager(KvxferKVManager):
+    kvxfer_backend = "nixl"
+
+
+class KvxferUcxKVManager(KvxferKVManager):
+    kvxfer_backend = "ucx"
+
+
+class KvxferKVSender(CommonKVSender):
+    """SGLang's sender; its ``send`` reaches ``KvxferKVManager.add_transfer_request``."""
+
+    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        mgr.kvxfer_rooms.open(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.kvxfer_rooms.close(self.bootstrap_room)
+
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.kvxfer_rooms.abort(self.bootstrap_room, "aborted by the prefill", tell_decode=True)
+        self.kv_mgr.kvxfer_rooms.flush()
+
+
+class KvxferKVReceiver(CommonKVReceiver):
+    """SGLang's receiver; its metadata names the destination pages the puller reads into."""
+
+    def send_metadata(self, kv_indices: np.ndarray, aux_index: Optional[int] = None,
+                      state_indices: Optional[list] = None, decode_prefix_len: Optional[int] = None,
+                      destination: Any = None, device_kv_indices: Optional[np.ndarray] = None) -> None:
+        infos = getattr(self, "bootstrap_infos", None)
+        if infos:
+            info = infos[0]
+            meta = {"dst_pages": [int(p) for p in np.asarray(kv_indices).reshape(-1)],
+                    "aux_index": None if aux_index is None else int(aux_index),
+                    "state_indices": None if not state_indices else
+                    [None if s is None else [int(x) for x in np.asarray(s).reshape(-1)] for s in state_indices]}
+            self.kv_mgr.kvxfer_puller.post("meta", (self.bootstrap_room, wire.peer_key(info["rank_ip"],
+                                                                                       info["rank_port"]), meta))
+        kwargs = {} if destination is None else {"destination": destination}
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
+
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.kvxfer_puller.post("cancel", self.bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.kvxfer_puller.post("clear", self.bootstrap_room)
+
+
+class KvxferKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap server (rank table, ``/route``, ``/health``)."""

@@ -1,0 +1,326 @@
+"""The decode side: one thread that owns every kvxfer call of a decode manager.
+
+SGLang's decode publishes a request's destination pages (``send_metadata``) and polls. Each
+``KVXFER_CHUNK`` the prefill offers becomes, here, one read per registered buffer of exactly
+that chunk's pages (kvxfer coalesces runs of adjacent pages into one descriptor), plus the aux
+row and state slots with the last chunk, all without read-done; once they are complete, one
+read of the room's lease slot carries the read-done to the prefill and proves the pages were
+still the room's when they were read (``source.lease_holds``). The room is ``Success`` when its
+last chunk passed that check.
+
+A failed read fails its room only once no byte of any of the room's reads can still land
+(``storage_safe``): SGLang frees the destination pages as soon as it sees ``KVPoll.Failed``.
+Until then ``unsafe_rooms`` holds the room and the manager reports it as still transferring.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from kvxfer.backends.transfer import abort_parts
+from kvxfer.errors import KVXferError
+from kvxfer.integrations.sglang import wire
+from kvxfer.integrations.sglang.pool import PoolRegistration
+from kvxfer.integrations.sglang.regions import describe_mismatch
+from kvxfer.integrations.sglang.source import lease_holds, request_id
+
+logger = logging.getLogger("kvxfer.integrations.sglang")
+
+
+@dataclass
+class _Chunk:
+    room: int
+    body: dict[str, Any]
+    key: str
+    data: list[Any] = field(default_factory=list)  # handles
+    ack: Any = None
+    scratch: Optional[int] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class _RoomPull:
+    meta: dict[str, Any]  # what send_metadata published: dst pages, aux_index, state_indices
+    prefill: str  # the prefill rank's key
+    lease: Optional[int] = None
+    chunks: dict[int, _Chunk] = field(default_factory=dict)
+    last_done: bool = False
+    failed: Optional[str] = None
+    cancelled: bool = False
+
+
+class Puller:
+    """Pulls for one decode manager (see the module docstring)."""
+
+    def __init__(self, pool: PoolRegistration, layout: dict[str, Any], *,
+                 succeed: Callable[[int], None], fail: Callable[[int, str], None],
+                 send: Callable[[str, list[bytes]], None], idle_s: float = 0.0005) -> None:
+        self._pool = pool
+        self._layout = layout
+        self._succeed, self._fail, self._send = succeed, fail, send
+        self._idle_s = idle_s
+        self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self._hellos: dict[str, dict[str, Any]] = {}
+        self._rooms: dict[int, _RoomPull] = {}
+        self._parked: list[dict[str, Any]] = []  # chunks whose prefill's HELLO has not come yet
+        self._unsafe: set[int] = set()
+        self._retired: list[_RoomPull] = []
+        self._scratch_free = list(range(pool.table.numel() - 1, -1, -1))
+        self._lock = threading.Lock()  # guards _unsafe and the counters for readers on other threads
+        self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
+                         "stale_chunks": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxfer-sglang-puller", daemon=True)
+        self._thread.start()
+
+    # --- from other threads -----------------------------------------------------------------
+    def post(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+
+    def unsafe(self, room: int) -> bool:
+        with self._lock:
+            return room in self._unsafe
+
+    def active(self, room: int) -> bool:
+        """The puller still has reads of ``room`` (read from another thread: a dict lookup)."""
+        return room in self._rooms
+
+    def refusal(self, prefill: str) -> Optional[str]:
+        hello = self._hellos.get(prefill)
+        return None if hello is None else hello.get("refused")
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {"rooms": len(self._rooms), "retired": len(self._retired), "parked": len(self._parked), "unsafe": len(self._unsafe),
+                    "scratch_in_use": self._pool.table.numel() - len(self._scratch_free)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # --- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self._drain_inbox()
+            busy |= self._advance()
+            if not busy:
+                time.sleep(self._idle_s)
+
+    def _drain_inbox(self) -> bool:
+        got = False
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            try:
+                getattr(self, f"_on_{kind}")(payload)
+            except Exception:
+                logger.exception("kvxfer sglang: handling %s failed", kind)
+
+    def _on_hello(self, body: dict[str, Any]) -> None:
+        refused = body.get("refused") or describe_mismatch(body.get("layout") or {}, self._layout)
+        if refused:
+            logger.error("kvxfer sglang: prefill %s cannot serve this decode: %s", body["prefill"], refused)
+            body = {**body, "refused": refused}
+        self._hellos[body["prefill"]] = body
+        parked, self._parked = self._parked, []
+        for chunk in parked:
+            self._on_chunk(chunk)
+        if refused:
+            for room, state in self._rooms.items():
+                if state.prefill == body["prefill"] and state.failed is None:
+                    state.failed = f"kvxfer refused the prefill's layout: {refused}"
+
+    def _on_meta(self, payload: tuple[int, str, dict[str, Any]]) -> None:
+        room, prefill, meta = payload
+        old = self._rooms.get(room)
+        if old is not None:
+            old.cancelled = True
+            self._cancel(old, "room id reused by a new request")
+            self._retired.append(old)  # settled (its reads over) without telling SGLang
+        state = self._rooms[room] = _RoomPull(meta=meta, prefill=prefill)
+        refused = self.refusal(prefill)
+        if refused:
+            state.failed = f"kvxfer refused the prefill's layout: {refused}"
+
+    def _on_cancel(self, room: int) -> None:
+        state = self._rooms.get(room)
+        if state is not None:
+            state.cancelled = True
+            self._cancel(state, "aborted")
+
+    def _on_clear(self, room: int) -> None:
+        state = self._rooms.get(room)
+        if state is not None and not state.chunks:
+            del self._rooms[room]
+        elif state is not None:
+            state.cancelled = True
+            self._cancel(state, "cleared")
+
+    def _on_chunk(self, body: dict[str, Any]) -> None:
+        room, prefill = int(body["room"]), body["prefill"]
+        hello = self._hellos.get(prefill)
+        if hello is None:
+            self._parked.append(body)
+            return
+        state = self._rooms.get(room)
+        if state is None or state.prefill != prefill or state.cancelled or state.failed is not None:
+            self.counters["stale_chunks"] += 1
+            self._send(prefill, wire.encode(wire.FAILED, {"room": room, "lease": body.get("lease"),
+                                                          "reason": "the decode has no live request for this room"}))
+            return
+        if state.lease is None:
+            state.lease = int(body["lease"])
+        elif state.lease != int(body["lease"]):
+            self.counters["stale_chunks"] += 1
+            return
+        chunk = _Chunk(room, body, request_id(room, state.lease, int(body["chunk"])))
+        state.chunks[int(body["chunk"])] = chunk
+        if hello.get("refused"):
+            chunk.error = f"kvxfer refused the prefill's layout: {hello['refused']}"
+            return
+        try:
+            self._post_data(chunk, state, hello["metas"])
+        except (KVXferError, ValueError, KeyError, IndexError) as exc:
+            chunk.error = f"{type(exc).__name__}: {exc}"
+            abort_parts(chunk.data, chunk.error)
+
+    def _post_data(self, chunk: _Chunk, state: _RoomPull, metas: dict[str, Any]) -> None:
+        body, meta = chunk.body, state.meta
+        src = [int(p) for p in body["src"]]
+        dst = meta["dst_pages"][int(body["dst_start"]):int(body["dst_end"])]
+        if len(src) != len(dst):
+            raise ValueError(f"chunk {body['chunk']} of room {chunk.room}: {len(src)} source pages for "
+                             f"{len(dst)} destination pages (slice {body['dst_start']}:{body['dst_end']})")
+        by_buffer = {"kv": _by_buffer(metas["kv"]), "aux": _by_buffer(metas["aux"])}
+        if src:
+            for region in self._pool.kv_regions:
+                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
+                    by_buffer["kv"][region.buffers[0]], src, dst, request_id=chunk.key, notify=False))
+        if body.get("aux_index") is not None and meta.get("aux_index") is not None:
+            for region in self._pool.aux_regions:
+                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
+                    by_buffer["aux"][region.buffers[0]], [int(body["aux_index"])], [int(meta["aux_index"])],
+                    request_id=chunk.key, notify=False))
+        for c, src_slots in enumerate(body.get("state") or []):
+            dst_slots = (meta.get("state_indices") or [])[c] if c < len(meta.get("state_indices") or []) else None
+            if not src_slots or not dst_slots:
+                continue
+            comp_metas = _by_buffer(metas["state"][c])
+            for region in self._pool.state_regions[c]:
+                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
+                    comp_metas[region.buffers[0]], list(src_slots), list(dst_slots), request_id=chunk.key,
+                    notify=False))
+
+    def _advance(self) -> bool:
+        busy = False
+        for room, state in list(self._rooms.items()):
+            for idx, chunk in list(state.chunks.items()):
+                busy |= self._step(state, chunk)
+                if chunk.error is not None and state.failed is None:
+                    state.failed = chunk.error
+                if chunk.error is None and chunk.ack == "done":
+                    del state.chunks[idx]
+                    self.counters["chunks_pulled"] += 1
+                    if chunk.body.get("last"):
+                        state.last_done = True
+            busy |= self._settle(room, state)
+        for state in list(self._retired):
+            for chunk in state.chunks.values():
+                self._step(state, chunk)
+            handles = [h for c in state.chunks.values() for h in [*c.data, c.ack] if h is not None and not isinstance(h, str)]
+            if all(h.storage_safe for h in handles):
+                self._retired.remove(state)
+                self._scratch_free.extend(c.scratch for c in state.chunks.values() if c.scratch is not None)
+        return busy
+
+    def _step(self, state: _RoomPull, chunk: _Chunk) -> bool:
+        """Move one chunk on; True if anything happened."""
+        if chunk.error is not None or state.failed is not None or state.cancelled:
+            if chunk.error is None:
+                chunk.error = state.failed or "cancelled"
+            abort_parts([*chunk.data, chunk.ack if not isinstance(chunk.ack, str) else None], chunk.error)
+            return False
+        try:
+            if chunk.ack is None:
+                if not all(_done(h) for h in chunk.data):
+                    return False
+                if not self._scratch_free:
+                    return False  # every scratch slot busy: next turn
+                chunk.scratch = self._scratch_free.pop()
+                self._pool.table[chunk.scratch] = 0
+                hello = self._hellos[state.prefill]
+                chunk.ack = self._pool.table_backend.begin_pull_blocks(
+                    hello["metas"]["table"], [int(chunk.body["slot"])], [chunk.scratch], request_id=chunk.key,
+                    notify=True)
+                return True
+            if isinstance(chunk.ack, str) or not _done(chunk.ack):
+                return False
+            seen = int(self._pool.table[chunk.scratch])
+            self._scratch_free.append(chunk.scratch)
+            chunk.scratch = None
+            if not lease_holds(seen, int(chunk.body["lease"])):
+                self.counters["lease_revoked"] += 1
+                chunk.error = (f"the prefill gave the pages of chunk {chunk.body['chunk']} back before they were "
+                               f"read (lease {chunk.body['lease']}, slot shows {seen}); the bytes are discarded")
+                return True
+            chunk.ack = "done"
+            return True
+        except KVXferError as exc:
+            chunk.error = f"{type(exc).__name__}: {exc}"
+            return True
+
+    def _settle(self, room: int, state: _RoomPull) -> bool:
+        if state.failed is None and not state.cancelled:
+            if state.last_done and not state.chunks:
+                del self._rooms[room]
+                self.counters["rooms_succeeded"] += 1
+                self._succeed(room)
+                return True
+            return False
+        handles = [h for c in state.chunks.values() for h in [*c.data, c.ack] if h is not None and not isinstance(h, str)]
+        if not all(h.storage_safe for h in handles):
+            with self._lock:
+                self._unsafe.add(room)
+            return False
+        for chunk in state.chunks.values():
+            if chunk.scratch is not None:
+                self._scratch_free.append(chunk.scratch)
+                chunk.scratch = None
+        del self._rooms[room]
+        with self._lock:
+            self._unsafe.discard(room)
+        if not state.cancelled:
+            self.counters["rooms_failed"] += 1
+            self._fail(room, state.failed or "failed")
+        self._send(state.prefill, wire.encode(wire.FAILED, {"room": room, "lease": state.lease,
+                                                            "reason": state.failed or "aborted by the decode"}))
+        return True
+
+    def _cancel(self, state: _RoomPull, reason: str) -> None:
+        for chunk in state.chunks.values():
+            if chunk.error is None:
+                chunk.error = reason
+            abort_parts([*chunk.data, chunk.ack if not isinstance(chunk.ack, str) else None], reason)
+        if state.failed is None:
+            state.failed = reason
+
+
+def _by_buffer(entries: list) -> dict[int, dict[str, Any]]:
+    return {int(buffers[0]): meta for buffers, meta in entries}
+
+
+def _done(handle: Any) -> bool:
+    """Poll a handle, failing it once it is past its own timeout (poll alone never gives up)."""
+    if handle.poll():
+        return True
+    if handle.elapsed_s > handle.timeout_s:
+        handle.wait(timeout_s=0)  # fails it with the timeout error, raised here
+    return False

@@ -1,0 +1,147 @@
+"""kvxfer as SGLang's PD transfer backend, driven by SGLang's own code (sglang 0.5.23, ``.venv-sglang``).
+
+Each rank is a real process (``sglang_peer.py``): SGLang's plugin loading, its bootstrap server,
+its ``Common*`` managers, senders and receivers (through kvxfer's subclasses), its real
+``MHATokenToKVPool`` (page_size 4) and ``MetadataBuffers``. The prefill fills its pool with
+random bytes; the decode reads them into other pages; every page of every layer and every aux
+row is compared by digest. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
+
+from kvxfer.security.auth import new_secret_file
+
+FAILED, SUCCESS = 0, 4
+
+PLUGIN_CHECK = r"""
+import argparse, sglang
+from sglang.srt.disaggregation.utils import TransferBackend, KVClassType, get_kv_class as before
+import sglang.srt.disaggregation.prefill as prefill, sglang.srt.disaggregation.decode as decode
+import sglang.srt.managers.disagg_service as service
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.disaggregation.utils as utils
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.base.conn import BaseKVManager, BaseKVSender, BaseKVReceiver, BaseKVBootstrapServer
+from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+from sglang.srt.server_args import ServerArgs
+bases = {KVClassType.MANAGER: BaseKVManager, KVClassType.SENDER: BaseKVSender, KVClassType.RECEIVER: BaseKVReceiver,
+         KVClassType.BOOTSTRAP_SERVER: BaseKVBootstrapServer}
+for name in ("kvxfer_nixl", "kvxfer_ucx", "kvxfer"):
+    assert name in DISAGG_TRANSFER_BACKEND_CHOICES, name
+    backend = TransferBackend(name)
+    for kind, base in bases.items():
+        got = {m.get_kv_class(backend, kind) for m in (utils, prefill, decode, service)}
+        assert len(got) == 1, (name, kind, got)
+        cls = got.pop()
+        assert issubclass(cls, base) and cls.__module__.startswith("kvxfer."), (name, kind, cls)
+        assert cls is utils.get_kv_class(TransferBackend("kvxfer_nixl"), kind)  if name == "kvxfer" else True
+assert utils.get_kv_class(TransferBackend("kvxfer_ucx"), KVClassType.MANAGER).kvxfer_backend == "ucx"
+assert hasattr(utils.get_kv_class(TransferBackend.KVXFER, KVClassType.MANAGER), "try_ensure_parallel_info")
+from sglang.srt.disaggregation.nixl import NixlKVManager
+from sglang.srt.disaggregation.mooncake import MooncakeKVManager
+assert utils.get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER) is NixlKVManager
+assert utils.get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER) is MooncakeKVManager
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "kvxfer_ucx"])
+assert args.disaggregation_transfer_backend == "kvxfer_ucx"
+print("PLUGIN-OK", sglang.__version__)
+"""
+
+
+def test_plugin_registers_backends_through_sglang_entry_point():
+    """SGLang's load_plugins finds kvxfer's entry point; the three names resolve everywhere SGLang
+    imported get_kv_class before plugins loaded; SGLang's own backends and the CLI are intact."""
+    out = subprocess.run([sglang_python(), "-c", PLUGIN_CHECK], capture_output=True, text=True, timeout=120,
+                         env=peer_env())
+    assert "PLUGIN-OK 0.5.23" in out.stdout, out.stdout[-2000:] + out.stderr[-6000:]
+
+
+@pytest.fixture
+def secret_env(tmp_path):
+    return peer_env(KVXFER_SECRET_FILE=new_secret_file(str(tmp_path)))
+
+
+def _check_bytes(serve_rooms, prefill_reply, decode_reply) -> None:
+    for r in serve_rooms:
+        key = str(r["room"])
+        assert prefill_reply["rooms"][key] == {"status": SUCCESS, "reason": None}, prefill_reply["rooms"][key]
+        assert decode_reply["rooms"][key]["status"] == SUCCESS, decode_reply["rooms"][key]
+        src, dst = prefill_reply["digests"][key], decode_reply["digests"][key]
+        for layer, (a, b) in enumerate(zip(src["pages"], dst["pages"])):
+            assert a == b, f"room {key} buffer {layer}: pages differ"
+        assert src["aux"] == dst["aux"] and src["aux"], f"room {key}: aux rows differ"
+
+
+def _exchange(prefill: Peer, decode: Peer, port: int, serve, receive, **extra) -> tuple[dict, dict]:
+    prefill.send(op="serve", rooms=serve, timeout=40, **extra.get("serve", {}))
+    decode.send(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=40)
+    return prefill.read(), decode.read()
+
+
+@pytest.mark.parametrize("backend,mismatch", [("kvxfer_nixl", {"heads": 4}), ("kvxfer_ucx", {"page_size": 8})])
+def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mismatch, secret_env):
+    """One prefill, one decode, one mismatched decode, all real SGLang ranks on one backend:
+
+    1. three rooms at once, each sent in two chunks: every page of every layer and the aux rows
+       arrive byte for byte, both sides ``KVPoll.Success``;
+    2. the same room ids again (reused), four rooms of three chunks, other pages: byte exact;
+    3. nothing left in any table on either side;
+    4. a decode whose pool differs is refused, naming what differs;
+    5. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
+       within seconds (not SGLang's 300 s), with a reason.
+    """
+    port = free_port()
+    prefill = Peer("prefill", backend, port, env=secret_env)
+    decode = Peer("decode", backend, port, env=secret_env)
+    other = Peer("decode", backend, port, env=secret_env, **mismatch)
+    try:
+        prefill.ready(), decode.ready(), other.ready()
+        serve, receive = rooms_plan(100, 3)
+        _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+
+        serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=(1, 2, 3), src_base=30, dst_base=2)
+        _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+
+        sizes_p = prefill.ask(op="sizes", settle_s=0.3)["sizes"]
+        sizes_d = decode.ask(op="sizes")["sizes"]
+        assert not any(sizes_p.values()) and not any(sizes_d.values()), (sizes_p, sizes_d)
+
+        serve, receive = rooms_plan(300, 1)
+        prefill.send(op="serve", rooms=serve, timeout=15)
+        refused = other.ask(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=15)
+        prefill.read()
+        if "page_size" in mismatch:  # SGLang's own check, at bootstrap, names both page sizes
+            assert "page_size=4" in refused["refused"] and "page_size=8" in refused["refused"], refused
+        else:  # kvxfer's layout check names each field with both values
+            reason = refused["rooms"]["300"]["reason"]
+            assert refused["rooms"]["300"]["status"] == FAILED, refused
+            assert "kv_head_num: prefill=2 decode=4" in reason and "kv_item_lens" in reason, reason
+
+        serve, receive = rooms_plan(400, 2, chunks=(3, 4))
+        prefill.send(op="serve", rooms=serve, timeout=30, die_after_chunks=1)
+        decode.send(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=30)
+        died = decode.read()
+        prefill.proc.wait(timeout=10)
+        assert prefill.proc.returncode == -signal.SIGKILL
+        for key in ("400", "401"):
+            room = died["rooms"][key]
+            assert room["status"] == FAILED and room["reason"], room
+            assert room["at_s"] < 10.0, f"room {key} failed only after {room['at_s']:.1f}s"
+        print(f"{backend}: prefill killed -> decode KVPoll.Failed after "
+              f"{max(r['at_s'] for r in died['rooms'].values()):.2f}s: {died['rooms']['400']['reason']}")
+        sizes_d = decode.ask(op="sizes", settle_s=0.2)["sizes"]
+        assert not sizes_d["puller_rooms"] and not sizes_d["puller_unsafe"], sizes_d
+    finally:
+        for peer in (prefill, decode, other):
+            peer.close()
