@@ -4,6 +4,9 @@ STAMP := $(VENV)/.kvxfer-installed
 # the vLLM environment tools/bootstrap.sh builds beside it (docs/vllm.md)
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
+# the SGLang environment, likewise (docs/sglang.md)
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvxfer-installed
 
 .PHONY: loopback test info
 
@@ -11,16 +14,19 @@ VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 PREFETCH := $(if $(filter test,$(MAKECMDGOALS)),$(VLLM_VENV))
 
 $(STAMP): pyproject.toml setup.py tools/bootstrap.sh
-	KVXFER_SKIP_VLLM=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) bash tools/bootstrap.sh $(VENV)
+	KVXFER_SKIP_VLLM=1 KVXFER_SKIP_SGLANG=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh
 	KVXFER_VLLM_ONLY=1 KVXFER_VLLM_VENV=$(VLLM_VENV) bash tools/bootstrap.sh $(VENV)
 
+$(SGLANG_STAMP): pyproject.toml setup.py tools/bootstrap.sh
+	KVXFER_SGLANG_ONLY=1 KVXFER_SGLANG_VENV=$(SGLANG_VENV) bash tools/bootstrap.sh $(VENV)
+
 loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes, on the default backend
 	$(VENV)/bin/kvxfer loopback
 
-test: $(STAMP) $(VLLM_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV))
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV), SGLang's ranks in $(SGLANG_VENV))
 	$(VENV)/bin/python -m pytest
 
 info: $(STAMP)

