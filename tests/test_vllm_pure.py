@@ -16,7 +16,7 @@ import torch
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, check_compatible, parse_handshake
-from kvxfer.integrations.vllm.kv_buffers import kv_regions
+from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.leases import LeaseSlots, lease_holds
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, fetch_handshake
 from kvxfer.integrations.vllm.tickets import derive_ticket_key, parse_ticket, prompt_digest, sign_ticket
@@ -217,9 +217,11 @@ def test_kv_regions_one_registration_for_layers_of_one_buffer():
     buffer = torch.zeros(4, 100, 2, 32, 128, dtype=torch.bfloat16)
     caches = {f"model.layers.{i}.attn": buffer[i] for i in range(4)}
     (region,) = kv_regions(caches, 100)
-    assert region.view.shape == (4, 100, 2 * 32 * 128) and region.view.data_ptr() == buffer.data_ptr()
-    buffer[2, 7].fill_(3)
-    assert region.view[2, 7].eq(3).all()
+    # registered one slab per head (id = block * heads + head), so different TP reads a head range
+    assert region.view.shape == (4, 100 * 2, 32 * 128) and region.view.data_ptr() == buffer.data_ptr()
+    assert region.head_slabs == 2 and layout_signature([region], 32)["num_blocks"] == 100
+    buffer[2, 7, 1].fill_(3)
+    assert region.view[2, 7 * 2 + 1].eq(3).all() and region.view[2, 7 * 2].eq(0).all()
     # flash-attention layout, one allocation per layer: [2, blocks, block_size, heads, head]
     caches = {f"l{i}": torch.zeros(2, 100, 16, 2, 64) for i in range(3)}
     regions = kv_regions(caches, 100)

@@ -204,11 +204,16 @@ def test_one_allocation_of_all_layers_is_one_registration(facts, layout):
     raw, views = vllm_layers(facts, layout, 2)
     (region,) = kv_regions({f"model.layers.{i}.attn": v for i, v in enumerate(views)}, BLOCKS)
     assert region.view.data_ptr() == raw.data_ptr() and region.view.numel() == raw.numel()
-    assert region.view.shape == (LAYERS, BLOCKS, 2 * BLOCK * 2 * HEAD)
+    slabs = 2 if layout == "LBHNC" else 1  # LBHNC: one registered slab per head of a block
+    assert region.head_slabs == slabs
+    assert region.view.shape == (LAYERS, BLOCKS * slabs, 2 * BLOCK * 2 * HEAD // slabs)
     raw.copy_(torch.randn(raw.numel()).to(torch.bfloat16))
-    for i, v in enumerate(views):  # block b of layer i is the region's row [i, b], byte for byte
+    for i, v in enumerate(views):  # block b of layer i is the region's rows [i, b*slabs ..], byte for byte
         for b in (0, 4, 6):
-            assert torch.equal(region.view[i, b], v[b].reshape(-1) if layout == "LBHNC" else v[b].transpose(0, 1).reshape(-1))
+            rows = region.view[i, b * slabs:(b + 1) * slabs].reshape(-1)
+            assert torch.equal(rows, v[b].reshape(-1) if layout == "LBHNC" else v[b].transpose(0, 1).reshape(-1))
+            if layout == "LBHNC":
+                assert all(torch.equal(region.view[i, b * 2 + h], v[b, h].reshape(-1)) for h in range(2))
 
 
 def test_layouts_are_part_of_the_signature(facts):
@@ -254,15 +259,73 @@ def producer(lay):
                                                       ranks=ranks, ticket_key=b"k" * 32, cluster_key=None)), None)
 
 
-def test_handshake_refuses_different_tp_naming_both_layouts():
+def test_handshake_takes_different_tp_on_lbhnc_and_refuses_the_rest_naming_both_layouts():
     from kvxfer.integrations.vllm.handshake import check_compatible
-    with pytest.raises(LayoutError) as info:  # mapped by NixlConnector, planned here, not posted yet
-        check_compatible(engine(4), "nixl", producer(engine(2)))
+    from kvxfer.integrations.vllm.tp_reads import Notify, SlabRead, rank_reads
+    check_compatible(engine(4), "nixl", producer(engine(2)))  # LBHNC both ways: read as NixlConnector maps it
+    check_compatible(engine(1), "nixl", producer(engine(2)))
+    check_compatible(engine(2), "nixl", producer(engine(2)))  # equal TP: whole blocks, as before
+    plan = rank_reads(3, engine(4), engine(2))  # decode rank 3 of 4: heads 2..3 of prefill rank 1, reader 1 of 2
+    assert plan.reads == (SlabRead(src_rank=1, src_first=2, dst_first=0, count=2, src_slabs=4, dst_slabs=2),)
+    assert plan.notify == (Notify(rank=1, reader=1, readers=2),)
+    assert plan.reads[0].ids([5], [9]) == ([5 * 4 + 2, 5 * 4 + 3], [9 * 2, 9 * 2 + 1])
+    plan = rank_reads(0, engine(1), engine(2))  # decode TP 1 reads both prefill ranks, each its only reader
+    assert [(r.src_rank, r.src_first, r.dst_first, r.count) for r in plan.reads] == [(0, 0, 0, 4), (1, 0, 4, 4)]
+    assert plan.notify == (Notify(0, 0, 1), Notify(1, 0, 1))
+    with pytest.raises(LayoutError) as info:  # NHD: a head is not contiguous in a block
+        check_compatible(engine(4, layout="LBNHC"), "nixl", producer(engine(2, layout="LBNHC")))
     text = str(info.value)
-    assert "NixlConnector maps it, decode rank 0 reading heads 0..1 of prefill rank 0" in text
-    assert "prefill: TP 2 x PP 1, 8 KV heads (4 per rank)" in text and "decode: TP 4 x PP 1, 8 KV heads (2 per rank)" in text
+    assert "tensor parallelism on layout LBNHC" in text and "LBHNC (HND)" in text
+    assert "prefill TP 2 (8 KV heads, 4 per rank), layout LBNHC" in text
+    assert "decode TP 4 (8 KV heads, 2 per rank), layout LBNHC" in text
     with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*layout LBNHC.*layout LBHNC"):
         check_compatible(engine(4), "nixl", producer(engine(2, layout="LBNHC")))
     with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*replicates its KV heads"):
         check_compatible(engine(1, heads=2), "nixl", producer(engine(4, heads=2)))
-    check_compatible(engine(2), "nixl", producer(engine(2)))  # equal TP: whole blocks, as before
+
+
+# --- the producer frees a request once every one of its readers reported --------------------------------
+
+class _Reports:
+    def __init__(self) -> None:
+        self.done, self.failed = [], []
+
+    def drain_read_done(self):
+        out, self.done = self.done, []
+        return out
+
+    def drain_read_failed(self):
+        out, self.failed = self.failed, []
+        return out
+
+
+def test_reader_labels_carry_the_count_and_the_sender_waits_for_all():
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm.sender import Sender
+    from kvxfer.integrations.vllm.specs import SendSpec
+    from kvxfer.integrations.vllm.tp_reads import parse_reader_label, reader_label
+
+    assert reader_label("r1", 0, 1) == "r1" and parse_reader_label("r1") == ("r1", 0, 1)
+    assert parse_reader_label(reader_label("a#b", 1, 2)) == ("a#b", 1, 2)
+    assert parse_reader_label("x#kvxfer-reader-2-of-2") == ("x#kvxfer-reader-2-of-2", 0, 1)  # not a reader of 2
+    now = [0.0]
+    source, table = _Reports(), torch.zeros(8, dtype=torch.int64)
+    sender = Sender([source], table, grace_s=5.0, clock=lambda: now[0])
+    sender.pin(SendSpec("r", (1, 2), 3, 7))
+    source.done = [reader_label("r", 0, 2), reader_label("r", 0, 2)]  # the same reader twice is one reader
+    assert sender.collect() == set() and table[3] == 7
+    source.failed = [SimpleNamespace(request_id=reader_label("r", 1, 2), reason="x")]
+    assert sender.collect() == {"r"} and table[3] == -7 and sender.counters["released_read_failed"] == 1
+    source.done = [reader_label("e", 1, 2), reader_label("e", 0, 2)]  # both before the pin: it goes at once
+    sender.collect()
+    sender.pin(SendSpec("e", (4,), 4, 8))
+    assert sender.collect() == {"e"}
+    sender.pin(SendSpec("g", (5,), 5, 9))  # one reader of two never comes: pin_grace_s, no more
+    source.done = [reader_label("g", 0, 2)]
+    assert sender.collect() == set()
+    now[0] = 5.5
+    assert sender.collect() == {"g"} and sender.counters["released_grace"] == 1 and table[5] == -9
+    sender.pin(SendSpec("p", (6,), 6, 10))  # equal TP: the bare id, one reader, as before
+    source.done = ["p"]
+    assert sender.collect() == {"p"}

@@ -140,7 +140,8 @@ def _source_main(backend_name: str, blocks: int, key_hex: str = "") -> None:
 
     _, regions = kv_pool(blocks)
     cls = construct_kv_transfer_backend_class(backend_name)
-    first = cls(agent_name=f"src-{os.getpid()}", memory_buffer=regions[0].view, expected_num_blocks=blocks,
+    first = cls(agent_name=f"src-{os.getpid()}", memory_buffer=regions[0].view,
+                expected_num_blocks=blocks * regions[0].head_slabs,
                 timeout_s=5.0, meta_key=bytes.fromhex(key_hex) if key_hex else None)
     table = torch.zeros(64, dtype=torch.int64)
     lease = first.new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
@@ -282,7 +283,8 @@ class Decode:
         self.buffer.zero_()
         cls = construct_kv_transfer_backend_class(backend)
         first = cls(agent_name=f"dst-{os.urandom(4).hex()}", memory_buffer=regions[0].view,
-                    expected_num_blocks=blocks, timeout_s=transfer_timeout_s, meta_key=cluster_key)
+                    expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=transfer_timeout_s,
+                    meta_key=cluster_key)
         scratch = torch.zeros(scratch_slots, dtype=torch.int64)
         self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch_slots)
         stack.callback(first.close)

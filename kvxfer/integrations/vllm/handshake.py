@@ -3,9 +3,10 @@
 Built by the producer's scheduler from what each worker reported (``get_handshake_metadata``
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
-(``check_compatible``): equal tensor parallelism, block size, model and per-block layout,
-or a refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason
-when it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
+(``check_compatible``): the same block size, model and per-block layout, and equal tensor
+parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); else a
+refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason when
+it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
 against the producer's ``num_blocks`` instead. Pure, apart from JSON.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.integrations.vllm.tp_mapping import check_tp_pair, plan_rank_reads
+from kvxfer.integrations.vllm.tp_mapping import check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
@@ -133,25 +134,42 @@ def layout_name(layout: EngineLayout) -> str:
     return names.pop() if len(names) == 1 else "/".join(sorted(names)) or "?"
 
 
-def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> str:
-    """Why different TP sizes are refused: NixlConnector's reason when it refuses the pair too
-    (``tp_mapping.check_tp_pair``), else that KvxferConnector does not read it yet, with the
-    reads NixlConnector would make for decode rank 0."""
+def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
+    """Why different TP sizes are refused, or None when they are read (``tp_reads``): NixlConnector's
+    reason when it refuses the pair too (``tp_mapping.check_tp_pair``), and any layout but ``LBHNC``
+    on both sides, the one where a block's heads are contiguous slabs (``kv_buffers``)."""
     heads = prefill.model.get("num_kv_heads")
     if not isinstance(heads, int) or isinstance(heads, bool):
         return "tensor parallelism (no KV head count to map it with)"
+    src_layout, dst_layout = layout_name(prefill), layout_name(decode)
     try:
         check_tp_pair(src_tp=prefill.tp_size, dst_tp=decode.tp_size, total_kv_heads=heads,
-                      src_layout=layout_name(prefill), dst_layout=layout_name(decode),
+                      src_layout=src_layout, dst_layout=dst_layout,
                       src_block_size=prefill.block_size, dst_block_size=decode.block_size)
-        reads = plan_rank_reads(dst_rank=0, dst_tp=decode.tp_size, src_tp=prefill.tp_size, total_kv_heads=heads).reads
+        plan_rank_reads(dst_rank=0, dst_tp=decode.tp_size, src_tp=prefill.tp_size, total_kv_heads=heads)
     except LayoutError as exc:
         return f"tensor parallelism, refused as NixlConnector refuses it ({exc})"
-    mapped = ", ".join(f"heads {r.src_head}..{r.src_head + r.num_heads - 1} of prefill rank {r.src_rank}"
-                       for r in reads)
-    return (f"tensor parallelism (prefill TP {prefill.tp_size}, decode TP {decode.tp_size}: NixlConnector maps it, "
-            f"decode rank 0 reading {mapped}; KvxferConnector plans these reads (tp_mapping, head_runs) but does "
-            "not post them yet)")
+    sides = (f"prefill {describe_side('prefill', prefill.tp_size, heads, src_layout, prefill.block_size)}; "
+             f"decode {describe_side('decode', decode.tp_size, heads, dst_layout, decode.block_size)}")
+    if src_layout != "LBHNC":
+        return (f"tensor parallelism on layout {src_layout}: KvxferConnector reads a head range only on LBHNC "
+                f"(HND), where a block's heads are contiguous ({sides})")
+    if _masked(prefill) != _masked(decode):
+        return f"per-layer KV layout beyond the heads ({sides})"
+    for lay in (prefill, decode):
+        per_rank = max(1, heads // lay.tp_size)
+        if any((r.get("layer_shape") or [None, None])[1] != per_rank for r in lay.regions):
+            return f"KV heads per rank: TP {lay.tp_size} with {heads} KV heads should hold {per_rank} ({sides})"
+    return None
+
+
+def _masked(layout: EngineLayout) -> list[dict]:
+    """The regions' signatures without the heads per rank, which differ with the TP size."""
+    out = []
+    for region in layout.regions:
+        shape = list(region.get("layer_shape") or [])
+        out.append({**dict(region), "layer_shape": shape[:1] + [None] + shape[2:]})
+    return out
 
 
 def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake) -> None:
@@ -166,10 +184,13 @@ def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake)
     if theirs.pp_size != local.pp_size:
         problems.append("pipeline parallelism")
     if theirs.tp_size != local.tp_size:
-        problems.append(tp_problem(theirs, local))
+        problem = tp_problem(theirs, local)
+        if problem is not None:
+            problems.append(problem)
     if theirs.block_size != local.block_size:
         problems.append("block_size")
-    if not problems and [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
+    if not problems and theirs.tp_size == local.tp_size and \
+            [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
         problems.append("per-layer KV layout")
     if problems:
         raise LayoutError(

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from kvxfer.errors import KVXferError
-from kvxfer.integrations.vllm.handshake import Handshake, parse_handshake
+from kvxfer.integrations.vllm.handshake import Handshake, check_compatible, parse_handshake
 from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
+from kvxfer.integrations.vllm.tp_reads import rank_reads
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -161,3 +162,19 @@ def confirm_sources(handshake: Handshake, tp_rank: int, kv: list[tuple[Any, dict
             confirm(meta, timeout_s)
         else:
             backend.parse_peer_meta(meta)
+
+
+def confirm_rank_sources(handshake: Handshake, tp_rank: int, local: Any, backends: list[Any], lease_backend: Any,
+                         timeout_s: float) -> None:
+    """``confirm_sources`` for every prefill rank decode rank ``tp_rank`` will read or notify
+    (``tp_reads``: its own rank with equal TP, NixlConnector's ranks with different TP);
+    nothing when the pair is refused (``check_compatible`` says why, at the load)."""
+    try:
+        check_compatible(local, handshake.backend, handshake)
+        reads = rank_reads(tp_rank, local, handshake.layout)
+    except KVXferError:
+        return
+    read_from = {read.src_rank for read in reads.reads}
+    for target in reads.notify:
+        kv = list(zip(backends, handshake.rank_kv_metas[target.rank])) if target.rank in read_from else []
+        confirm_sources(handshake, target.rank, kv, lease_backend, timeout_s)

@@ -15,6 +15,14 @@ descriptor run per block range for all layers; layers that do not are grouped by
 one registration each. Block-outermost layouts (``BLHNC``: a block holds every layer's page)
 are not dense per layer and are refused.
 
+On ``LBHNC`` a block's heads are consecutive slabs of ``block_size * 2 * head_size`` elements,
+so each region is registered as *one slab per head*, ``[layers, num_blocks * heads, slab]``:
+backend id ``b * heads + h`` is head ``h`` of vLLM block ``b``. A whole block is then the run of
+ids ``b*H .. b*H+H-1``, which the backend's planner coalesces into the same descriptors as one
+block (so equal TP moves exactly what it moved before), and a head range ``h0..h1`` of a block is
+ids ``b*H+h0 .. b*H+h1-1``: different TP (``tp_reads``) reads its heads with the existing
+whole-"block" reads, on both sides' own head counts. Other layouts keep one slab per block.
+
 Whole blocks are read, so the layout inside a block (NHD, HND, K and V interleaved) does
 not matter as long as both sides have the same one; ``layout_signature`` is what the
 handshake compares, the memory order of the axes (``layout``) included. The number of blocks is not part of it: vLLM sizes each instance's
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -36,13 +44,15 @@ from kvxfer.errors import GeometryError
 
 @dataclass(frozen=True)
 class KVRegion:
-    """One contiguous buffer covering ``layers`` (in order), viewed as ``[outer, blocks, slice]``."""
+    """One contiguous buffer covering ``layers`` (in order), viewed as ``[outer, blocks * head_slabs, slab]``
+    (register it with ``expected_num_blocks = num_blocks * head_slabs``)."""
 
     layers: tuple[str, ...]
     view: torch.Tensor
     layer_shape: tuple[int, ...]
     blocks_axis: int
     memory_order: tuple[int, ...] = ()
+    head_slabs: int = 1  # registered slabs per vLLM block: its heads on LBHNC, else 1
 
     @property
     def layout(self) -> str:
@@ -108,6 +118,13 @@ def memory_order(name: str, tensor: torch.Tensor) -> tuple[int, ...]:
     return order
 
 
+def slabs_per_block(layout: str, layer_shape: Sequence[Optional[int]]) -> int:
+    """How many registered slabs one vLLM block is: its heads on ``LBHNC`` (heads outermost inside a
+    block, each head's tokens contiguous), else 1. The one rule both sides apply, to their own
+    regions and to a peer's signature."""
+    return int(layer_shape[1]) if layout == "LBHNC" and layer_shape[1] else 1
+
+
 def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], order: tuple[int, ...],
           num_blocks: int) -> list[KVRegion]:
     """One region for layers evenly spaced back to back in one storage; else one per layer."""
@@ -119,12 +136,15 @@ def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], o
     outer = math.prod(shape[i] for i in order[:position])
     slice_elems = math.prod(shape[i] for i in order[position + 1:])
     groups = [members] if back_to_back else [[m] for m in members]
+    probe = KVRegion((), first, shape, axis, order)
+    slabs = slabs_per_block(probe.layout, [None if i == axis else n for i, n in enumerate(shape)])
     out = []
     for group in groups:
         base = group[0][1]
         view = torch.empty(0, dtype=base.dtype, device=base.device)
-        view.set_(base.untyped_storage(), base.storage_offset(), (len(group) * outer, num_blocks, slice_elems))
-        out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis, order))
+        view.set_(base.untyped_storage(), base.storage_offset(),
+                  (len(group) * outer, num_blocks * slabs, slice_elems // slabs))
+        out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis, order, slabs))
     return out
 
 
@@ -132,4 +152,4 @@ def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:
     """What both sides must agree on for whole-block reads to be byte-exact (``layer_shape``
     has ``None`` on the blocks axis), and this side's ``num_blocks``, which they need not."""
     return {"block_size": block_size, "regions": [r.signature for r in regions],
-            "num_blocks": regions[0].view.shape[1] if regions else 0}
+            "num_blocks": regions[0].view.shape[1] // regions[0].head_slabs if regions else 0}

@@ -5,10 +5,13 @@ block-id list is bounded by the tokens it claims before it is walked) and, with 
 key, its signature -> the producer's handshake (``handshake_cache``: fetched and its metas
 confirmed off the engine's thread) -> the ticket's signature (without a cluster key: the
 key came in the handshake), instance, the two layouts, and the block ids against the
-producer's pool -> one ``begin_pull_blocks`` per KV region (one on vLLM's CPU layout) with
-the producer's block ids from the ticket and the blocks vLLM allocated here, no read-done
--> once every byte landed, one 8-byte read of the lease slot that carries the read-done ->
-``lease_holds`` -> reported in ``finished_recving``.
+producer's pool -> one ``begin_pull_blocks`` per KV region and prefill rank read from
+(``tp_reads``: this rank's own with equal TP; with different TP the ranks NixlConnector maps,
+reading only this rank's head slabs) with the producer's block ids from the ticket and the
+blocks vLLM allocated here, no read-done -> once every byte landed, one 8-byte read of the
+lease slot of each prefill rank this rank notifies, which carries the read-done labelled
+with this rank's reader index and count -> ``lease_holds`` on every rank read from ->
+reported in ``finished_recving``.
 
 Nothing here waits on a peer: each call posts or polls and returns. The engine step pays
 the posting of its loads (local planning and the transport's post) plus at most
@@ -40,6 +43,7 @@ from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
 from kvxfer.integrations.vllm.leases import lease_holds
 from kvxfer.integrations.vllm.specs import LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
+from kvxfer.integrations.vllm.tp_reads import RankReads, notify_ranks, rank_reads, reader_label
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -107,8 +111,8 @@ class _Load:
     handshake: Optional[Handshake] = None
     refetched: bool = False
     data: list[TransferHandle] = field(default_factory=list)
-    lease: Optional[TransferHandle] = None
-    slot: Optional[int] = None
+    leases: list[tuple[TransferHandle, int, int]] = field(default_factory=list)  # (handle, scratch slot, prefill rank)
+    reads: Optional[RankReads] = None  # this rank's slab reads and whom it tells "done"
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
     verified: bool = False  # the ticket's signature checked (before the handshake, with a cluster key)
     slot_wait: Optional[float] = None  # since when it waits for a scratch slot
@@ -176,7 +180,7 @@ class Receiver:
             return
         deadline = time.perf_counter() + self._spin_s
         while time.perf_counter() < deadline:
-            moving = [load for load in self._loads.values() if load.data or load.lease is not None]
+            moving = [load for load in self._loads.values() if load.data or load.leases]
             if not moving:
                 return
             for load in moving:
@@ -197,7 +201,7 @@ class Receiver:
     # --- the state machine --------------------------------------------------------------------
     def _advance(self, load: _Load) -> None:
         spec = load.spec
-        if load.lease is not None:
+        if load.leases:
             return self._advance_lease(load)
         if load.data:
             return self._advance_data(load)
@@ -245,9 +249,11 @@ class Receiver:
             return self._refuse(load, str(exc))
         try:
             check_compatible(self._layout, self._backend_name, handshake)
+            load.reads = rank_reads(self._tp_rank, self._layout, handshake.layout)
         except KVXferError as exc:
             load.failing = str(exc)
             self.counters["refused"] += 1
+            load.reads = RankReads((), notify_ranks(self._tp_rank, self._layout.tp_size, handshake.layout.tp_size))
             return self._post_lease(load)  # a verified ticket: let the producer free its blocks now
         load.marks["checked"] = self._clock()
         local = list(spec.local_block_ids)
@@ -265,19 +271,23 @@ class Receiver:
     def _post_data(self, load: _Load, remote: list[int], local: list[int]) -> None:
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None
-        metas = handshake.rank_kv_metas[self._tp_rank]
-        for backend, meta in zip(self._regions, metas):
-            try:
-                handle = backend.begin_pull_blocks(meta, remote, local, request_id=ticket.request_id, notify=False)
-            except KVXferError as exc:
-                posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
-                safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
-                if not load.data and not isinstance(exc, TransferStartError):
-                    return self._refuse(load, f"{exc}")
-                return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
-            load.bytes += handle.bytes_requested
-            load.descriptors += handle.descriptors_posted
-            load.data.append(handle)
+        assert load.reads is not None
+        labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
+        for read in load.reads.reads:  # one per prefill rank read from (one with equal TP)
+            src_ids, dst_ids = read.ids(remote, local)
+            for backend, meta in zip(self._regions, handshake.rank_kv_metas[read.src_rank]):
+                try:
+                    handle = backend.begin_pull_blocks(meta, src_ids, dst_ids, notify=False,
+                                                       request_id=labels.get(read.src_rank, ticket.request_id))
+                except KVXferError as exc:
+                    posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
+                    safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
+                    if not load.data and not isinstance(exc, TransferStartError):
+                        return self._refuse(load, f"{exc}")
+                    return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
+                load.bytes += handle.bytes_requested
+                load.descriptors += handle.descriptors_posted
+                load.data.append(handle)
         load.marks["data_posted"] = self._clock()
         self._advance_data(load)
 
@@ -291,10 +301,13 @@ class Receiver:
             self._post_lease(load)
 
     def _post_lease(self, load: _Load) -> None:
+        """One 8-byte lease read per prefill rank this rank notifies (it carries the read-done)."""
         ticket, handshake = load.ticket, load.handshake
-        assert ticket is not None and handshake is not None
-        slot = self.slots.take()
-        if slot is None:  # every scratch slot is in use: try again next step, up to the transfer timeout
+        assert ticket is not None and handshake is not None and load.reads is not None
+        notify = load.reads.notify
+        if not notify:
+            return self._finish_failed(load, load.failing or "no prefill rank to read the lease from")
+        if self.slots.free < len(notify):  # every scratch slot is in use: try again next step, up to the timeout
             now = self._clock()
             load.slot_wait = load.slot_wait if load.slot_wait is not None else now
             if now - load.slot_wait <= self._transfer_timeout_s:
@@ -302,39 +315,57 @@ class Receiver:
             return self._finish_failed(load, load.failing or (
                 f"no lease scratch slot came free within transfer_timeout_s={self._transfer_timeout_s}s "
                 f"({self.slots.quarantined} held by failed reads that may still land)"))
-        try:
-            load.lease = self._scratch_backend.begin_pull_blocks(
-                handshake.rank_lease_metas[self._tp_rank], [ticket.slot], [slot], request_id=ticket.request_id)
-        except KVXferError as exc:
-            if isinstance(exc, TransferStartError) and not exc.storage_safe:
-                self.slots.quarantine(slot, exc.cleanup_handles)  # back once those are safe
-            else:
-                self.slots.give_back(slot)
-            return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
-        load.slot = slot
+        for target in notify:
+            slot = self.slots.take()
+            assert slot is not None
+            try:
+                handle = self._scratch_backend.begin_pull_blocks(
+                    handshake.rank_lease_metas[target.rank], [ticket.slot], [slot],
+                    request_id=reader_label(ticket.request_id, target.reader, target.readers))
+            except KVXferError as exc:
+                if isinstance(exc, TransferStartError) and not exc.storage_safe:
+                    self.slots.quarantine(slot, exc.cleanup_handles)  # back once those are safe
+                else:
+                    self.slots.give_back(slot)
+                if load.leases:  # the ones posted still tell their ranks; their outcome is not awaited
+                    self._drop_leases(load, f"request {ticket.request_id!r}: a sibling lease read failed to start")
+                return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
+            load.leases.append((handle, slot, target.rank))
         load.marks["lease_posted"] = self._clock()
         self._advance_lease(load)
 
+    def _drop_leases(self, load: _Load, reason: str) -> None:
+        """Give back the scratch slots of ``load``'s lease reads: at once where no byte can land, else
+        once the transport proves it (aborting those still in flight)."""
+        abort_parts([h for h, _, _ in load.leases], reason)
+        for handle, slot, _ in load.leases:
+            if handle.storage_safe:
+                self.slots.give_back(slot)
+            else:
+                self.slots.quarantine(slot, [handle])
+        load.leases = []
+
     def _advance_lease(self, load: _Load) -> None:
-        assert load.lease is not None and load.ticket is not None
+        assert load.leases and load.ticket is not None and load.reads is not None
         try:
-            if not load.lease.poll():
+            if not all([handle.poll() for handle, _, _ in load.leases]):
                 return None
         except TransferError as exc:
-            if load.lease.storage_safe:
-                self.slots.give_back(load.slot)
-            else:  # a byte may still land in the slot: it comes back when the read is proven over
-                self.slots.quarantine(load.slot, [load.lease])
+            self._drop_leases(load, f"request {load.ticket.request_id!r}: a sibling lease read failed")
             return self._finish_failed(load, load.failing or f"reading the lease of the prefill's blocks failed: {exc}")
-        seen = int(self.slots.tensor[load.slot])
-        self.slots.give_back(load.slot)
+        read_from = {read.src_rank for read in load.reads.reads}
+        seen = {rank: int(self.slots.tensor[slot]) for _, slot, rank in load.leases}
+        for _, slot, _ in load.leases:
+            self.slots.give_back(slot)
+        load.leases = []
         if load.failing:
             return self._finish_failed(load, load.failing)
-        if not lease_holds(seen, load.ticket.lease):
-            return self._finish_failed(
-                load, f"the prefill released request {load.ticket.request_id!r}'s blocks before the read completed "
-                      f"(lease {load.ticket.lease}, slot now {seen}: pin_grace_s passed, or a restart); the pulled "
-                      "bytes are discarded")
+        for rank, value in sorted(seen.items()):
+            if rank in read_from and not lease_holds(value, load.ticket.lease):
+                return self._finish_failed(
+                    load, f"prefill rank {rank} released request {load.ticket.request_id!r}'s blocks before the read "
+                          f"completed (lease {load.ticket.lease}, slot now {value}: pin_grace_s passed, or a restart); "
+                          "the pulled bytes are discarded")
         self._succeed(load)
 
     # --- outcomes -----------------------------------------------------------------------------

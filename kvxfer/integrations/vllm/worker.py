@@ -22,7 +22,7 @@ import torch
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.vllm.config import KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake
-from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_sources
+from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
 from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer.integrations.vllm.receiver import Receiver
@@ -89,9 +89,11 @@ class KvxferWorker:
         cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
         agent = f"vllm-{self.engine_id[:24]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
         common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
-        first = cls(agent_name=agent, memory_buffer=regions[0].view, expected_num_blocks=num_blocks, **common)
-        self.backends = [first] + [
-            first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=num_blocks) for r in regions[1:]
+        first = cls(agent_name=agent, memory_buffer=regions[0].view,
+                    expected_num_blocks=num_blocks * regions[0].head_slabs, **common)
+        self.backends = [first] + [  # LBHNC: one slab per head (kv_buffers), so different TP reads its heads
+            first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=num_blocks * r.head_slabs)
+            for r in regions[1:]
         ]
         if self.is_producer:
             table = torch.zeros(self.cfg.lease_slots, dtype=torch.int64)
@@ -125,9 +127,9 @@ class KvxferWorker:
         timeout; done here, the reads later find the answer remembered."""
         if handshake.backend != self.cfg.backend_name:
             return  # refused with both names by check_compatible
-        confirm_sources(handshake, self.tp_rank, list(zip(self.backends, handshake.rank_kv_metas[self.tp_rank]))
-                        if self.tp_rank < len(handshake.rank_kv_metas) else [], self.scratch_backend,
-                        self.cfg.transfer_timeout_s)
+        assert self.layout is not None
+        confirm_rank_sources(handshake, self.tp_rank, self.layout, self.backends, self.scratch_backend,
+                             self.cfg.transfer_timeout_s)
 
     def handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
         return None if self._handshake_payload is None else KvxferHandshakeMetadata(self._handshake_payload)

@@ -1,0 +1,105 @@
+"""What one decode rank posts for one request: slab reads per prefill rank, and whom it tells "done".
+
+Equal TP reads every slab of each block from the same rank (the whole block, as always).
+Different TP is NixlConnector's mapping (``tp_mapping.plan_rank_reads``) turned into reads of
+*head slabs*: on ``LBHNC`` each region is registered one slab per head (``kv_buffers``), so
+heads ``h0..h0+n-1`` of block ``b`` on a side with ``H`` heads per rank are backend ids
+``b*H+h0 .. b*H+h0+n-1``, and the existing whole-"block" reads fetch exactly a rank's heads,
+byte-exact, with each side using its own ``H``. Only ``LBHNC`` has a head's bytes contiguous in
+a block; the handshake refuses different TP on other layouts (``handshake.tp_problem``).
+
+A prefill rank frees a request only once *every* decode rank that reads it is done. That count
+is the decode's to know (it depends on the decode's TP), so it travels in the read-done: each
+reader labels its reads ``reader_label(request_id, i, n)`` (reader ``i`` of ``n``), and the
+producer's ``Sender`` frees after ``n`` distinct readers reported (or ``pin_grace_s``). With
+one reader per prefill rank the label is the bare request id, as before.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
+from kvxfer.integrations.vllm.tp_mapping import plan_rank_reads, readers_per_source, target_ranks
+
+_LABEL = re.compile(r"^(?P<id>.+)#kvxfer-reader-(?P<i>\d{1,4})-of-(?P<n>\d{1,4})$", re.S)
+
+
+def reader_label(request_id: str, reader: int, readers: int) -> str:
+    """The request id a reader posts under; bare when it is a prefill rank's only reader."""
+    return request_id if readers <= 1 else f"{request_id}#kvxfer-reader-{reader}-of-{readers}"
+
+
+def parse_reader_label(label: str) -> tuple[str, int, int]:
+    """``(request_id, reader, readers)`` of a label (``(label, 0, 1)`` for a bare id)."""
+    m = _LABEL.match(label)
+    if m is None or not 0 <= int(m["i"]) < int(m["n"]):
+        return label, 0, 1
+    return m["id"], int(m["i"]), int(m["n"])
+
+
+@dataclass(frozen=True)
+class SlabRead:
+    """Slabs ``src_first..+count`` of each block at prefill rank ``src_rank`` (``src_slabs`` per block)
+    into slabs ``dst_first..`` of the decode's blocks (``dst_slabs`` per block)."""
+
+    src_rank: int
+    src_first: int
+    dst_first: int
+    count: int
+    src_slabs: int
+    dst_slabs: int
+
+    def ids(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Backend ids for vLLM blocks ``src_blocks`` -> ``dst_blocks``, in the same order."""
+        span = np.arange(self.count, dtype=np.int64)
+        src = (np.asarray(src_blocks, dtype=np.int64)[:, None] * self.src_slabs + self.src_first + span).ravel()
+        dst = (np.asarray(dst_blocks, dtype=np.int64)[:, None] * self.dst_slabs + self.dst_first + span).ravel()
+        return src.tolist(), dst.tolist()
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Prefill rank ``rank`` hears "done" from this decode rank as reader ``reader`` of ``readers``."""
+
+    rank: int
+    reader: int
+    readers: int
+
+
+@dataclass(frozen=True)
+class RankReads:
+    reads: tuple[SlabRead, ...]
+    notify: tuple[Notify, ...]
+
+
+def _slabs(regions: Sequence[Mapping]) -> int:
+    counts = {slabs_per_block(str(r.get("layout")), list(r.get("layer_shape") or [None, None])) for r in regions}
+    return counts.pop() if len(counts) == 1 else 1
+
+
+def notify_ranks(tp_rank: int, dst_tp: int, src_tp: int) -> tuple[Notify, ...]:
+    """Whom decode rank ``tp_rank`` tells "done" (also when it refuses the request: the prefill
+    frees at once); its own rank when the TP sizes do not map."""
+    if src_tp == dst_tp or max(src_tp, dst_tp) % min(src_tp, dst_tp):
+        return (Notify(tp_rank, 0, 1),) if tp_rank < src_tp else ()
+    readers = readers_per_source(dst_tp, src_tp)
+    return tuple(Notify(rank, tp_rank % readers if readers > 1 else 0, readers)
+                 for rank in target_ranks(tp_rank, dst_tp, src_tp))
+
+
+def rank_reads(tp_rank: int, local, remote) -> RankReads:
+    """The reads and notifications of decode rank ``tp_rank`` (``local``/``remote``: the decode's and
+    the prefill's ``EngineLayout``, already found compatible by ``handshake.check_compatible``)."""
+    src_slabs, dst_slabs = _slabs(remote.regions), _slabs(local.regions)
+    notify = notify_ranks(tp_rank, local.tp_size, remote.tp_size)
+    if remote.tp_size == local.tp_size:
+        return RankReads((SlabRead(tp_rank, 0, 0, dst_slabs, src_slabs, dst_slabs),), notify)
+    plan = plan_rank_reads(dst_rank=tp_rank, dst_tp=local.tp_size, src_tp=remote.tp_size,
+                           total_kv_heads=int(local.model["num_kv_heads"]))
+    reads = tuple(SlabRead(r.src_rank, r.src_head, r.dst_head, r.num_heads, src_slabs, dst_slabs) for r in plan.reads)
+    return RankReads(reads, notify)

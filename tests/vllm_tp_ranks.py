@@ -1,0 +1,210 @@
+"""One TP rank of a vLLM instance, as the connector's worker halves run it, in its own process.
+
+``python -m tests.vllm_tp_ranks prefill RANK TP BACKEND BLOCKS GRACE_S``: this rank's heads of a
+pool in vLLM's CPU layout (per layer ``[blocks, heads/TP, block_size, 2*head]``, LBHNC, all layers
+one allocation), registered as ``KvxferWorker.register_kv_caches`` does (``kv_regions``, one slab
+per head) with the producer's lease table, and the worker's ``Sender``. It prints its metas and
+layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports each release
+(``{"released": ID, "why": ..., "at": monotonic}``) as ``Sender.collect`` returns it, every 10 ms.
+
+``python -m tests.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
+same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
+B,B,..`` loads a request and answers ``{"finished"|"failed": ID}``; ``dump PATH`` saves the pool.
+
+Every element's value says where it belongs: ``value(layer, block, global head, token, channel)``,
+exact in bfloat16, so a test can build what vLLM's layout holds on any rank of any TP size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+LAYERS, HEADS, BLOCK, HEAD2 = 3, 4, 16, 32  # 4 KV heads: TP 1 and 2 each split them evenly
+MARK = "KVXFER-TP-RANK "
+
+
+def values(blocks: int, heads: range):
+    """``[layers, blocks, len(heads), BLOCK, HEAD2]`` bf16: the KV of global ``heads``, as a function
+    of where each element belongs (the block index is the *prefill's* block that computed it)."""
+    import torch
+
+    ix = [torch.arange(n).view(*([1] * i), n, *([1] * (4 - i))) for i, n in
+          enumerate((LAYERS, blocks, len(heads), BLOCK, HEAD2))]
+    head = ix[2] + heads.start
+    return ((ix[0] * 61 + ix[1] * 29 + head * 53 + ix[3] * 7 + ix[4] * 3) % 251).to(torch.bfloat16)
+
+
+def heads_of(rank: int, tp: int) -> range:
+    per = HEADS // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def layout(regions, tp: int, blocks: int):
+    from kvxfer.integrations.vllm.handshake import EngineLayout
+    from kvxfer.integrations.vllm.kv_buffers import layout_signature
+
+    return EngineLayout(model={"num_layers": LAYERS, "num_kv_heads": HEADS, "head_size": HEAD2 // 2,
+                               "dtype": "bfloat16", "kv_dtype": "auto"}, tp_size=tp, pp_size=1, block_size=BLOCK,
+                        regions=tuple(layout_signature(regions, BLOCK)["regions"]), num_blocks=blocks)
+
+
+def _register(name: str, pool, blocks: int, backend: str):
+    """What ``KvxferWorker.register_kv_caches`` does with vLLM's tensors."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.integrations.vllm.kv_buffers import kv_regions
+
+    regions = kv_regions({f"model.layers.{i}.attn": pool[i] for i in range(LAYERS)}, blocks)
+    cls = construct_kv_transfer_backend_class(backend)
+    first = cls(agent_name=f"{name}-{os.getpid()}", memory_buffer=regions[0].view,
+                expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=5.0)
+    return regions, [first] + [first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=blocks * r.head_slabs)
+                               for r in regions[1:]]
+
+
+def _say(doc: dict) -> None:
+    print(MARK + json.dumps(doc), flush=True)
+
+
+def _commands() -> "queue.Queue[Optional[str]]":
+    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+
+    def pump() -> None:
+        for line in sys.stdin:
+            lines.put(line.strip())
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float) -> None:
+    import torch
+
+    from kvxfer.integrations.vllm.sender import Sender
+    from kvxfer.integrations.vllm.specs import SendSpec
+
+    pool = values(blocks, heads_of(rank, tp)).contiguous()
+    regions, backends = _register(f"prefill{rank}", pool, blocks, backend)
+    table = torch.zeros(64, dtype=torch.int64)
+    lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
+    sender = Sender(backends + [lease], table, grace_s)
+    _say({"kv": [b.export_meta() for b in backends], "lease": lease.export_meta(),
+          "layout": layout(regions, tp, blocks).to_dict()})
+    lines = _commands()
+    while True:
+        try:
+            line = lines.get(timeout=0.01)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            break
+        if line.startswith("pin "):
+            _, request_id, slot, token, ids = line.split(" ")
+            sender.pin(SendSpec(request_id, tuple(map(int, ids.split(","))), int(slot), int(token)))
+        for request_id in sender.collect():
+            _say({"released": request_id, "at": time.monotonic(), "counters": sender.counters})
+    for b in [lease, *reversed(backends)]:
+        b.close()
+
+
+def decode_main(rank: int, tp: int, backend: str, blocks: int) -> None:
+    import torch
+
+    from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
+    from kvxfer.integrations.vllm.receiver import Receiver
+    from kvxfer.integrations.vllm.specs import LoadSpec
+
+    pool = torch.zeros(LAYERS, blocks, len(heads_of(rank, tp)), BLOCK, HEAD2, dtype=torch.bfloat16)
+    regions, backends = _register(f"decode{rank}", pool, blocks, backend)
+    scratch = torch.zeros(1025, dtype=torch.int64)
+    scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
+    mine = layout(regions, tp, blocks)
+    handshakes = HandshakeCache(5.0, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
+                                                                                   scratch_backend, 5.0))
+    receiver = Receiver(tp_rank=rank, backend_name=backend, layout=mine, regions=backends,
+                        scratch_backend=scratch_backend, scratch=scratch, handshakes=handshakes, cluster_key=None,
+                        handshake_timeout_s=5.0, transfer_timeout_s=5.0)
+    _say({"ready": rank})
+    lines = _commands()
+    pending: set[str] = set()
+    while True:
+        try:
+            line = lines.get(timeout=0.005)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            break
+        if line.startswith("load "):
+            _, request_id, params, ids = line.split(" ", 3)
+            receiver.submit(LoadSpec(request_id, json.loads(params), tuple(map(int, ids.split(","))), 0, True))
+            pending.add(request_id)
+        elif line.startswith("dump "):
+            torch.save(pool, line.split(" ", 1)[1])
+            _say({"dumped": line.split(" ", 1)[1]})
+        if pending:
+            finished, failed = receiver.collect()
+            for request_id in finished:
+                pending.discard(request_id)
+                _say({"failed" if request_id in failed else "finished": request_id,
+                      "recent": [r for r in receiver.recent if r.get("request_id") == request_id][-1:]})
+    handshakes.close()
+    for b in [scratch_backend, *reversed(backends)]:
+        b.close()
+
+
+class Rank:
+    """A rank process of this module, spoken to over stdin/stdout."""
+
+    def __init__(self, *args: str) -> None:
+        from tests.vllm_support import REPO_ROOT
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_tp_ranks", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO_ROOT))
+        self.events: "queue.Queue[dict[str, Any]]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info = self.next(120.0)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for text in self.proc.stdout:
+            if text.startswith(MARK):
+                self.events.put(json.loads(text[len(MARK):]))
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def next(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"rank {self.proc.args[3:]} said nothing within {timeout_s}s "
+                                 f"(exit {self.proc.poll()})") from None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=15)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=15)
+            except (subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prefill":
+        prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]))
+    else:
+        decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
