@@ -268,7 +268,7 @@ def test_compatibility_is_refused_by_both_with_the_same_reason(etcd):
         planes.arrive(b"d-bad", wire.Register(D, "d-bad", "1", os.getpid(), socket.gethostname(), "fp", [other], 8))
         [(_, reply)] = [(z, m) for z, m in planes.sent if isinstance(m, wire.Registered)]
         view = planes.stores["p0"].snapshot()
-        from engine_integration.control_plane.etcd.plane import member
+        from engine_integration.control_plane.etcd.membership import member
 
         on_etcd = policy.fleet_refusal(policy.Member("d-bad", D, 8, (other,), "fp"), (member(r) for r in view.live()))
         assert not reply.ok and reply.reason == on_etcd and "'dtype' is 'bfloat16' here but 'float32'" in on_etcd

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 from engine_integration.control_plane import policy
 from engine_integration.control_plane.base import (ControlPlaneError, ControlPlaneUnavailable, FleetStats,
                                                    GenerationClient, GenerationResult)
-from engine_integration.control_plane.etcd.plane import DECODE, PREFILL, member
+from engine_integration.control_plane.etcd.membership import DECODE, PREFILL, member
 from engine_integration.control_plane.etcd.records import FleetView, RecordRefused, check_name
 from engine_integration.control_plane.etcd.requests import (DECODING, DONE, FAILED, RequestRecord, ResultRecord,
                                                             decode_result, decode_stats)
