@@ -98,7 +98,9 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
     2. the same room ids again (reused), four rooms of three chunks, other pages: byte exact;
     3. nothing left in any table on either side;
     4. a decode whose pool differs is refused, naming what differs;
-    5. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
+    5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
+       no table keeps an entry;
+    6. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
        within seconds (not SGLang's 300 s), with a reason.
     """
     port = free_port()
@@ -127,6 +129,17 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
             reason = refused["rooms"]["300"]["reason"]
             assert refused["rooms"]["300"]["status"] == FAILED, refused
             assert "kv_head_num: prefill=2 decode=4" in reason and "kv_item_lens" in reason, reason
+
+        serve, receive = rooms_plan(200, 2)  # the decode aborts right after publishing its pages
+        prefill.send(op="serve", rooms=serve, timeout=20)
+        aborted = decode.ask(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=20, abort_after_s=0.0)
+        served = prefill.read()
+        for key in ("200", "201"):
+            assert aborted["rooms"][key]["status"] == FAILED, aborted["rooms"][key]
+            assert served["rooms"][key]["status"] in (FAILED, SUCCESS), served["rooms"][key]  # freed either way
+        sizes_p = prefill.ask(op="sizes", settle_s=0.3)["sizes"]
+        sizes_d = decode.ask(op="sizes")["sizes"]
+        assert not any(sizes_p.values()) and not any(sizes_d.values()), (sizes_p, sizes_d)
 
         serve, receive = rooms_plan(400, 2, chunks=(3, 4))
         prefill.send(op="serve", rooms=serve, timeout=30, die_after_chunks=1)
