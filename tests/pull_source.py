@@ -141,13 +141,15 @@ def read(spec: SourceSpec) -> None:
 class ReaderProcess:
     """The test's handle on one reader process: ask it to pull or close, SIGKILL it."""
 
-    def __init__(self, spec: SourceSpec, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, spec: SourceSpec, env: Optional[dict[str, str]] = None, prefix: tuple[str, ...] = ()) -> None:
+        """``env``: more environment; ``prefix``: a command to run it under (``ip netns exec NS``)."""
         full = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
         full.pop("UCX_TLS", None)
         if spec.ucx_tls:
             full["UCX_TLS"] = spec.ucx_tls
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pull_source", "--read", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.pull_source", "--read",
+                                      json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full, cwd=ROOT)
         self._line(("READY",))
 
@@ -257,13 +259,14 @@ class ForkedSources:
 class SourceProcess:
     """The test's handle on one source process: its meta, its notices, SIGSTOP/SIGCONT/SIGKILL."""
 
-    def __init__(self, spec: SourceSpec) -> None:
+    def __init__(self, spec: SourceSpec, env: Optional[dict[str, str]] = None, prefix: tuple[str, ...] = ()) -> None:
+        """``env``: more environment; ``prefix``: a command to run it under (``ip netns exec NS``)."""
         self.spec = spec
-        env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
         env.pop("UCX_TLS", None)
         if spec.ucx_tls:
             env["UCX_TLS"] = spec.ucx_tls
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pull_source", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.pull_source", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self._meta: Optional[dict[str, Any]] = None
         self.done: list[Any] = []

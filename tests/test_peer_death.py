@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -33,6 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pull_source import ForkedSources, ReaderProcess, SourceProcess, SourceSpec, global_kv, pool_digest, shard  # noqa: E402,E501
+
+from netns_support import ip, require_namespaces  # noqa: E402
 
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
 from kvxfer.backends.ucx import confirm  # noqa: E402
@@ -236,3 +239,52 @@ def test_unanswered_confirmation_is_remembered_so_next_pulls_fail_fast(monkeypat
             assert pool_digest(dst.memory_buffer) == pool_digest(shard(spec, global_kv(spec.shape, spec.seed)))
     finally:
         forks.close()
+
+
+# --- two hosts: network namespaces joined by a veth cable (tests/netns_support.py) ---------------
+@pytest.fixture
+def two_hosts(tmp_path: Path) -> Iterator[dict]:
+    """Namespaces a (source, 10.78.0.1) and b (readers, 10.78.0.2), a cluster secret for both."""
+    require_namespaces()
+    tag = os.getpid() % 100000
+    ns_a, ns_b, veth_a, veth_b = f"kvda{tag}", f"kvdb{tag}", f"kda{tag}", f"kdb{tag}"
+    ip("netns", "add", ns_a)
+    ip("netns", "add", ns_b)
+    try:
+        ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        for ns, dev, addr in ((ns_a, veth_a, "10.78.0.1/24"), (ns_b, veth_b, "10.78.0.2/24")):
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        secret = tmp_path / "cluster.secret"  # two hosts: their metas must be signed
+        secret.write_bytes(os.urandom(32).hex().encode())
+        secret.chmod(0o600)
+        yield {"a": (ns_a, veth_a), "b": (ns_b, veth_b), "secret": str(secret)}
+    finally:
+        for ns in (ns_a, ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "close"])
+def test_ucx_source_on_another_host_survives_reader_ended_while_source_stopped(how, two_hosts, processes):
+    """The same over a real TCP link between two network namespaces (no shared memory, no
+    pidfd: UCX's peer failure mode): the source lives on and serves the next reader, from the
+    reader's host, byte-exact."""
+    def on(host: str) -> dict:
+        ns, dev = two_hosts[host]
+        return {"prefix": ("ip", "netns", "exec", ns),
+                "env": {**KEEPALIVE, "UCX_NET_DEVICES": dev, "KVXFER_SECRET_FILE": two_hosts["secret"]}}
+
+    source = SourceProcess(SourceSpec("ucx", f"host-src-{how}", 21, SHAPE, ucx_tls="tcp"), **on("a"))
+    processes.append(source)
+    reader = ReaderProcess(SourceSpec("ucx", f"host-reader-{how}", 0, SHAPE, global_rank=100, ucx_tls="tcp"), **on("b"))
+    processes.append(reader)
+    _stall_and_end_reader(source, reader, how)
+    time.sleep(1.0)
+    assert source.proc.poll() is None, f"the source died (exit status {source.proc.poll()}) after its reader ended"
+    following = ReaderProcess(SourceSpec("ucx", f"host-next-{how}", 0, SHAPE, global_rank=101, ucx_tls="tcp"), **on("b"))
+    processes.append(following)
+    got = following.ask("pull", meta=source.meta, src=ALL, dst=ALL, request_id="next")
+    assert got["sha256"] == pool_digest(source.expected_pool()), "the next read is not exact"
+    assert source.proc.poll() is None
