@@ -33,7 +33,7 @@ _LAZY = {
     "KVTransportBackend": "kvxfer.backends.base", "TransferHandle": "kvxfer.backends.base",
     "TransferState": "kvxfer.backends.base", "TransferStartError": "kvxfer.backends.base",
     "BufferGeometry": "kvxfer.plan.geometry", "compute_buffer_geometry": "kvxfer.plan.geometry",
-    "export_geometry_meta": "kvxfer.plan.geometry", "parse_geometry_meta": "kvxfer.plan.geometry",
+    "export_geometry_meta": "kvxfer.meta.geometry", "parse_geometry_meta": "kvxfer.meta.geometry",
 }
 
 

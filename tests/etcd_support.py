@@ -110,7 +110,7 @@ def register_stand_in(store: EtcdStore, name: str, role: str, key: Optional[byte
 
 def sealed_meta(name: str, incarnation_hint: str, key: Optional[bytes]) -> dict[str, Any]:
     """A stand-in for a backend's ``export_meta()``: sealed (and signed) the same way."""
-    from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
+    from kvxfer.meta.seal import HOST_FIELD, host_identity, seal_meta
 
     return seal_meta({"schema_version": 1, "backend": "local", "agent": name, "pid": os.getpid(),
                       "exported_by": incarnation_hint, HOST_FIELD: host_identity()}, key)

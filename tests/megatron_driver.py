@@ -46,7 +46,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.plan.layout import KVShardLayout
-from kvxfer.plan.peer_records import drop_transfer_prefix_blocks
+from kvxfer.meta.records import drop_transfer_prefix_blocks
 from kvxfer.plan.ssm_layout import SSMShardLayout
 
 

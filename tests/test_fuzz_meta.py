@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvxfer.backends.local.backend import _LIVE, LocalBackend
 from kvxfer.errors import KVXferError
-from kvxfer.plan.geometry import parse_geometry_meta
-from kvxfer.security.meta_seal import seal_meta
+from kvxfer.meta.geometry import parse_geometry_meta
+from kvxfer.meta.seal import seal_meta
 
 SHAPE = (2, 2, 8, 2, 1, 4)
 _SRC = LocalBackend("fuzz-src", torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE), 8)

@@ -5,14 +5,9 @@ import pytest
 import torch
 
 from kvxfer.errors import GeometryError, PeerMetadataError
-from kvxfer.plan.geometry import (
-    SCHEMA_VERSION,
-    BufferGeometry,
-    check_peer_compatible,
-    compute_buffer_geometry,
-    export_geometry_meta,
-    parse_geometry_meta,
-)
+from kvxfer.meta.version import WIRE_VERSION
+from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
+from kvxfer.plan.geometry import BufferGeometry, check_peer_compatible, compute_buffer_geometry
 from kvxfer.plan.ssm_layout import SSMShardLayout, SSMStateDims
 from tests.conftest import DTYPES
 
@@ -121,7 +116,7 @@ def test_meta_round_trips_through_json(dtype):
     pool = torch.zeros(2, 3, 10, 4, 2, 8, dtype=dtype)
     g = compute_buffer_geometry(pool, 10, backend_name="t", **_topo())
     meta = json.loads(json.dumps(export_geometry_meta(g, dtype=dtype)))
-    assert meta["schema_version"] == SCHEMA_VERSION
+    assert meta["schema_version"] == WIRE_VERSION
     assert meta["dtype"] == str(dtype).removeprefix("torch.")
     peer = parse_geometry_meta(meta)
     assert peer.geometry == g

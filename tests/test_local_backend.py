@@ -9,7 +9,7 @@ import torch
 from kvxfer.backends.base import TransferState
 from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import BackendClosedError, BlockIdError, KVXferError, PeerMetadataError
-from kvxfer.security.meta_seal import seal_meta
+from kvxfer.meta.seal import seal_meta
 from tests.conftest import DTYPES, random_pool
 
 SHAPE = (2, 4, 16, 4, 2, 8)

@@ -32,8 +32,9 @@ import torch
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import TransferStartError
 from kvxfer.errors import PeerMetadataError, TransferError
-from kvxfer.plan.geometry import LAYOUT_FIELDS, compute_buffer_geometry, export_geometry_meta, kv_layout_from_meta
-from kvxfer.plan.peer_records import drop_transfer_prefix_blocks, transfer_peer_records
+from kvxfer.meta.geometry import LAYOUT_FIELDS, export_geometry_meta, kv_layout_from_meta
+from kvxfer.plan.geometry import compute_buffer_geometry
+from kvxfer.meta.records import drop_transfer_prefix_blocks, transfer_peer_records
 from megatron_driver import (
     WIRES, Case, Side, decode_import, decode_request, expected_decode, global_tensors, poll_all, pools, rank_specs,
     serve_prefill, setup_rank, start_import,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvxfer.errors import PeerMetadataError
-from kvxfer.security.meta_seal import HOST_FIELD, seal_meta
+from kvxfer.meta.seal import HOST_FIELD, seal_meta
 from megatron_driver import Case, Side, global_tensors, poll_all, rank_specs, setup_rank
 from test_megatron_contract import _start_prefill, _stop
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.security.meta_seal import seal_meta
+from kvxfer.meta.seal import seal_meta
 import torch
 
 import nixl._api  # noqa: E402,F401  (installed by `make test`; missing, the file fails loudly: pip install 'kvxfer[nixl]')
@@ -27,7 +27,7 @@ import nixl._api  # noqa: E402,F401  (installed by `make test`; missing, the fil
 from _nixl_peer import Peer, PoolSpec, make_pool  # noqa: E402
 
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
-from kvxfer.backends import notice as notify  # noqa: E402
+from kvxfer.meta import notice as notify  # noqa: E402
 from kvxfer.backends.nixl.backend import NixlBackend, nixl_transport_info, slice_indices  # noqa: E402
 from kvxfer.plan.descriptors import plan_block_copies  # noqa: E402
 from kvxfer.errors import (  # noqa: E402

@@ -24,7 +24,7 @@ from engine_integration.control_plane.etcd.records import HandoffState
 from engine_integration.control_plane.etcd.requests import stats_body
 from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.coordinator import Coordinator, CoordinatorConfig
-from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
+from kvxfer.meta.seal import HOST_FIELD, host_identity, seal_meta
 
 from etcd_support import Fleet, secured_etcd
 

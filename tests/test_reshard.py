@@ -20,12 +20,12 @@ import random
 import numpy as np
 import pytest
 
-from kvxfer.security.meta_seal import seal_meta
+from kvxfer.meta.seal import seal_meta
 import torch
 
 from kvxfer.backends.base import CompletedHandle
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.plan.geometry import parse_geometry_meta
+from kvxfer.meta.geometry import parse_geometry_meta
 from kvxfer.plan.layout import KVShardLayout
 from kvxfer.runtime.multi_pull import begin_pull_from_peers
 from kvxfer.plan.reshard import for_dst, for_src, plan_kv_reshard

@@ -17,7 +17,7 @@ import torch
 
 from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
-from kvxfer.plan.geometry import parse_geometry_meta
+from kvxfer.meta.geometry import parse_geometry_meta
 from kvxfer.runtime.multi_pull import begin_pull_from_peers
 from kvxfer.plan.reshard import for_dst
 from kvxfer.plan.reshard_descriptors import plan_ssm_reshard_copies, plan_ssm_reshard_strided

@@ -331,7 +331,7 @@ def test_nixl_same_host_mode_reads_zero_copy_refuses_other_hosts_and_survives_a_
     """``KVXFER_NIXL_SAME_HOST=1``: NIXL's UCX without peer failure handling (CMA between processes).
     Bytes exact; a meta signed on another host refused before any byte moves; a source killed
     mid-pull fails its reads (or they completed), storage safe, the process unharmed."""
-    from kvxfer.security.meta_seal import HOST_FIELD, seal_meta
+    from kvxfer.meta.seal import HOST_FIELD, seal_meta
 
     monkeypatch.setenv("KVXFER_NIXL_SAME_HOST", "1")
     monkeypatch.delenv("UCX_TLS", raising=False)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from kvxfer.security.meta_seal import seal_meta
+from kvxfer.meta.seal import seal_meta
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -31,7 +31,7 @@ from kvxfer.backends.ucx import confirm  # noqa: E402
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD  # noqa: E402
 from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD  # noqa: E402
 from kvxfer.errors import PeerMetadataError  # noqa: E402
-from kvxfer.security.meta_seal import SEAL_FIELD, seal_meta  # noqa: E402
+from kvxfer.meta.seal import SEAL_FIELD, seal_meta  # noqa: E402
 
 NUM_BLOCKS = 12
 SHAPE = (2, 2, NUM_BLOCKS, 16, 2, 32)

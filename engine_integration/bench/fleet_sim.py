@@ -43,7 +43,7 @@ GEOMETRY = {"schema_version": 1, "backend": "local", "dtype": "float32", "elemen
 def sim_meta(name: str, key: Optional[bytes], pad_bytes: int = 0) -> dict[str, Any]:
     """A sealed transfer meta like a backend's ``export_meta()``; ``pad_bytes`` of opaque agent data
     stand in for a real transport's blob (a NIXL agent's metadata is kilobytes)."""
-    from kvxfer.security.meta_seal import HOST_FIELD, host_identity, seal_meta
+    from kvxfer.meta.seal import HOST_FIELD, host_identity, seal_meta
 
     meta = {**GEOMETRY, "agent": name, "pid": os.getpid(), HOST_FIELD: host_identity()}
     if pad_bytes:

@@ -52,12 +52,13 @@ from kvxfer.backends.transfer import (  # the handle and request types: importab
 )
 from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import CopyPlan, IdList
-from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry, dtype_name, export_geometry_meta, parse_geometry_meta
-from kvxfer.plan.peer_records import transfer_peer_records
+from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
+from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry, dtype_name
+from kvxfer.meta.records import plan_from_meta, transfer_peer_records
 from kvxfer.plan.pool import LocalPool
-from kvxfer.plan.request import RequestPlan, plan_pull, plan_request
+from kvxfer.plan.request import RequestPlan, plan_pull
 from kvxfer.plan.ssm_layout import SSMShardLayout
-from kvxfer.security.meta_seal import (
+from kvxfer.meta.seal import (
     HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,
     unauthenticated_metas_allowed_by_env,
 )
@@ -152,7 +153,7 @@ class KVTransportBackend(ABC):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.agent_name = agent_name
-        # Metas are signed and checked with the cluster key (kvxfer.security.meta_seal); Megatron
+        # Metas are signed and checked with the cluster key (kvxfer.meta.seal); Megatron
         # passes no kvxfer arguments, so both default from the environment.
         self._meta_key = meta_key if meta_key is not None else meta_key_from_env()
         self._allow_unauthenticated = (unauthenticated_metas_allowed_by_env() if allow_unauthenticated_metas is None
@@ -213,7 +214,7 @@ class KVTransportBackend(ABC):
         """Read the blocks one request needs from every source the meta names into our ``dst_block_ids``.
 
         ``peer_meta`` is a peer's ``export_meta()``, extended or wrapped the way
-        Megatron's engine does (``kvxfer.plan.peer_records``); each source record reads
+        Megatron's engine does (``kvxfer.meta.records``); each source record reads
         its own ``block_ids`` or else ``src_block_ids``. Everything is validated and
         planned before anything is posted: a bad meta, bad ids, or sources that do not
         hold all this rank needs raise (``PeerMetadataError`` / ``BlockIdError`` /
@@ -236,7 +237,7 @@ class KVTransportBackend(ABC):
         if self._arena is not None and self._arena.quarantined:
             self._arena.reclaim()  # staging behind reads that have ended since comes back (and tells their sources)
         self._check_request_ssm(peer_meta)
-        plan = plan_request(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
+        plan = plan_from_meta(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
                             staging_chunk_bytes=self._staging_chunk_bytes())
         self._check_plan(plan)
         pulls = [None if record is None else PullRequest.for_record(record, label, notify) for record in plan.records]
@@ -265,7 +266,7 @@ class KVTransportBackend(ABC):
             try:
                 records = transfer_peer_records(meta, [])
                 slots = len(records[0][1]) if records else 0
-                plan_request(meta, [], list(range(slots)), sibling.local_pool, sibling.parse_peer_meta)
+                plan_from_meta(meta, [], list(range(slots)), sibling.local_pool, sibling.parse_peer_meta)
             except KVXferError as exc:
                 raise PeerMetadataError(
                     f"the request's SSM {kind} meta (under 'ssm') is refused, so nothing was posted: {exc}") from exc

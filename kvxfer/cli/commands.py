@@ -90,7 +90,7 @@ def staging_line() -> str:
 
 def meta_auth_line() -> str:
     """Whether peer metas are authenticated here (they carry the key to a rank's memory)."""
-    from kvxfer.security.meta_seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
+    from kvxfer.meta.seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
 
     try:
         key = meta_key_from_env()

@@ -41,7 +41,8 @@ from kvxfer.errors import KVXferError, TransferError
 from kvxfer.harness.child import (
     DECODE_RANK, PREFILL_RANK, Child, ChildError, GroupSpec, Pipe, host_group, join_group, leave_group,
 )
-from kvxfer.plan.geometry import dtype_from_name, parse_geometry_meta
+from kvxfer.meta.geometry import parse_geometry_meta
+from kvxfer.plan.geometry import dtype_from_name
 from kvxfer.security.auth import SECRET_FILE_ENV, load_secret, new_secret_file, remove_secret_file
 
 SENTINEL = 0xA5  # what the decode pool holds before the pull

@@ -1,11 +1,11 @@
-"""Address geometry of a registered paged buffer, and the wire schema peers exchange.
+"""Address geometry of a registered paged buffer (the wire schema for it is ``kvxfer.meta.geometry``).
 
 A paged KV pool is a contiguous tensor with one *blocks axis*. Everything before
 that axis (for the canonical KV layout ``[2, L, B, T, H, d]``: K/V and layers) is
 the *outer* index; everything after it is one *slice*. Block ``b`` of outer index
 ``o`` is the byte range ``buf_ptr + o * outer_stride_bytes + b * bytes_per_slice``
 of length ``bytes_per_slice``. Every backend addresses memory through this one
-description, and ``export_geometry_meta`` is the single wire format for it.
+description, and ``kvxfer.meta.geometry.export_geometry_meta`` is the single wire format for it.
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
 from kvxfer.errors import GeometryError, PeerMetadataError
 from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.ssm_layout import SSMShardLayout
-
-#: Bumped whenever a field changes meaning; peers with another version are refused.
-#: 2: the seed's names (``base_addr``, flat KV topology fields), Megatron-shaped ``ssm_layout``.
-SCHEMA_VERSION = 2
 
 #: The two kinds of per-layer SSM state a hybrid model keeps (see ``kvxfer.plan.reshard``).
 SSM_STATE_KINDS = ("conv", "recurrent")
@@ -32,7 +28,8 @@ SSM_STATE_KINDS = ("conv", "recurrent")
 KV_BLOCKS_AXIS = 2  # [2, L, B, T, H, d]
 SSM_BLOCKS_AXIS = 1  # [L, B, ...state dims]
 
-_MAX_BYTES = 1 << 62  # far beyond any real pool; keeps peer-supplied arithmetic in int64
+#: far beyond any real pool; keeps peer-supplied arithmetic in int64 (``kvxfer.meta`` checks against it)
+MAX_BYTES = 1 << 62
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -256,56 +253,6 @@ def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
     return layout
 
 
-#: The flat KV topology fields of the wire schema (Megatron's names), present when the pool has a layout.
-LAYOUT_FIELDS = ("global_rank", "tp_size", "tp_rank", "pp_size", "pp_rank",
-                 "num_layers_global", "num_kv_heads_global", "layer_start", "layer_end")
-
-
-def export_geometry_meta(
-    geometry: BufferGeometry,
-    ssm_layout: Any = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    ssm_state_kind: Optional[str] = None,
-) -> dict[str, Any]:
-    """The wire schema shared by every backend's ``export_meta``.
-
-    The seed's fields first (``base_addr``, strides, slice dims and, with a KV layout,
-    the flat topology fields ``LAYOUT_FIELDS``; ``ssm_layout`` as ``asdict``), then
-    kvxfer's beside them: ``schema_version``, ``dtype`` (bf16 and fp16 are both two
-    bytes: a peer of the other type must be refused, not read as garbage) and
-    ``ssm_state_kind``. Called as ``export_geometry_meta(geometry)`` it is the seed's
-    function; backends always pass ``dtype``, which peers require.
-    """
-    meta: dict[str, Any] = {
-        "base_addr": geometry.buf_ptr,
-        "outer_stride_bytes": geometry.outer_stride_bytes,
-        "device_id": geometry.device_id,
-        "num_outer": geometry.num_outer,
-        "bytes_per_slice": geometry.bytes_per_slice,
-        "blocks_axis": geometry.blocks_axis,
-        "num_blocks": geometry.num_blocks,
-        "heads_per_partition": geometry.heads_per_partition,
-        "head_dim": geometry.head_dim,
-        "tokens_per_block": geometry.tokens_per_block,
-        "element_size": geometry.element_size,
-    }
-    layout = geometry.layout
-    if layout is not None:
-        first, last = layout.local_layer_range()
-        meta.update(global_rank=layout.global_rank, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
-                    pp_size=layout.pp_size, pp_rank=layout.pp_rank, num_layers_global=layout.num_layers,
-                    num_kv_heads_global=layout.num_heads, layer_start=first, layer_end=last)
-    if ssm_layout is not None:
-        meta["ssm_layout"] = SSMShardLayout.coerce(ssm_layout).to_meta()
-    meta["schema_version"] = SCHEMA_VERSION
-    if dtype is not None:
-        meta["dtype"] = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype_name(dtype_from_name(dtype))
-    if ssm_state_kind is not None:
-        meta["ssm_state_kind"] = ssm_state_kind
-    return meta
-
-
 @dataclass(frozen=True)
 class PeerGeometry:
     """A peer's geometry meta after every field has been checked."""
@@ -314,112 +261,6 @@ class PeerGeometry:
     dtype: str
     ssm_layout: Optional[SSMShardLayout] = None
     ssm_state_kind: Optional[str] = None
-
-
-_INT_FIELDS = {  # field -> smallest allowed value
-    "base_addr": 0, "element_size": 1, "device_id": 0, "blocks_axis": 0, "num_blocks": 1,
-    "num_outer": 1, "bytes_per_slice": 1, "outer_stride_bytes": 1,
-}
-_OPTIONAL_INT_FIELDS = ("heads_per_partition", "head_dim", "tokens_per_block")
-
-
-def _field(meta: Mapping[str, Any], name: str) -> Any:
-    if name not in meta:
-        raise PeerMetadataError(f"peer meta is missing field {name!r}")
-    return meta[name]
-
-
-def _int_field(meta: Mapping[str, Any], name: str, minimum: int, optional: bool = False) -> Optional[int]:
-    value = _field(meta, name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value < _MAX_BYTES:
-        raise PeerMetadataError(
-            f"peer meta field {name!r} must be an int in [{minimum}, 2**62), got {value!r}"
-        )
-    return value
-
-
-def kv_layout_from_meta(meta: Mapping[str, Any]) -> Optional[KVShardLayout]:
-    """The KV layout named by a meta's flat topology fields, or None when it has none.
-
-    All of ``LAYOUT_FIELDS`` or none (a partial set is an error), like Megatron's
-    check; ``heads_per_partition`` and ``num_outer`` must agree with the layout.
-    """
-    present = [name for name in LAYOUT_FIELDS if meta.get(name) is not None]
-    if not present:
-        return None
-    missing = [name for name in LAYOUT_FIELDS if name not in present]
-    if missing:
-        raise PeerMetadataError(f"peer meta has KV layout fields {present} but is missing {missing}")
-    values = {name: meta[name] for name in LAYOUT_FIELDS}
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_BYTES:
-            raise PeerMetadataError(f"peer meta field {name!r} must be a non-negative int, got {value!r}")
-    try:
-        layout = KVShardLayout(
-            num_layers=values["num_layers_global"], num_heads=values["num_kv_heads_global"],
-            tp_size=values["tp_size"], tp_rank=values["tp_rank"], pp_size=values["pp_size"],
-            pp_rank=values["pp_rank"], global_rank=values["global_rank"], layer_start=values["layer_start"],
-            num_local_layers=values["layer_end"] - values["layer_start"],
-        )
-    except GeometryError as exc:
-        raise PeerMetadataError(f"peer meta KV layout fields are invalid: {exc}") from None
-    if meta.get("heads_per_partition") != layout.local_num_heads() or meta.get("num_outer") != 2 * layout.local_num_layers():
-        raise PeerMetadataError(
-            f"peer meta fields 'heads_per_partition'={meta.get('heads_per_partition')!r} and "
-            f"'num_outer'={meta.get('num_outer')!r} do not match its KV layout "
-            f"({layout.local_num_heads()} heads, {layout.local_num_layers()} layers x K/V)"
-        )
-    return layout
-
-
-def parse_geometry_meta(meta: Any) -> PeerGeometry:
-    """Turn a peer's ``export_meta()`` dict back into a checked ``PeerGeometry``.
-
-    Raises ``PeerMetadataError`` naming the first bad or missing field. Extra keys
-    (a transport's own fields) are ignored here; the backend reads them itself.
-    """
-    if not isinstance(meta, Mapping):
-        raise PeerMetadataError(f"peer meta must be a dict, got {type(meta).__name__}")
-    version = _field(meta, "schema_version")
-    if version != SCHEMA_VERSION:
-        raise PeerMetadataError(
-            f"peer meta field 'schema_version' is {version!r}, this kvxfer speaks {SCHEMA_VERSION}; "
-            "run the same kvxfer version on both sides"
-        )
-    dtype = _field(meta, "dtype")
-    torch_dtype = dtype_from_name(dtype)
-    ints = {name: _int_field(meta, name, low) for name, low in _INT_FIELDS.items()}
-    for name in _OPTIONAL_INT_FIELDS:
-        ints[name] = _int_field(meta, name, 1, optional=True)
-    element_size = torch.empty((), dtype=torch_dtype).element_size()
-    if ints["element_size"] != element_size:
-        raise PeerMetadataError(
-            f"peer meta field 'element_size' is {ints['element_size']} but dtype {dtype} has {element_size}"
-        )
-    if ints["bytes_per_slice"] % element_size:
-        raise PeerMetadataError("peer meta field 'bytes_per_slice' is not a multiple of 'element_size'")
-    if ints["outer_stride_bytes"] != ints["num_blocks"] * ints["bytes_per_slice"]:
-        raise PeerMetadataError("peer meta field 'outer_stride_bytes' is not num_blocks * bytes_per_slice")
-    if ints["num_outer"] * ints["outer_stride_bytes"] + ints["base_addr"] >= _MAX_BYTES:
-        raise PeerMetadataError("peer meta fields 'num_outer' x 'outer_stride_bytes' describe an impossible region")
-    layout = kv_layout_from_meta(meta)
-    ints["buf_ptr"] = ints.pop("base_addr")
-    ssm_layout = meta.get("ssm_layout")
-    ssm_state_kind = meta.get("ssm_state_kind")
-    if ssm_layout is not None:
-        ssm_layout = SSMShardLayout.from_meta(ssm_layout)
-    if (ssm_layout is None) != (ssm_state_kind is None) or ssm_state_kind not in (None, *SSM_STATE_KINDS):
-        raise PeerMetadataError(
-            f"peer meta fields 'ssm_layout'/'ssm_state_kind' must both be set (kind in {SSM_STATE_KINDS}) or both null"
-        )
-    return PeerGeometry(
-        geometry=BufferGeometry(layout=layout, **ints),
-        dtype=dtype_name(torch_dtype),
-        ssm_layout=ssm_layout,
-        ssm_state_kind=ssm_state_kind,
-    )
 
 
 def check_peer_compatible(local: BufferGeometry, local_dtype: torch.dtype, peer: PeerGeometry) -> None:

@@ -4,13 +4,13 @@ A decode rank is handed a per-request meta in whatever shape its engine builds
 (Megatron's flat / ``tp_metas`` / ``pp_metas`` with per-record ``block_ids``, or one
 peer's ``export_meta()``), its own block ids, and nothing else. ``plan_request``:
 
-1. unwraps the meta into source records (``kvxfer.plan.peer_records``);
+1. unwraps the meta into source records (``kvxfer.meta.records``);
 2. parses each record once, through the caller's ``parse`` (the backend: seal or
    signature check, then the geometry and transport fields);
 3. checks every record's block ids against both pools;
-4. chooses which records to read (one per layer window x head range, replicas
+3. chooses which records to read (one per layer window x head range, replicas
    dropped) and, for a wrapped meta, checks they cover all this rank needs;
-5. plans each chosen record: whole-slice copies, a TP/PP/SSM reshard, or a staged
+4. plans each chosen record: whole-slice copies, a TP/PP/SSM reshard, or a staged
    reshard (whole slices into a staging region, heads placed locally), every plan
    bounds-checked against both sides.
 
@@ -21,7 +21,7 @@ Everything raises before anything is posted, and nothing here does I/O: the resu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -30,7 +30,6 @@ from kvxfer.plan.descriptors import (
     CopyPlan, IdList, check_plan_bounds, plan_block_copies, plan_checked_block_copies, validate_block_ids,
 )
 from kvxfer.plan.geometry import PeerGeometry, check_peer_compatible, staging_geometry
-from kvxfer.plan.peer_records import is_whole_request, transfer_peer_records
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.reshard import check_covers, check_same_model, intersect
 from kvxfer.plan.reshard_descriptors import plan_reshard_pull, reshard_transfers_for_pull
@@ -76,22 +75,33 @@ class RequestPlan:
         return sum(r.num_descriptors for r in self.to_read)
 
 
-def plan_request(peer_meta: Any, src_block_ids: IdList, dst_block_ids: IdList, local: LocalPool,
-                 parse: Callable[[Mapping[str, Any]], PeerGeometry], *, staging_chunk_bytes: int = 0) -> RequestPlan:
+@dataclass(frozen=True)
+class SourceRecord:
+    """One source of a request, parsed: the record as the engine sent it (the transport reads its own
+    fields from it), its checked geometry, and the source block ids to read from it."""
+
+    meta: Mapping[str, Any]
+    peer: PeerGeometry
+    src_ids: IdList
+
+
+def plan_request(sources: Sequence[SourceRecord], dst_block_ids: IdList, local: LocalPool, *, whole: bool,
+                 staging_chunk_bytes: int = 0) -> RequestPlan:
     """The whole request's plan (see the module docstring); raises before anything is posted.
 
-    ``parse`` checks one record (``KVTransportBackend.parse_peer_meta``). ``staging_chunk_bytes``
-    is the chunk size a staged reshard may use, 0 where the transport cannot stage now.
+    ``whole``: the engine's meta named every source of the request (a ``tp_metas``/``pp_metas``
+    wrapper), so they must cover all this rank needs. ``staging_chunk_bytes`` is the chunk size a
+    staged reshard may use, 0 where the transport cannot stage now.
     """
-    records = transfer_peer_records(peer_meta, src_block_ids)
-    if not records:
+    if not sources:
         raise PeerMetadataError("peer meta names no source (empty tp_metas/pp_metas)")
-    peers = [parse(meta) for meta, _ in records]
+    records = [(s.meta, s.src_ids) for s in sources]
+    peers = [s.peer for s in sources]
     ids = [validate_block_ids(src, dst_block_ids, peer.geometry.num_blocks, local.geometry.num_blocks)
            for (_, src), peer in zip(records, peers)]
     # A wrapped meta (or several records) is the whole request, as in Megatron; a bare
     # meta is one peer, which reads what it holds of ours (nothing, possibly).
-    chosen = sources_to_read(local, peers, complete=is_whole_request(peer_meta) or len(records) > 1)
+    chosen = sources_to_read(local, peers, complete=whole or len(records) > 1)
     planned: list[Optional[RecordPlan]] = []
     for i, ((meta, _), peer, (src_ids, dst_ids)) in enumerate(zip(records, peers, ids)):
         if i not in chosen:

@@ -22,9 +22,8 @@ import torch
 from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, TransferState, abort_parts
 from kvxfer.errors import BlockIdError, PeerMetadataError, TornReadError
 from kvxfer.plan.descriptors import IdList
-from kvxfer.plan.peer_records import transfer_peer_records
-from kvxfer.plan.request import plan_request
-from kvxfer.security.meta_seal import HOST_FIELD
+from kvxfer.meta.records import plan_from_meta, transfer_peer_records
+from kvxfer.meta.seal import HOST_FIELD
 
 _UNREAD = -1
 
@@ -104,7 +103,7 @@ class GenerationChecker:
         records = transfer_peer_records(generations_meta, src_block_ids)
         if len(records) != 1:
             raise PeerMetadataError(f"a generations meta names one counter table, this one names {len(records)}")
-        plan_request(generations_meta, src_block_ids, dst_block_ids, self.registration.local_pool,
+        plan_from_meta(generations_meta, src_block_ids, dst_block_ids, self.registration.local_pool,
                      self.registration.parse_peer_meta)
         sources = transfer_peer_records(kv_meta, src_block_ids)
         if len(sources) != 1:

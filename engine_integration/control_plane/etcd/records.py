@@ -18,7 +18,7 @@ Why each piece:
 - Everything is under one prefix per handoff so the source clears it in one delete.
 
 Nothing a writer without the cluster key stores is acted on: every record is sealed and
-signed (``kvxfer.security.meta_seal``, under a key derived from the cluster key for
+signed (``kvxfer.meta.seal``, under a key derived from the cluster key for
 records, so a record and a transport meta never verify as each other), names its own key
 path and the lease it was written under (a record copied to another key, or replayed
 under another lease, fails), and every transfer meta inside an instance record is
@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from engine_integration.control_plane.limits import TooDeep, check_json
 from kvxfer.errors import PeerMetadataError
-from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
+from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 log = logging.getLogger("kvxfer.engine.control_plane")
 

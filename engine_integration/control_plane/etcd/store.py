@@ -180,7 +180,7 @@ def _resolve_cluster_key(config: EtcdConfig) -> Optional[bytes]:
     if config.cluster_key is not None:
         return config.cluster_key
     from kvxfer.security.auth import load_secret
-    from kvxfer.security.meta_seal import meta_key_from_env
+    from kvxfer.meta.seal import meta_key_from_env
 
     return load_secret(secret_file=config.secret_file) if config.secret_file else meta_key_from_env()
 

@@ -36,9 +36,9 @@ from kvxfer.backends.nccl.staging import ByteRows, Lease, StagingPool, pool_byte
 from kvxfer.backends.nccl.wire import HEADER_BYTES, MessageHeader
 from kvxfer.errors import BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import IdList, validate_block_ids
-from kvxfer.plan.peer_records import transfer_peer_records
+from kvxfer.meta.records import transfer_peer_records
 from kvxfer.plan.request import RequestPlan
-from kvxfer.security.meta_seal import check_meta_seal
+from kvxfer.meta.seal import check_meta_seal
 
 try:
     import torch.distributed as dist

@@ -10,7 +10,7 @@ How a pull works
     the source's ``drain_read_done()`` turns it into the request id. A read that
     fails or times out is released first (so nothing of it is in flight) and only
     then reported to the source with a failure notification
-    (``drain_read_failed()``). Formats: ``kvxfer.backends.notice``.
+    (``drain_read_failed()``). Formats: ``kvxfer.meta.notice``.
 
 Descriptors: prepared lists, indexed per request
     Every registration and every (peer, peer region) gets one *prepared*
@@ -71,7 +71,8 @@ import numpy as np
 import torch
 
 from kvxfer.backends import register_backend
-from kvxfer.backends import notice as notify
+from kvxfer.meta import notice as notify
+from kvxfer.meta.version import WIRE_VERSION, check_wire_version
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
 from kvxfer.backends.ucx.same_host import SourceWatch, process_start_time
 from kvxfer.backends.base import (
@@ -86,7 +87,7 @@ from kvxfer.backends.base import (
 from kvxfer.plan.descriptors import CopyPlan
 from kvxfer.errors import BackendUnavailableError, GeometryError, PeerMetadataError, TransferError
 from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
-from kvxfer.security.meta_seal import HOST_FIELD, host_identity
+from kvxfer.meta.seal import HOST_FIELD, host_identity
 
 __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info", "parked_registrations",
            "nixl_transport_probe", "slice_indices"]
@@ -97,8 +98,6 @@ INSTALL_HINT = (
     "pip install 'kvxfer[nixl]' (on a CPU-only machine run `pip install torch==2.13.0` first: "
     "otherwise pip resolves nixl's torch dependency to a multi-GB CUDA build)"
 )
-#: Version of the NIXL-specific fields in ``export_meta``.
-NIXL_META_VERSION = 1
 #: Above this many (outer slice, block) entries a per-slice prepared list costs more
 #: memory than it saves time; such pools post Nx3 rows instead.
 MAX_PREPPED_ENTRIES = 1 << 22
@@ -185,12 +184,7 @@ class NixlPeer:
 
 def parse_nixl_peer(meta: Mapping[str, Any]) -> NixlPeer:
     """Validate the NIXL fields of a peer meta; ``PeerMetadataError`` names the bad field."""
-    version = meta.get("nixl_meta_version")
-    if version != NIXL_META_VERSION:
-        raise PeerMetadataError(
-            f"peer meta field 'nixl_meta_version' is {version!r}, this kvxfer speaks {NIXL_META_VERSION}; "
-            "run the same kvxfer version on both sides"
-        )
+    check_wire_version(meta.get("nixl_meta_version"), "meta field 'nixl_meta_version'")
     instance = meta.get("nixl_agent_instance")
     if not isinstance(instance, str) or not instance:
         raise PeerMetadataError("peer meta field 'nixl_agent_instance' must be a non-empty string")
@@ -829,7 +823,7 @@ class NixlBackend(KVTransportBackend):
         with share.lock:
             metadata = share.agent.get_agent_metadata()
         return {
-            "nixl_meta_version": NIXL_META_VERSION,
+            "nixl_meta_version": WIRE_VERSION,
             "nixl_agent_name": share.name,
             "nixl_agent_instance": share.instance,
             "nixl_agent_metadata": base64.b64encode(metadata).decode("ascii"),

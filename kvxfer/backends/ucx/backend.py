@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 import logging
 import threading
@@ -51,8 +50,9 @@ from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memo
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
-from kvxfer.plan.peer_records import transfer_peer_records
-from kvxfer.security.meta_seal import HOST_FIELD, SEAL_FIELD, host_identity
+from kvxfer.meta import notice as notify
+from kvxfer.meta.records import transfer_peer_records
+from kvxfer.meta.seal import HOST_FIELD, SEAL_FIELD, host_identity
 
 logger = logging.getLogger("kvxfer.backends.ucx")
 
@@ -263,7 +263,7 @@ class UcxHandle(TransferHandle):
         self._backend._release_batch(self._peer, self._batch)
         self._backend._finish(self)
         if self._notify_done:
-            self._backend._notify(self._peer, {"kind": "done", "id": self.request_id})
+            self._backend._notify(self._peer, "done", self.request_id)
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
@@ -279,7 +279,7 @@ class UcxHandle(TransferHandle):
         self._failure_sent = True
         # Sent even if the endpoint failed: a cut link looks like a dead source, and the
         # source must hear of it when the link returns (kept and retried, bounded).
-        self._backend._notify(self._peer, {"kind": "failed", "id": self.request_id, "reason": self._failure_reason})
+        self._backend._notify(self._peer, "failed", self.request_id, self._failure_reason or "")
 
 
 @register_backend
@@ -544,22 +544,26 @@ class UcxBackend(KVTransportBackend):
         self._worker.signal()
 
     # --- notices ----------------------------------------------------------------------------
-    def _notify(self, peer: _Peer, message: dict[str, Any]) -> None:
+    def _notify(self, peer: _Peer, kind: notify.Kind, request_id: RequestId, reason: str = "") -> None:
         """Send a notice to ``peer``'s source; one that cannot leave now is kept and retried."""
-        self._notify_address(peer.address, message, peer)
+        self._notify_address(peer.address, kind, request_id, reason, peer)
 
-    def _notify_address(self, address: bytes, message: dict[str, Any], peer: Optional[_Peer] = None) -> None:
-        what = f"read-{message['kind']} of request {message['id']!r}"
-        notice = _Notice(json.dumps(message, separators=(",", ":")).encode(), what, time.monotonic())
+    def _notify_address(self, address: bytes, kind: notify.Kind, request_id: RequestId, reason: str = "",
+                        peer: Optional[_Peer] = None) -> None:
+        """The shared notice format (``kvxfer.meta.notice``); each registration has a worker of its own,
+        so the notice's buffer id is always 0 here."""
+        payload = notify.encode(kind, request_id, 0, reason)
+        notice = _Notice(payload, f"read-{kind} of request {request_id!r}", time.monotonic())
         with self._worker.lock:
             self._post_notice(address, notice, peer)
 
     def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
                        failure: Optional[str] = None) -> None:
-        message: dict[str, Any] = {"kind": "done", "id": request_id}
-        if failure is not None:
-            message = {"kind": "failed", "id": request_id, "reason": failure}
-        self._notify_address(_unb64(peer_meta, "ucx_worker_address"), message)
+        address = _unb64(peer_meta, "ucx_worker_address")
+        if failure is None:
+            self._notify_address(address, "done", request_id)
+        else:
+            self._notify_address(address, "failed", request_id, failure)
 
     def _post_notice(self, address: bytes, notice: _Notice, peer: Optional[_Peer] = None) -> None:
         """Worker lock held. On ``peer``'s endpoint if still usable, else on the cached (or a new) one."""
@@ -643,16 +647,13 @@ class UcxBackend(KVTransportBackend):
     def _collect_notifications(self) -> None:
         self._worker.progress()
         while self._notices:
-            raw = self._notices.popleft()
-            try:
-                message = json.loads(raw)
-                kind, request_id = message["kind"], message["id"]
-            except (ValueError, KeyError, TypeError):
-                continue  # not one of ours
-            if kind == "done":
-                self._deliver_read_done(request_id)
-            elif kind == "failed":
-                self._deliver_read_failed(request_id, str(message.get("reason", "")))
+            message = notify.decode(self._notices.popleft())
+            if message is None:
+                continue  # not one of ours (or another wire version): dropped, never raised
+            if message.kind == "done":
+                self._deliver_read_done(message.request_id)
+            else:
+                self._deliver_read_failed(message.request_id, message.reason)
 
     def _housekeeping(self) -> None:
         """Progress-thread work (worker lock held): AM sends and retries, deferred failures, dead endpoints."""

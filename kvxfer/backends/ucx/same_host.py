@@ -3,7 +3,7 @@
 UCX's peer error handling (``UCP_ERR_HANDLING_MODE_PEER``) rules out its shared-memory
 transports, so on one host it pushed gets onto tcp emulation (0.75-1.0 GB/s where CMA
 gets 5-9 GB/s). A source on our host needs no such mode: its meta carries the host
-identity (boot id + network namespace, ``kvxfer.security.meta_seal.host_identity``), its
+identity (boot id + network namespace, ``kvxfer.meta.seal.host_identity``), its
 pid and that pid's start time, and we watch it through a pidfd, which becomes readable
 the moment the process exits. A dead source then fails its pulls at once instead of by
 timeout, without UCX's peer failure mode.
@@ -17,7 +17,7 @@ import select
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.ucx_tls import SHARED_MEMORY_TRANSPORTS, parse_ucx_tls
-from kvxfer.security.meta_seal import HOST_FIELD, host_identity
+from kvxfer.meta.seal import HOST_FIELD, host_identity
 
 logger = logging.getLogger("kvxfer.backends.ucx")
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.integrations.vllm.tp_mapping import check_tp_pair, describe_side, plan_rank_reads
-from kvxfer.security.meta_seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
+from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
 

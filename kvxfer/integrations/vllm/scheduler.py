@@ -30,7 +30,7 @@ from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHa
                                                SendSpec)
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, local_only_policy
 from kvxfer.integrations.vllm.tickets import parse_ticket, prompt_digest, sign_ticket, ticket_key
-from kvxfer.security.meta_seal import meta_key_from_env
+from kvxfer.meta.seal import meta_key_from_env
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

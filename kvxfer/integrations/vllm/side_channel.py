@@ -20,7 +20,7 @@ The decode side (``HandshakeFetcher``) multiplexes every fetch on one thread wit
 deadline, so a producer that never answers (a closed port, a black-holed address, a stalled
 process) delays no fetch but its own.
 
-The document is sealed (and with a cluster secret signed) by ``kvxfer.security.meta_seal``;
+The document is sealed (and with a cluster secret signed) by ``kvxfer.meta.seal``;
 without a secret it also carries the instance's ticket key, so the listener answers only
 peers on its own host then (loopback), matching kvxfer's rule that unsigned metas are
 same-host only.

@@ -27,7 +27,7 @@ from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer.integrations.vllm.receiver import Receiver
 from kvxfer.integrations.vllm.sender import Sender
-from kvxfer.security.meta_seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
+from kvxfer.meta.seal import meta_key_from_env, unauthenticated_metas_allowed_by_env
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

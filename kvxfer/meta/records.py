@@ -20,9 +20,13 @@ hostile wrapper cannot make the decode side allocate or loop without limit.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.plan.descriptors import IdList
+from kvxfer.plan.geometry import PeerGeometry
+from kvxfer.plan.pool import LocalPool
+from kvxfer.plan.request import RequestPlan, SourceRecord, plan_request
 
 #: More source records than any real TP x PP product; a wrapper beyond it is refused.
 MAX_PEER_RECORDS = 4096
@@ -119,3 +123,19 @@ def drop_transfer_prefix_blocks(peer_meta: Mapping[str, Any], src_block_ids: Seq
     if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
         raise ValueError(f"prefix must be a non-negative int, got {prefix!r}")
     return _trim(peer_meta, prefix), list(src_block_ids)[prefix:]
+
+
+def parse_request(peer_meta: Any, src_block_ids: Sequence[int],
+                  parse: Callable[[Mapping[str, Any]], PeerGeometry]) -> tuple[list[SourceRecord], bool]:
+    """Every source record the engine's meta names, each parsed once by ``parse`` (the backend's
+    ``parse_peer_meta``: seal or signature, geometry, transport fields), and whether the meta is a
+    wrapper naming the whole request (``is_whole_request``)."""
+    return ([SourceRecord(meta, parse(meta), ids) for meta, ids in transfer_peer_records(peer_meta, src_block_ids)],
+            is_whole_request(peer_meta))
+
+
+def plan_from_meta(peer_meta: Any, src_block_ids: IdList, dst_block_ids: IdList, local: LocalPool,
+                   parse: Callable[[Mapping[str, Any]], PeerGeometry], *, staging_chunk_bytes: int = 0) -> RequestPlan:
+    """``parse_request`` then ``kvxfer.plan.request.plan_request``: the one call a backend plans a request by."""
+    sources, whole = parse_request(peer_meta, src_block_ids, parse)
+    return plan_request(sources, dst_block_ids, local, whole=whole, staging_chunk_bytes=staging_chunk_bytes)

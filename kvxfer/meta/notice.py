@@ -1,12 +1,14 @@
-"""The read-done / read-failed notifications the NIXL backend sends to a source.
+"""The read-done / read-failed notifications every transport sends to a source.
 
 A NIXL notification is an opaque byte string delivered to the remote agent. Ours
 is a small versioned JSON object so that a source can tell *which* registration
 (``buf``: siblings share one agent, hence one notification stream) and *which*
 request it is about, and can refuse anything else instead of misreading it::
 
-    {"v": 1, "kind": "done",   "rid": 42, "buf": 3}
-    {"v": 1, "kind": "failed", "rid": "decode-0:7", "buf": 3, "reason": "timed out after 30s"}
+    {"v": 3, "kind": "done",   "rid": 42, "buf": 3}
+    {"v": 3, "kind": "failed", "rid": "decode-0:7", "buf": 3, "reason": "timed out after 30s"}
+
+(``v`` is the wire version, ``kvxfer.meta.version``.)
 
 ``rid`` keeps its JSON type (int or str), so the source gets back exactly the
 ``request_id`` the decode side passed. Messages that do not parse are *garbage*:
@@ -20,7 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-NOTIFY_VERSION = 1
+from kvxfer.meta.version import WIRE_VERSION
+
 MAX_NOTIFY_BYTES = 4096  # a notification is tiny; anything bigger is not ours
 MAX_REASON_CHARS = 512
 
@@ -42,7 +45,7 @@ def encode(kind: Kind, request_id: Union[int, str], buffer_id: int, reason: str 
     """Serialise one notification (compact JSON, UTF-8)."""
     if kind not in _KINDS:
         raise ValueError(f"notification kind must be one of {_KINDS}, got {kind!r}")
-    body: dict[str, object] = {"v": NOTIFY_VERSION, "kind": kind, "rid": request_id, "buf": buffer_id}
+    body: dict[str, object] = {"v": WIRE_VERSION, "kind": kind, "rid": request_id, "buf": buffer_id}
     if kind == "failed":
         body["reason"] = reason[:MAX_REASON_CHARS]
     data = json.dumps(body, separators=(",", ":")).encode()
@@ -52,14 +55,14 @@ def encode(kind: Kind, request_id: Union[int, str], buffer_id: int, reason: str 
 
 
 def decode(message: bytes) -> Optional[Notification]:
-    """Parse one notification; ``None`` for anything that is not a valid v1 message."""
+    """Parse one notification; ``None`` for anything that is not a valid notice of this wire version."""
     if not isinstance(message, (bytes, bytearray)) or len(message) > MAX_NOTIFY_BYTES:
         return None
     try:
         body = json.loads(message)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(body, dict) or body.get("v") != NOTIFY_VERSION or body.get("kind") not in _KINDS:
+    if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or body.get("kind") not in _KINDS:
         return None
     rid, buf, reason = body.get("rid"), body.get("buf"), body.get("reason", "")
     if isinstance(rid, bool) or not isinstance(rid, (int, str)):

@@ -33,9 +33,9 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.meta.version import WIRE_VERSION
 
 SEAL_FIELD = "meta_seal"
-SEAL_VERSION = 2
 MAX_SEALED_KEYS = 256
 _MAX_KEY_CHARS = 128
 
@@ -77,7 +77,7 @@ def seal_meta(meta: dict[str, Any], key: Optional[bytes] = None) -> dict[str, An
     meta.pop(SEAL_FIELD, None)
     keys = sorted(meta)
     canonical = _canonical(meta, keys)
-    seal: dict[str, Any] = {"version": SEAL_VERSION, "keys": keys, "sha256": hashlib.sha256(canonical).hexdigest()}
+    seal: dict[str, Any] = {"version": WIRE_VERSION, "keys": keys, "sha256": hashlib.sha256(canonical).hexdigest()}
     if key is not None:
         seal["hmac"] = _signature(key, canonical)
     meta[SEAL_FIELD] = seal
@@ -94,9 +94,9 @@ def check_meta_seal(meta: Any, key: Optional[bytes] = None, *, allow_unauthentic
         raise PeerMetadataError(
             f"peer meta has no valid {SEAL_FIELD!r}; pass the peer's export_meta() (extended or wrapped is fine)"
         )
-    if seal.get("version") != SEAL_VERSION:
+    if seal.get("version") != WIRE_VERSION:
         raise PeerMetadataError(
-            f"peer meta seal version is {seal.get('version')!r}, this kvxfer speaks {SEAL_VERSION}; "
+            f"peer meta seal version is {seal.get('version')!r}, this kvxfer speaks {WIRE_VERSION}; "
             "run the same kvxfer version on both sides"
         )
     keys, digest = seal.get("keys"), seal.get("sha256")
