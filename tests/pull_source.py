@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -325,6 +326,17 @@ class SourceProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+@contextmanager
+def closing_sources() -> Iterator[list[SourceProcess]]:
+    """A list a test appends the sources it starts to; every one resumed and closed at the end."""
+    started: list[SourceProcess] = []
+    try:
+        yield started
+    finally:
+        for source in started:
+            source.close()
 
 
 if __name__ == "__main__":

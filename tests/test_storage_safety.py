@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megatron_driver import wait_for_transfer_handles  # noqa: E402
-from pull_source import SourceProcess, SourceSpec, global_kv, shard  # noqa: E402
+from pull_source import SourceProcess, SourceSpec, closing_sources, global_kv  # noqa: E402
 
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
 from kvxfer.errors import PeerMetadataError, TransferError, TransferTimeoutError  # noqa: E402
@@ -53,10 +53,8 @@ def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def sources() -> Iterator[list[SourceProcess]]:
     """Sources a test starts; all resumed and closed at the end, whatever happened."""
-    started: list[SourceProcess] = []
-    yield started
-    for source in started:
-        source.close()
+    with closing_sources() as started:
+        yield started
 
 
 def start(sources: list[SourceProcess], backend: str, name: str, seed: int, **layout: Any) -> SourceProcess:

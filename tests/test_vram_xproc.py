@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pull_source import SourceProcess, SourceSpec, global_kv  # noqa: E402
+from pull_source import SourceProcess, SourceSpec, closing_sources, global_kv  # noqa: E402
 
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
 from kvxfer.errors import TransferError  # noqa: E402
@@ -37,10 +37,9 @@ SETTLE_S = 15.0
 
 @pytest.fixture
 def sources() -> Iterator[list[SourceProcess]]:
-    started: list[SourceProcess] = []
-    yield started
-    for source in started:
-        source.close()
+    """Sources a test starts; all resumed and closed at the end, whatever happened."""
+    with closing_sources() as started:
+        yield started
 
 
 def start(sources: list[SourceProcess], backend: str, name: str, device: str, **layout: Any) -> SourceProcess:
