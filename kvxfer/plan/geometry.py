@@ -255,12 +255,15 @@ def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
 
 @dataclass(frozen=True)
 class PeerGeometry:
-    """A peer's geometry meta after every field has been checked."""
+    """A peer's meta after every field has been checked: its geometry, and the transport's own
+    section parsed by the backend (``transport``: e.g. the NIXL agent or the UCX worker address
+    and rkey), so the post reads typed fields and never parses the meta again."""
 
     geometry: BufferGeometry
     dtype: str
     ssm_layout: Optional[SSMShardLayout] = None
     ssm_state_kind: Optional[str] = None
+    transport: Any = dataclasses.field(default=None, compare=False)
 
 
 def check_peer_compatible(local: BufferGeometry, local_dtype: torch.dtype, peer: PeerGeometry) -> None:

@@ -64,7 +64,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -860,7 +860,7 @@ class NixlBackend(KVTransportBackend):
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         peer = super().parse_peer_meta(peer_meta)
-        parse_nixl_peer(peer_meta)  # every field checked before anything is posted
+        peer = replace(peer, transport=parse_nixl_peer(peer_meta))  # checked before anything is posted
         if self._share.same_host and peer_meta.get(HOST_FIELD) != host_identity():
             raise PeerMetadataError(
                 f"peer meta comes from another host ({peer_meta.get(HOST_FIELD)!r}) but this process runs nixl in "
@@ -871,7 +871,9 @@ class NixlBackend(KVTransportBackend):
     # --- pulls ---------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:
         self._settle_unsettled()
-        peer = parse_nixl_peer(pull.peer_meta)
+        peer = pull.peer.transport  # parsed once, with the rest of the meta (parse_peer_meta)
+        if not isinstance(peer, NixlPeer):
+            peer = parse_nixl_peer(pull.peer_meta)  # a plan made outside parse_peer_meta
         share = self._share
         share.ensure_remote(peer, pull.peer_meta)
         plan = pull.plan

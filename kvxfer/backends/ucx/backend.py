@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -79,6 +79,21 @@ _PEER_SWEEP_S = 1.0  # how often the progress thread looks for peers to drop
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+@dataclass(frozen=True)
+class UcxSource:
+    """The ucx section of a source's meta, decoded and checked once: the worker address to reach it,
+    the packed rkey of its pool, and the token its served reads need (absent: it serves none)."""
+
+    address: bytes
+    rkey: bytes
+    read_token: Optional[bytes]
+
+    @staticmethod
+    def parse(meta: Mapping[str, Any]) -> "UcxSource":
+        token = _unb64(meta, "ucx_read_token") if meta.get("ucx_read_token") is not None else None
+        return UcxSource(_unb64(meta, "ucx_worker_address"), _unb64(meta, "ucx_rkey"), token)
 
 
 def _unb64(meta: Mapping[str, Any], field: str) -> bytes:
@@ -420,27 +435,26 @@ class UcxBackend(KVTransportBackend):
         return True
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        _unb64(peer_meta, "ucx_worker_address")  # checked first: a malformed meta is not worth asking about
-        _unb64(peer_meta, "ucx_rkey")
-        return super().parse_peer_meta(peer_meta)
+        section = UcxSource.parse(peer_meta)  # checked first: a malformed meta is not worth asking about
+        return replace(super().parse_peer_meta(peer_meta), transport=section)
 
     # --- pulls ------------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:
-        address = _unb64(pull.peer_meta, "ucx_worker_address")
-        packed = _unb64(pull.peer_meta, "ucx_rkey")
+        source = pull.peer.transport  # parsed once, with the rest of the meta (parse_peer_meta)
+        if not isinstance(source, UcxSource):
+            source = UcxSource.parse(pull.peer_meta)  # a plan made outside parse_peer_meta
         plan = pull.plan
         with self._worker.lock:
-            token = pull.peer_meta.get("ucx_read_token")
+            token = source.read_token
             try:
-                peer = self._peer_for(address, pull.peer_meta)
-                rkey = None if peer.served and token else peer.rkey(packed)
+                peer = self._peer_for(source.address, pull.peer_meta)
+                rkey = None if peer.served and token else peer.rkey(source.rkey)
             except _ucp.UcpError as exc:
                 raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
             local_base = self.geometry.buf_ptr if pull.local_base is None else pull.local_base  # pool or staging
             batch: Any
             if rkey is None:
-                batch = _served.make_batch(self._served, peer.endpoint, _unb64(pull.peer_meta, "ucx_read_token"),
-                                           local_base, plan)
+                batch = _served.make_batch(self._served, peer.endpoint, token, local_base, plan)
             else:
                 batch = _ucp.GetBatch(peer.endpoint, rkey, local_base, pull.peer.geometry.buf_ptr,
                                       plan.src_offsets, plan.dst_offsets, plan.lengths, cuda=self._region.cuda)
