@@ -17,7 +17,6 @@ until the prefill's ``pin_grace_s``): docs/vllm.md says what is known.
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import ExitStack
 
