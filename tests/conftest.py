@@ -6,6 +6,9 @@ no CUDA device exists; they run unchanged on a GPU machine.
 
 from __future__ import annotations
 
+import os
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -37,3 +40,18 @@ def random_pool(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, devic
     pool = torch.empty(shape, dtype=dtype)
     pool.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (pool.numel() * pool.element_size(),), dtype=torch.uint8, generator=gen))
     return pool.to(device)
+
+
+@pytest.fixture(autouse=True)
+def _keys_from_the_environment_do_not_leak() -> Iterator[None]:
+    """Code that builds an engine in the test process (``engine_integration.worker.build_engine``)
+    makes the cluster key file its process's ``$KVXFER_SECRET_FILE``, as an engine process must;
+    put it back after every test, so a later test's metas are not signed with a key it never chose."""
+    names = ("KVXFER_SECRET_FILE", "KVXFER_ALLOW_UNAUTHENTICATED_METAS")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
