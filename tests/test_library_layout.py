@@ -81,3 +81,10 @@ def test_the_rules_can_fail():
     assert cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert "kvxfer.cli" not in LAYERS["kvxfer.bench"] and "engine_integration" not in LAYERS["kvxfer.bench"]
     assert (ROOT / "kvxfer" / "plan").is_dir()
+
+
+def test_every_part_says_what_it_may_import():
+    """Each package's ``__init__`` docstring says what it owns and what it may import (a reader starts there)."""
+    silent = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "kvxfer").glob("*/__init__.py"))
+              if "May import" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert silent == [], silent

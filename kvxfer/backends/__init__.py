@@ -5,6 +5,10 @@ the ``kvxfer.backends`` entry-point group (``name = "pkg.module:Class"``). A
 backend whose dependency is missing stays listed, with the reason, and raises
 ``BackendUnavailableError`` (with the fix) when constructed. Nothing here reads
 the environment to choose a backend.
+
+Owns the transports (one package each) and the contract they implement (``base.py``). May import:
+``kvxfer.meta``, ``kvxfer.plan``, ``kvxfer.security``, ``kvxfer.errors``; a backend package never
+imports another backend package.
 """
 
 from __future__ import annotations

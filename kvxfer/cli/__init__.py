@@ -3,6 +3,9 @@
 Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
 ``kvxfer: error: <what> (<how to fix>)``; ``--debug`` adds the traceback.
+
+Owns the command line, logging setup and terminal output: the front door. May import every part
+of ``kvxfer`` and ``engine_integration`` (the only part of ``kvxfer`` that may); nothing imports it.
 """
 
 from __future__ import annotations

@@ -3,4 +3,7 @@
 ``child`` is the one two-process harness (a spawned child, a pipe, the child's own
 error delivered to the parent) that loopback, soak and the bench share;
 ``progress`` is the delayed progress display the CLI wraps around them.
+
+May import: ``kvxfer.runtime``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
+``kvxfer.security``, ``kvxfer.errors``; never ``bench`` or ``cli``.
 """
