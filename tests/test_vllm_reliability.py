@@ -171,7 +171,9 @@ def test_stalled_producer_does_not_hold_engine_step() -> None:
         for i, name in enumerate(sorted(names)):
             decode.submit(name, producer.ticket([i + 1], name), [i + 1])
         waited = decode.run_until(names, 15)
-        assert names <= decode.failed and waited < 2.0 + 2, waited
+        # each load within its own transfer timeout even where their confirmations queue behind one
+        # another on a loaded machine (2.6 s quiet, 6.6 s seen in CI); before: still pending after 15 s
+        assert names <= decode.failed and waited < 4 * 2.0 + 1, waited
         decode.submit("fifth", producer.ticket([5], "fifth"), [5])
         assert decode.run_until({"fifth"}, 5) < 0.5 and "fifth" in decode.failed
         assert decode.handshakes.fetches == 1

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from kvxfer.errors import KVXferError
+from kvxfer.errors import KVXferError, TransferError
 from kvxfer.integrations.vllm.handshake import Handshake, check_compatible, parse_handshake
 from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
 from kvxfer.integrations.vllm.tp_reads import rank_reads
@@ -159,7 +159,10 @@ def confirm_sources(handshake: Handshake, tp_rank: int, kv: list[tuple[Any, dict
     for backend, meta in pairs:
         confirm = getattr(backend, "confirm_peer", None)
         if confirm is not None:
-            confirm(meta, timeout_s)
+            if confirm(meta, timeout_s) is False:  # stalled or gone: the loads fail here, off the step thread,
+                # instead of each pull asking again on it (the failure is kept with the handshake)
+                raise TransferError("a source named by the handshake could not confirm its meta in time "
+                                    "(stalled or gone); nothing was read")
         else:
             backend.parse_peer_meta(meta)
 

@@ -85,8 +85,11 @@ class ScratchSlots:
     def reclaim(self) -> int:
         if not self._held:
             return 0
-        still = [(slot, hs) for slot, hs in self._held if not all(h.storage_safe for h in hs)]
-        back = [slot for slot, hs in self._held if all(h.storage_safe for h in hs)]
+        # each slot judged once: ``storage_safe`` is flipped by the transport's thread, and a slot judged
+        # twice could land in both lists (handed out while still counted as quarantined, then freed again)
+        safe = [(slot, hs, all(h.storage_safe for h in hs)) for slot, hs in self._held]
+        still = [(slot, hs) for slot, hs, ok in safe if not ok]
+        back = [slot for slot, _, ok in safe if ok]
         self._held = still
         self._free.extend(back)
         if back:
