@@ -1,10 +1,14 @@
 """Backend registry: pick a transport by name, explicitly, from configuration.
 
-Built-in backends register themselves on import; third parties register through
-the ``kvxfer.backends`` entry-point group (``name = "pkg.module:Class"``). A
-backend whose dependency is missing stays listed, with the reason, and raises
-``BackendUnavailableError`` (with the fix) when constructed. Nothing here reads
-the environment to choose a backend.
+The built-in backends are a table of names to ``"module:Class"`` paths
+(``BUILTIN_BACKENDS``), imported on the first lookup that needs them, as in
+Megatron's ``transfer_backends/base.py``: importing this package imports no
+backend, and a backend module never imports the registry (its class is named
+here, not registered from there). Third parties register through the
+``kvxfer.backends`` entry-point group (``name = "pkg.module:Class"``) or call
+``register_backend``. A backend whose dependency is missing stays listed, with
+the reason, and raises ``BackendUnavailableError`` (with the fix) when
+constructed. Nothing here reads the environment to choose a backend.
 
 Owns the transports (one package each) and the contract they implement (``base.py``). May import:
 ``kvxfer.meta``, ``kvxfer.plan``, ``kvxfer.security``, ``kvxfer.errors``; a backend package never
@@ -13,19 +17,33 @@ imports another backend package.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from importlib import metadata
-from typing import Any, TypeVar
+from importlib import import_module, metadata
+from typing import Any, Mapping, TypeVar
 
 from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState
 from kvxfer.errors import BackendUnavailableError
 
+logger = logging.getLogger("kvxfer.backends")
+
 ENTRY_POINT_GROUP = "kvxfer.backends"
 #: Preference order for the default backend: the best transport that can run here.
 PREFERENCE = ("nixl", "ucx", "local")
+#: The built-in backends, resolved on first use. Listing (``available_backends``, ``transport_probes``)
+#: resolves them in sorted order, as the eager imports used to: nixl's module is imported (and its
+#: ``availability`` probed) before ucx's binding loads. Neither touches the environment on import: the
+#: nixl backend sets ``UCX_MODULES`` only when it creates its agent (``nixl.ucx_env``).
+BUILTIN_BACKENDS: Mapping[str, str] = {
+    "local": "kvxfer.backends.local.backend:LocalBackend",
+    "nccl": "kvxfer.backends.nccl.backend:NcclBackend",
+    "nixl": "kvxfer.backends.nixl.backend:NixlBackend",
+    "ucx": "kvxfer.backends.ucx.backend:UcxBackend",
+}
 
-_REGISTRY: dict[str, type[KVTransportBackend]] = {}
+_REGISTRY: dict[str, type[KVTransportBackend]] = {}  # resolved built-ins and registered classes
 _BROKEN_PLUGINS: dict[str, str] = {}  # entry points that failed to load -> why
+_BROKEN_BUILTINS: dict[str, str] = {}  # built-ins whose module failed to import -> why
 _plugins_loaded = False
 
 B = TypeVar("B", bound=type[KVTransportBackend])
@@ -36,14 +54,52 @@ def normalize_name(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def register_backend(cls: B) -> B:
-    """Class decorator: register ``cls`` under ``cls.name``."""
+    """Class decorator: register ``cls`` under ``cls.name`` (for third parties; built-ins are in the table)."""
     key = normalize_name(cls.name)
     existing = _REGISTRY.get(key)
     if existing is not None and existing is not cls:
         raise ValueError(f"backend name {cls.name!r} is already registered by {existing.__module__}.{existing.__qualname__}")
+    builtin = BUILTIN_BACKENDS.get(key)
+    if existing is None and builtin is not None and builtin != _path_of(cls):
+        raise ValueError(f"backend name {cls.name!r} is already registered by {builtin.replace(':', '.')}")
     _REGISTRY[key] = cls
     return cls
+
+
+def _import_class(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    value: Any = import_module(module)
+    for attr in qualname.split("."):
+        value = getattr(value, attr)
+    return value
+
+
+def _resolve_builtin(key: str) -> type[KVTransportBackend] | None:
+    """The built-in class named ``key``, imported now if it was not yet; None if its module cannot load."""
+    cls = _REGISTRY.get(key)
+    if cls is not None or key in _BROKEN_BUILTINS:
+        return cls
+    try:
+        cls = _import_class(BUILTIN_BACKENDS[key])
+    except Exception as exc:  # e.g. torch missing: the backend stays listed, with the reason
+        why = f"{type(exc).__name__}: {exc}"
+        _BROKEN_BUILTINS[key] = f"backend module {BUILTIN_BACKENDS[key]!r} failed to import: {why}"
+        logger.debug("built-in backend %s unavailable: %s", key, _BROKEN_BUILTINS[key])
+        return None
+    _REGISTRY[key] = cls
+    return cls
+
+
+def _resolve_all() -> None:
+    """Every backend resolved: built-ins imported in sorted order, then the plugins."""
+    for key in sorted(BUILTIN_BACKENDS):
+        _resolve_builtin(key)
+    _load_plugins()
 
 
 def _load_plugins() -> None:
@@ -56,21 +112,30 @@ def _load_plugins() -> None:
             cls = entry.load()
             if not (isinstance(cls, type) and issubclass(cls, KVTransportBackend)):
                 raise TypeError(f"{entry.value} is not a KVTransportBackend subclass")
-            if normalize_name(cls.name) not in _REGISTRY:
+            key = normalize_name(cls.name)
+            if key not in _REGISTRY and key not in BUILTIN_BACKENDS:  # a built-in name is never shadowed
                 register_backend(cls)
         except Exception as exc:  # a broken plugin must not break kvxfer; it is reported instead
             _BROKEN_PLUGINS[normalize_name(entry.name)] = f"plugin {entry.value!r} failed to load: {exc}"
 
 
 def construct_kv_transfer_backend_class(name: str) -> type[KVTransportBackend]:
-    """Return the backend class registered under ``name``."""
-    _load_plugins()
+    """Return the backend class registered under ``name`` (importing its module on first use)."""
     key = normalize_name(name)
+    if key in BUILTIN_BACKENDS:
+        cls = _resolve_builtin(key)
+        if cls is None:
+            raise BackendUnavailableError(_BROKEN_BUILTINS[key])
+        return cls
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    _load_plugins()
     if key in _REGISTRY:
         return _REGISTRY[key]
     if key in _BROKEN_PLUGINS:
         raise BackendUnavailableError(_BROKEN_PLUGINS[key])
-    raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_REGISTRY))}")
+    known = sorted(set(_REGISTRY) | set(BUILTIN_BACKENDS))
+    raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -83,18 +148,19 @@ class BackendInfo:
 
 def available_backends() -> list[BackendInfo]:
     """Every known backend, whether it can run here, and why not."""
-    _load_plugins()
+    _resolve_all()
     infos = []
     for key, cls in sorted(_REGISTRY.items()):
         ok, why = cls.availability()
         infos.append(BackendInfo(key, ok, why, cls.is_push))
-    infos.extend(BackendInfo(key, False, why, False) for key, why in sorted(_BROKEN_PLUGINS.items()))
+    broken = {**_BROKEN_BUILTINS, **_BROKEN_PLUGINS}
+    infos.extend(BackendInfo(key, False, why, False) for key, why in sorted(broken.items()))
     return infos
 
 
 def transport_probes() -> dict[str, dict[str, Any]]:
     """Each backend's ``transport_probe()`` (errors turned into text), for ``kvxfer info`` and the bench."""
-    _load_plugins()
+    _resolve_all()
     out: dict[str, dict[str, Any]] = {}
     for key, cls in sorted(_REGISTRY.items()):
         try:
@@ -112,14 +178,8 @@ def default_backend_name() -> str:
     return next(name for name in PREFERENCE if name in runnable)
 
 
-# Built-in backends register themselves on import; their heavy dependencies load lazily.
-from kvxfer.backends import local  # noqa: E402,F401
-from kvxfer.backends import nccl  # noqa: E402,F401
-from kvxfer.backends import nixl  # noqa: E402,F401
-from kvxfer.backends import ucx  # noqa: E402,F401
-
 __all__ = [
-    "BackendInfo", "KVTransportBackend", "TransferHandle", "TransferState", "available_backends",
+    "BUILTIN_BACKENDS", "BackendInfo", "KVTransportBackend", "TransferHandle", "TransferState", "available_backends",
     "construct_kv_transfer_backend_class", "default_backend_name", "normalize_name", "register_backend",
     "transport_probes",
 ]

@@ -53,11 +53,10 @@ from kvxfer.backends.transfer import (  # the handle and request types: importab
 from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
-from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry, dtype_name
+from kvxfer.plan.geometry import PeerGeometry, PoolSpec, dtype_name, pool_geometry, takes_pool_spec
 from kvxfer.meta.records import plan_from_meta, transfer_peer_records
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.request import RequestPlan, plan_pull
-from kvxfer.plan.ssm_layout import SSMShardLayout
 from kvxfer.meta.seal import (
     HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,
     unauthenticated_metas_allowed_by_env,
@@ -117,32 +116,23 @@ class KVTransportBackend(ABC):
         """
         return {}
 
+    @takes_pool_spec
     def __init__(
         self,
         agent_name: str,
-        memory_buffer: torch.Tensor,
-        expected_num_blocks: int,
-        tp_size: Optional[int] = None,
-        tp_rank: Optional[int] = None,
-        num_kv_heads_global: Optional[int] = None,
-        heads_per_partition: Optional[int] = None,
-        head_dim: Optional[int] = None,
-        tokens_per_block: Optional[int] = None,
-        global_rank: Optional[int] = None,
-        pp_size: Optional[int] = None,
-        pp_rank: Optional[int] = None,
-        num_layers_global: Optional[int] = None,
-        layer_start: Optional[int] = None,
-        layer_end: Optional[int] = None,
-        ssm_layout: Any = None,
-        ssm_state_kind: Optional[str] = None,
-        *,
+        *pool_args: Any,
         timeout_s: Optional[float] = None,
         meta_key: Optional[bytes] = None,
         allow_unauthenticated_metas: Optional[bool] = None,
         staging_bytes: Optional[int] = None,
         _parent: Optional["KVTransportBackend"] = None,
+        **pool_kwargs: Any,
     ) -> None:
+        """Register one pool. The entrance Megatron calls: ``agent_name`` then the pool's arguments
+        (``PoolSpec``'s fields, positional or keyword, as the reference's backends take them; the
+        signature shows them), then kvxfer's own keyword-only options, which Megatron never passes
+        (so each defaults from the environment)."""
+        spec = PoolSpec(*pool_args, **pool_kwargs)
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailableError(f"backend {self.name!r} cannot run here: {why}")
@@ -165,20 +155,16 @@ class KVTransportBackend(ABC):
             raise ValueError(f"staging_bytes must be an int >= 0 (0 disables staged reshard), got {staging_bytes!r}")
         self.staging_bytes = staging_bytes
         self._arena: Optional[StagingArena] = None  # made on the first staged pull
-        self.memory_buffer = memory_buffer
+        #: The pool as the caller described it; ``geometry`` and ``local_pool`` are derived from it.
+        self.pool_spec = spec
+        self.memory_buffer = spec.memory_buffer
         self.timeout_s = float(timeout_s)
-        self.geometry = compute_buffer_geometry(
-            memory_buffer, expected_num_blocks, backend_name=self.name,
-            tp_size=tp_size, tp_rank=tp_rank, num_kv_heads_global=num_kv_heads_global,
-            heads_per_partition=heads_per_partition, head_dim=head_dim, tokens_per_block=tokens_per_block,
-            global_rank=global_rank, pp_size=pp_size, pp_rank=pp_rank, num_layers_global=num_layers_global,
-            layer_start=layer_start, layer_end=layer_end, ssm_layout=ssm_layout, ssm_state_kind=ssm_state_kind,
-        )
-        self.dtype = memory_buffer.dtype
-        self.ssm_layout = None if ssm_layout is None else SSMShardLayout.coerce(ssm_layout)
-        self.ssm_state_kind = ssm_state_kind
+        self.geometry = pool_geometry(spec, self.name)
+        self.dtype = spec.memory_buffer.dtype
+        self.ssm_layout = spec.ssm
+        self.ssm_state_kind = spec.ssm_state_kind
         #: This registration as planning sees it (``kvxfer.plan.request``).
-        self.local_pool = LocalPool(self.geometry, dtype_name(self.dtype), self.ssm_layout, ssm_state_kind)
+        self.local_pool = LocalPool(self.geometry, dtype_name(self.dtype), self.ssm_layout, self.ssm_state_kind)
         self._closed = False
         self._verified = _VerifiedMetas()
         #: SSM pools registered beside this one, by state kind: a KV pull checks the request's SSM

@@ -6,14 +6,18 @@ the *outer* index; everything after it is one *slice*. Block ``b`` of outer inde
 ``o`` is the byte range ``buf_ptr + o * outer_stride_bytes + b * bytes_per_slice``
 of length ``bytes_per_slice``. Every backend addresses memory through this one
 description, and ``kvxfer.meta.geometry.export_geometry_meta`` is the single wire format for it.
+
+What a caller says of its pool (the reference's arguments: block count, TP/PP topology, SSM
+layout) is one ``PoolSpec``, written once here; ``pool_geometry`` turns it into the geometry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -72,34 +76,93 @@ class BufferGeometry:
         return self.num_outer * self.outer_stride_bytes
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: it holds the tensor, whose ``==`` is elementwise
+class PoolSpec:
+    """A pool as its caller describes it: the tensor, its block count and the reference's topology
+    arguments, not yet checked (``pool_geometry`` checks them).
+
+    The one place these arguments are written. The entrances Megatron and the seed call with them
+    loose, ``compute_buffer_geometry`` and a backend's constructor, turn them into one of these at
+    once (``takes_pool_spec`` shows them in the entrances' signatures, in this order); everything
+    behind the entrances passes this object. ``layer_end`` is exclusive; ``ssm_layout`` is
+    Megatron's ``SSMShardLayout``, ours, or its ``asdict``.
+    """
+
+    memory_buffer: torch.Tensor
+    expected_num_blocks: int
+    tp_size: Optional[int] = None
+    tp_rank: Optional[int] = None
+    num_kv_heads_global: Optional[int] = None
+    heads_per_partition: Optional[int] = None
+    head_dim: Optional[int] = None
+    tokens_per_block: Optional[int] = None
+    global_rank: Optional[int] = None
+    pp_size: Optional[int] = None
+    pp_rank: Optional[int] = None
+    num_layers_global: Optional[int] = None
+    layer_start: Optional[int] = None
+    layer_end: Optional[int] = None
+    ssm_layout: Any = None
+    ssm_state_kind: Optional[str] = None
+
+    @property
+    def ssm(self) -> Optional[SSMShardLayout]:
+        """``ssm_layout`` as our typed layout (None for a KV pool)."""
+        return None if self.ssm_layout is None else SSMShardLayout.coerce(self.ssm_layout)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes_pool_spec(entrance: F) -> F:
+    """Give an entrance that collects the pool's arguments loosely (``*pool_args`` / ``**pool_kwargs``,
+    turned into a ``PoolSpec`` at once) the signature its callers know, spelled from ``PoolSpec``.
+
+    Fields the entrance names itself keep their place; the others stand where its ``*pool_args``
+    is (positional or keyword: a backend's constructor) or else, keyword-only, where its
+    ``**pool_kwargs`` is (``compute_buffer_geometry``). So ``inspect.signature`` and ``help()``
+    show the reference's signature while the list is written once.
+    """
+    real = inspect.signature(entrance)
+    P = inspect.Parameter
+    # The fields go where the entrance collects them: its *pool_args if it has one, else its **pool_kwargs.
+    spread_at = P.VAR_POSITIONAL if any(p.kind is P.VAR_POSITIONAL for p in real.parameters.values()) else P.VAR_KEYWORD
+    as_kind = P.POSITIONAL_OR_KEYWORD if spread_at is P.VAR_POSITIONAL else P.KEYWORD_ONLY
+    fields = [P(f.name, as_kind, annotation=f.type, default=P.empty if f.default is dataclasses.MISSING else f.default)
+              for f in dataclasses.fields(PoolSpec) if f.name not in real.parameters]
+    params: list[inspect.Parameter] = []
+    for param in real.parameters.values():
+        if param.kind is spread_at:
+            params.extend(fields)
+        elif param.kind is not P.VAR_KEYWORD:
+            params.append(param)
+    entrance.__signature__ = real.replace(parameters=params)  # type: ignore[attr-defined]
+    return entrance
+
+
+@takes_pool_spec
 def compute_buffer_geometry(
-    memory_buffer: torch.Tensor,
-    expected_num_blocks: int,
-    *,
-    backend_name: str,
-    tp_size: Optional[int] = None,
-    tp_rank: Optional[int] = None,
-    num_kv_heads_global: Optional[int] = None,
-    heads_per_partition: Optional[int] = None,
-    head_dim: Optional[int] = None,
-    tokens_per_block: Optional[int] = None,
-    global_rank: Optional[int] = None,
-    pp_size: Optional[int] = None,
-    pp_rank: Optional[int] = None,
-    num_layers_global: Optional[int] = None,
-    layer_start: Optional[int] = None,
-    layer_end: Optional[int] = None,
-    ssm_layout: Any = None,
-    ssm_state_kind: Optional[str] = None,
+    memory_buffer: torch.Tensor, expected_num_blocks: int, *, backend_name: str, **pool_kwargs: Any,
 ) -> BufferGeometry:
+    """Locate the blocks axis, derive the slice strides, and validate the canonical
+    KV layout when the full geometry is provided.
+
+    The seed's entrance (its signature, from ``PoolSpec``: the topology arguments are
+    keyword-only); ``pool_geometry`` does the work.
+    """
+    return pool_geometry(PoolSpec(memory_buffer, expected_num_blocks, **pool_kwargs), backend_name)
+
+
+def pool_geometry(spec: PoolSpec, backend_name: str) -> BufferGeometry:
     """Locate the blocks axis, derive the slice strides, and validate the canonical
     KV layout when the full geometry is provided.
 
     Where the reference silently falls back to "no layout" on inconsistent topology
     arguments, this raises ``GeometryError`` naming the argument to fix.
-    ``layer_end`` is exclusive.
     """
     where = f"[{backend_name}]"
+    memory_buffer, expected_num_blocks = spec.memory_buffer, spec.expected_num_blocks
+    ssm_state_kind = spec.ssm_state_kind
     if not isinstance(memory_buffer, torch.Tensor):
         raise GeometryError(f"{where} memory_buffer must be a torch.Tensor, got {type(memory_buffer).__name__}")
     if not isinstance(expected_num_blocks, int) or isinstance(expected_num_blocks, bool) or expected_num_blocks < 1:
@@ -110,7 +173,7 @@ def compute_buffer_geometry(
             "is not contiguous; register the contiguous pool itself, not a view of it"
         )
     shape = tuple(memory_buffer.shape)
-    if (ssm_layout is None) != (ssm_state_kind is None):
+    if (spec.ssm_layout is None) != (ssm_state_kind is None):
         raise GeometryError(f"{where} pass ssm_layout and ssm_state_kind together, or neither")
 
     if ssm_state_kind is not None:
@@ -123,7 +186,7 @@ def compute_buffer_geometry(
             )
         blocks_axis = SSM_BLOCKS_AXIS
         # Megatron's SSMShardLayout (or its asdict) is accepted: same fields, same meaning.
-        expected = SSMShardLayout.coerce(ssm_layout).state_shape(ssm_state_kind, expected_num_blocks)
+        expected = spec.ssm.state_shape(ssm_state_kind, expected_num_blocks)
         if shape != expected:
             raise GeometryError(
                 f"{where} the SSM {ssm_state_kind} buffer has shape {shape} but its ssm_layout gives {expected} "
@@ -148,16 +211,11 @@ def compute_buffer_geometry(
     if bytes_per_slice == 0 or num_outer == 0:
         raise GeometryError(f"{where} buffer shape {shape} has an empty dimension")
 
+    heads_per_partition, head_dim, tokens_per_block = spec.heads_per_partition, spec.head_dim, spec.tokens_per_block
     layout = None
     if ssm_state_kind is None:
-        _check_kv_dims(where, shape, blocks_axis, heads_per_partition, head_dim, tokens_per_block)
-        layout = _kv_layout(
-            where, shape, blocks_axis,
-            tp_size=tp_size, tp_rank=tp_rank, num_kv_heads_global=num_kv_heads_global,
-            heads_per_partition=heads_per_partition, global_rank=global_rank,
-            pp_size=pp_size, pp_rank=pp_rank, num_layers_global=num_layers_global,
-            layer_start=layer_start, layer_end=layer_end,
-        )
+        _check_kv_dims(where, shape, blocks_axis, spec)
+        layout = _kv_layout(where, shape, blocks_axis, spec)
         if layout is not None:
             heads_per_partition = layout.heads_per_partition
             head_dim = shape[5]
@@ -179,9 +237,10 @@ def compute_buffer_geometry(
     )
 
 
-def _check_kv_dims(where, shape, blocks_axis, heads_per_partition, head_dim, tokens_per_block) -> None:
+def _check_kv_dims(where: str, shape: tuple[int, ...], blocks_axis: int, spec: PoolSpec) -> None:
     """The per-slice dims the caller states must be the buffer's ``[T, H, d]``."""
-    stated = {"tokens_per_block": tokens_per_block, "heads_per_partition": heads_per_partition, "head_dim": head_dim}
+    stated = {"tokens_per_block": spec.tokens_per_block, "heads_per_partition": spec.heads_per_partition,
+              "head_dim": spec.head_dim}
     if all(v is None for v in stated.values()):
         return
     if len(shape) != 6 or blocks_axis != KV_BLOCKS_AXIS:
@@ -196,11 +255,15 @@ def _check_kv_dims(where, shape, blocks_axis, heads_per_partition, head_dim, tok
 
 
 _LAYOUT_REQUIRED = ("tp_size", "tp_rank", "num_kv_heads_global", "num_layers_global")
+#: The arguments that place a KV pool in the model; any one given asks for a KV shard layout.
+_TOPOLOGY = ("tp_size", "tp_rank", "num_kv_heads_global", "global_rank", "pp_size", "pp_rank", "num_layers_global",
+             "layer_start", "layer_end")
 
 
-def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
+def _kv_layout(where: str, shape: tuple[int, ...], blocks_axis: int, spec: PoolSpec) -> Optional[KVShardLayout]:
     """Build the KV shard layout from the topology arguments, or None if none are given."""
-    given = {k for k, v in topo.items() if v is not None and k != "heads_per_partition"}
+    topo = {name: getattr(spec, name) for name in _TOPOLOGY}
+    given = {k for k, v in topo.items() if v is not None}
     if not given:
         return None
     missing = [k for k in _LAYOUT_REQUIRED if topo[k] is None]
@@ -231,7 +294,7 @@ def _kv_layout(where, shape, blocks_axis, **topo) -> Optional[KVShardLayout]:
         layer_start=layer_start,
         num_local_layers=None if layer_start is None else layer_end - layer_start,
     )
-    hpp = topo["heads_per_partition"]
+    hpp = spec.heads_per_partition
     if hpp is not None and hpp != layout.heads_per_partition:
         raise GeometryError(
             f"{where} heads_per_partition={hpp} x tp_size={tp_size} does not match "

@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import torch
 
-from kvxfer.backends import register_backend
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle
 from kvxfer.backends.local.reshard import copy_resharded
 from kvxfer.errors import PeerMetadataError
@@ -83,7 +82,6 @@ class LocalHandle(TransferHandle):
         self._source._report_failed(self.request_id, str(error))
 
 
-@register_backend
 class LocalBackend(KVTransportBackend):
     """In-process transport: a registry of live registrations, copies with torch."""
 

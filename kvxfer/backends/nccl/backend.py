@@ -26,7 +26,6 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from kvxfer.backends import register_backend
 from kvxfer.backends.base import (
     CompletedHandle, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferStartError,
 )
@@ -276,7 +275,6 @@ class NcclSendHandle(_P2PHandle):
             self._backend._deliver_read_failed(self.request_id, str(error))
 
 
-@register_backend
 class NcclBackend(KVTransportBackend):
     """Push transport over ``torch.distributed`` (see the module docstring and ``docs/nccl.md``).
 

@@ -70,7 +70,6 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from kvxfer.backends import register_backend
 from kvxfer.meta import notice as notify
 from kvxfer.meta.version import WIRE_VERSION, check_wire_version
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
@@ -712,7 +711,6 @@ class NixlHandle(TransferHandle):
 # --------------------------------------------------------------------------------------------
 # backend
 # --------------------------------------------------------------------------------------------
-@register_backend
 class NixlBackend(KVTransportBackend):
     """NIXL transport: DRAM or VRAM pools, one READ per request, read-done by notification."""
 

@@ -42,7 +42,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from kvxfer.backends import register_backend
 from kvxfer.backends.ucx import binding as _ucp
 from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
@@ -297,7 +296,6 @@ class UcxHandle(TransferHandle):
         self._backend._notify(self._peer, "failed", self.request_id, self._failure_reason or "")
 
 
-@register_backend
 class UcxBackend(KVTransportBackend):
     """UCP transport: ``ucp_mem_map`` + packed rkey, ``ucp_get_nbx`` reads, AM read-done."""
 
