@@ -8,7 +8,8 @@ real ``MHATokenToKVPool`` and ``MetadataBuffers``, ``KVArgs`` filled from them a
 ``_init_kv_manager`` does, and the classes ``get_kv_class`` returns. The prefill rank also runs
 SGLang's bootstrap server. Then it answers JSON commands on stdin, one reply line each on stdout:
 ``serve`` (prefill: senders, chunked ``send``), ``receive`` (decode: receivers, ``send_metadata``),
-``sizes``, ``exit``. Page and aux-row contents travel back as SHA-256 digests.
+``sizes``, ``exit``; ``"manager": "mismatch"`` runs one on a second manager shaped by the config's
+``mismatch`` fields. Page and aux-row contents travel back as SHA-256 digests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 
@@ -30,6 +30,10 @@ CFG = json.loads(sys.argv[1])
 OUT = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
+
+
+#: What SGLang's scheduler would own for the rank's life (``KVArgs`` carries raw pointers into it).
+OWNED: list = []
 
 
 def reply(obj: dict) -> None:
@@ -54,19 +58,27 @@ def setup():
     get_parallel().override_permanently(**{name: 0 for name in (
         "attn_tp_rank", "attn_cp_rank", "attn_dcp_rank", "attn_dp_rank", "dcp_rank", "dp_rank", "pp_rank", "tp_rank",
         "moe_dp_rank", "moe_ep_rank", "moe_tp_rank", "launch_world_rank")}, pp_group=None)
-    from sglang.srt.disaggregation.utils import (
-        DisaggregationMode, KVClassType, MetadataBuffers, TransferBackend, get_kv_class)
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(CFG["backend"])
     server = None
     if CFG["role"] == "prefill":
         server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", CFG["bootstrap_port"])
-    pool = MHATokenToKVPool(size=CFG["tokens"], page_size=CFG["page_size"], dtype=torch.bfloat16,
-                            head_num=CFG["heads"], head_dim=CFG["head_dim"], layer_num=CFG["layers"], device="cpu",
+    return (backend, server, *build(backend, CFG))
+
+
+def build(backend, cfg: dict):
+    """One rank's pool, metadata buffers, ``KVArgs`` and manager, shaped by ``cfg``."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, MetadataBuffers, get_kv_class
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.runtime_context import get_server_args
+
+    pool = MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
+                            head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
                             enable_memory_saver=False, enable_alt_stream=False)
-    meta = MetadataBuffers(size=CFG["aux_rows"], hidden_size=CFG["hidden"], hidden_states_dtype=torch.bfloat16,
+    meta = MetadataBuffers(size=cfg["aux_rows"], hidden_size=cfg["hidden"], hidden_states_dtype=torch.bfloat16,
                            max_sampling_mask_tokens=0)
+    OWNED.append(meta)  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
     kv_args.engine_rank = 0
     kv_args.pp_rank = 0
@@ -75,10 +87,10 @@ def setup():
     kv_args.kv_cache_dtype_str = "bfloat16"
     kv_args.kv_layout = None
     kv_args.prefill_start_layer = 0
-    kv_args.prefill_end_layer = CFG["layers"]
+    kv_args.prefill_end_layer = cfg["layers"]
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = pool.get_contiguous_buf_infos()
     kv_args.num_draft_entries = 0
-    kv_args.kv_layer_ids = list(range(CFG["layers"])) * 2
+    kv_args.kv_layer_ids = list(range(cfg["layers"])) * 2
     kv_args.kv_head_num = pool.head_num
     kv_args.total_kv_head_num = pool.head_num
     kv_args.page_size = pool.page_size
@@ -88,10 +100,8 @@ def setup():
     kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens = [], [], []
     kv_args.state_item_lens, kv_args.state_layer_ids = [], []
     mode = DisaggregationMode.PREFILL if CFG["role"] == "prefill" else DisaggregationMode.DECODE
-    from sglang.srt.runtime_context import get_server_args
-
     manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, get_server_args(), False)
-    return backend, server, pool, kv_args, manager
+    return pool, kv_args, manager
 
 
 def fill(pool, kv_args, seed: int) -> None:
@@ -121,15 +131,34 @@ def aux_digests(kv_args, row: int) -> list[str]:
             for ptr, item in zip(kv_args.aux_data_ptrs, kv_args.aux_item_lens)]
 
 
-def final(obj, deadline: float):
+def finals(objs: dict, deadline: float, on_end=None) -> dict:
+    """Poll every sender or receiver together (as SGLang's queues do) until each is ``Success`` or
+    ``Failed``: ``{room: (status, monotonic time it was first seen, on_end(room) then)}``."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    while time.monotonic() < deadline:
-        status = obj.poll()
-        if status in (KVPoll.Success, KVPoll.Failed):
-            return status
+    out = {}
+    while len(out) < len(objs) and time.monotonic() < deadline:
+        for room, obj in objs.items():
+            if room not in out:
+                status = obj.poll()
+                if status in (KVPoll.Success, KVPoll.Failed):
+                    out[room] = (status, time.monotonic(), on_end(room) if on_end else None)
         time.sleep(0.001)
-    return obj.poll()
+    for room, obj in objs.items():
+        out.setdefault(room, (obj.poll(), time.monotonic(), None))
+    return out
+
+
+def reason_of(obj, status):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if status != KVPoll.Failed:
+        return None
+    try:
+        obj.failure_exception()
+    except Exception as exc:
+        return str(exc)
+    return None
 
 
 def serve(cmd, backend, manager, pool, kv_args) -> dict:
@@ -147,6 +176,7 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         senders[r["room"]] = s
     pending = {r["room"]: r for r in cmd["rooms"]}
     chunks_sent = 0
+    offered = {}  # room -> when its first chunk was offered
     while pending and time.monotonic() < deadline:  # SGLang's bootstrap queue: wait for the decode's metadata
         for room, r in list(pending.items()):
             status = senders[room].poll()
@@ -155,6 +185,7 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
             elif status == KVPoll.WaitingForInput:
                 pages = np.asarray(r["pages"], dtype=np.int64)
                 bounds = np.cumsum([0] + r["chunks"])
+                offered[room] = time.monotonic()
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     senders[room].send(pages[a:b], None, num_kv_tokens=int(b - a) * CFG["page_size"])
                     chunks_sent += 1
@@ -163,27 +194,48 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
                         os.kill(os.getpid(), signal.SIGKILL)
                 pending.pop(room)
         time.sleep(0.001)
+    # the lease slots held once every chunk is offered; each time SGLang sees a room end, at least as
+    # many of them must already read -lease (revoked) as rooms have ended: revocation comes first
+    table = manager.kvxfer_pool.table
+    held = {slot: int(table[slot]) for slot in torch.nonzero(table > 0).flatten().tolist()}
+    ended_so_far = []
+
+    def revoked_first(room):
+        ended_so_far.append(room)
+        return sum(int(table[slot]) == -lease for slot, lease in held.items()) >= len(ended_so_far)
+
+    ended = finals(senders, deadline, revoked_first)
     result = {}
     for room, s in senders.items():
-        status = final(s, deadline)
-        reason = None
-        if status == KVPoll.Failed:
-            try:
-                s.failure_exception()
-            except Exception as exc:
-                reason = str(exc)
-        else:
+        status, at, revoked = ended[room]
+        reason = reason_of(s, status)
+        if status != KVPoll.Failed:
             s.get_transfer_metric()
         s.clear()
         result[str(room)] = {"status": int(status), "reason": reason}
+        if cmd.get("timing"):
+            result[str(room)].update(at_s=at - offered.get(room, started), lease_revoked=revoked)
     digests = {str(r["room"]): {"pages": page_digests(pool, r["pages"]),
                                 "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else []}
                for r in cmd["rooms"]}
-    return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started}
+    return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started, "leases_held": len(held)}
+
+
+def die_on_first_read(manager) -> None:
+    """SIGKILL this rank right after kvxfer posted its first read of a KV page: the process dies
+    with that read in flight and the rest of the room unread."""
+    backend = manager.kvxfer_pool.backend(manager.kvxfer_pool.kv_regions[0])
+    original = backend.begin_pull_blocks
+
+    def posted_then_die(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    backend.begin_pull_blocks = posted_then_die
 
 
 def receive(cmd, backend, manager, pool, kv_args) -> dict:
-    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
 
     receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
@@ -196,6 +248,8 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
             time.sleep(0.05)
     except RuntimeError as exc:
         return {"refused": str(exc)}
+    if cmd.get("die_on_read"):
+        die_on_first_read(manager)
     receivers = {}
     for r in cmd["rooms"]:
         rcv = receiver_cls(mgr=manager, bootstrap_addr=addr, bootstrap_room=r["room"])
@@ -209,16 +263,11 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         time.sleep(cmd["abort_after_s"])
         for rcv in receivers.values():
             rcv.abort()
+    ended = finals(receivers, deadline)
     result = {}
     for room, rcv in receivers.items():
-        status = final(rcv, deadline)
-        reason = None
-        if status == KVPoll.Failed:
-            try:
-                rcv.failure_exception()
-            except Exception as exc:
-                reason = str(exc)
-        result[str(room)] = {"status": int(status), "reason": reason, "at_s": time.monotonic() - started}
+        status, at, _ = ended[room]
+        result[str(room)] = {"status": int(status), "reason": reason_of(rcv, status), "at_s": at - started}
         rcv.clear()
     digests = {str(r["room"]): {"pages": page_digests(pool, r["pages"]),
                                 "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else []}
@@ -235,9 +284,16 @@ def main() -> None:
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
+    # a decode rank may also hold a second, differently shaped manager (``CFG["mismatch"]``: pool fields
+    # that differ), built on first use: a mismatched decode without another process's imports
+    ranks = {"main": (pool, kv_args, manager)}
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
+            which = cmd.get("manager", "main")
+            if which not in ranks:
+                ranks[which] = build(backend, {**CFG, **CFG[which]})
+            pool, kv_args, manager = ranks[which]
             if cmd["op"] == "serve":
                 reply(serve(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive":

@@ -12,9 +12,7 @@ import os
 import queue
 import socket
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 

@@ -9,10 +9,8 @@ row is compared by digest. Nothing is faked.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -21,6 +19,8 @@ from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
 from kvxfer.security.auth import new_secret_file
 
 FAILED, SUCCESS = 0, 4
+#: The prefill rank's KVXFER_TRANSFER_TIMEOUT_S (the decodes keep peer_env's 5 s).
+PREFILL_TIMEOUT_S = 3
 
 PLUGIN_CHECK = r"""
 import argparse, sglang
@@ -90,8 +90,9 @@ def _exchange(prefill: Peer, decode: Peer, port: int, serve, receive, **extra) -
 
 
 @pytest.mark.parametrize("backend,mismatch", [("kvxfer_nixl", {"heads": 4}), ("kvxfer_ucx", {"page_size": 8})])
-def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mismatch, secret_env):
-    """One prefill, one decode, one mismatched decode, all real SGLang ranks on one backend:
+def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mismatch, secret_env):
+    """One prefill rank and two decode ranks, all real SGLang ranks on one backend (the second decode
+    also holds a mismatched manager, so no fourth process pays SGLang's imports):
 
     1. three rooms at once, each sent in two chunks: every page of every layer and the aux rows
        arrive byte for byte, both sides ``KVPoll.Success``;
@@ -100,13 +101,19 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
     4. a decode whose pool differs is refused, naming what differs;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
        no table keeps an entry;
-    6. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
+    6. the decode is SIGKILLed with its first page read in flight (one room mid-read, one published
+       and offered but unread): the prefill frees neither room before its bound (2 x its transfer
+       timeout after the offer), revokes each lease before SGLang sees ``Failed``, stays up, and then
+       serves the other decode the same room ids byte for byte, with nothing left in any table;
+    7. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
        within seconds (not SGLang's 300 s), with a reason.
     """
     port = free_port()
-    prefill = Peer("prefill", backend, port, env=secret_env)
+    bootstrap = f"127.0.0.1:{port}"
+    # the prefill's bound for a silent decode is 2 x its transfer timeout: short here, to keep step 6 cheap
+    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S)})
     decode = Peer("decode", backend, port, env=secret_env)
-    other = Peer("decode", backend, port, env=secret_env, **mismatch)
+    other = Peer("decode", backend, port, env=secret_env, mismatch=mismatch)
     try:
         prefill.ready(), decode.ready(), other.ready()
         serve, receive = rooms_plan(100, 3)
@@ -114,14 +121,11 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
 
         serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=(1, 2, 3), src_base=30, dst_base=2)
         _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+        _assert_empty(prefill, decode)
 
-        sizes_p = prefill.ask(op="sizes", settle_s=0.3)["sizes"]
-        sizes_d = decode.ask(op="sizes")["sizes"]
-        assert not any(sizes_p.values()) and not any(sizes_d.values()), (sizes_p, sizes_d)
-
-        serve, receive = rooms_plan(300, 1)
-        prefill.send(op="serve", rooms=serve, timeout=15)
-        refused = other.ask(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=15)
+        serve, receive = rooms_plan(300, 1)  # refused: the prefill's room never bootstraps, so wait little
+        prefill.send(op="serve", rooms=serve, timeout=3)
+        refused = other.ask(op="receive", manager="mismatch", bootstrap=bootstrap, rooms=receive, timeout=15)
         prefill.read()
         if "page_size" in mismatch:  # SGLang's own check, at bootstrap, names both page sizes
             assert "page_size=4" in refused["refused"] and "page_size=8" in refused["refused"], refused
@@ -132,19 +136,35 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
 
         serve, receive = rooms_plan(200, 2)  # the decode aborts right after publishing its pages
         prefill.send(op="serve", rooms=serve, timeout=20)
-        aborted = decode.ask(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=20, abort_after_s=0.0)
+        aborted = decode.ask(op="receive", bootstrap=bootstrap, rooms=receive, timeout=20, abort_after_s=0.0)
         served = prefill.read()
         for key in ("200", "201"):
             assert aborted["rooms"][key]["status"] == FAILED, aborted["rooms"][key]
             assert served["rooms"][key]["status"] in (FAILED, SUCCESS), served["rooms"][key]  # freed either way
-        sizes_p = prefill.ask(op="sizes", settle_s=0.3)["sizes"]
-        sizes_d = decode.ask(op="sizes")["sizes"]
-        assert not any(sizes_p.values()) and not any(sizes_d.values()), (sizes_p, sizes_d)
+        _assert_empty(prefill, decode)
+
+        serve, receive = rooms_plan(500, 2)  # the decode dies with its first read in flight
+        prefill.send(op="serve", rooms=serve, timeout=4 * PREFILL_TIMEOUT_S + 20, timing=True)
+        decode.send(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30, die_on_read=True)
+        decode.proc.wait(timeout=30)
+        assert decode.proc.returncode == -signal.SIGKILL, decode.log()
+        served = prefill.read()
+        assert served["leases_held"] == 2, served  # both rooms' pages were offered under a lease
+        bound = 2 * PREFILL_TIMEOUT_S
+        for key in ("500", "501"):
+            room = served["rooms"][key]
+            assert room["status"] == FAILED and "no read-done from the decode" in room["reason"], room
+            assert room["lease_revoked"] is True, room  # before SGLang could see Failed and free the pages
+            assert bound <= room["at_s"] < bound + 4.0, f"room {key} freed {room['at_s']:.2f}s after its offer"
+        print(f"{backend}: decode killed mid-read -> prefill pages freed after "
+              f"{max(r['at_s'] for r in served['rooms'].values()):.2f}s (bound {bound}s): {served['rooms']['500']['reason']}")
+        serve, receive = rooms_plan(500, 2, chunks=(2, 5), src_base=20, dst_base=3)  # same room ids, live decode
+        _check_bytes(serve, *_exchange(prefill, other, port, serve, receive))
+        _assert_empty(prefill, other)
 
         serve, receive = rooms_plan(400, 2, chunks=(3, 4))
         prefill.send(op="serve", rooms=serve, timeout=30, die_after_chunks=1)
-        decode.send(op="receive", bootstrap=f"127.0.0.1:{port}", rooms=receive, timeout=30)
-        died = decode.read()
+        died = other.ask(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30)
         prefill.proc.wait(timeout=10)
         assert prefill.proc.returncode == -signal.SIGKILL
         for key in ("400", "401"):
@@ -153,8 +173,14 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_prefill_death(backend, mi
             assert room["at_s"] < 10.0, f"room {key} failed only after {room['at_s']:.1f}s"
         print(f"{backend}: prefill killed -> decode KVPoll.Failed after "
               f"{max(r['at_s'] for r in died['rooms'].values()):.2f}s: {died['rooms']['400']['reason']}")
-        sizes_d = decode.ask(op="sizes", settle_s=0.2)["sizes"]
+        sizes_d = other.ask(op="sizes", settle_s=0.2)["sizes"]
         assert not sizes_d["puller_rooms"] and not sizes_d["puller_unsafe"], sizes_d
     finally:
         for peer in (prefill, decode, other):
             peer.close()
+
+
+def _assert_empty(prefill: Peer, decode: Peer) -> None:
+    sizes_p = prefill.ask(op="sizes", settle_s=0.3)["sizes"]
+    sizes_d = decode.ask(op="sizes")["sizes"]
+    assert not any(sizes_p.values()) and not any(sizes_d.values()), (sizes_p, sizes_d)
