@@ -70,26 +70,35 @@ def test_importing_the_registry_imports_no_backend():
     assert _backend_modules(loaded["modules"]) == set()
 
 
-def test_a_lookup_imports_only_the_backend_it_names():
-    loaded = _loaded_after("""
+@pytest.mark.parametrize("key", BACKEND_PACKAGES)
+def test_a_lookup_imports_only_the_backend_it_names(key):
+    loaded = _loaded_after(f"""
         from kvxfer.backends import construct_kv_transfer_backend_class
-        construct_kv_transfer_backend_class("local")
+        construct_kv_transfer_backend_class({key!r})
     """)
-    assert _backend_modules(loaded["modules"]) == {"local"}
+    assert _backend_modules(loaded["modules"]) == {key}
 
 
-def test_no_backend_module_imports_the_registry():
-    offenders = []
-    for package in BACKEND_PACKAGES:
-        for path in sorted((ROOT / "kvxfer" / "backends" / package).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.level == 0 and (
-                        node.module == "kvxfer.backends"
-                        or (node.module == "kvxfer" and any(a.name == "backends" for a in node.names))):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-                if isinstance(node, ast.Import) and any(a.name == "kvxfer.backends" for a in node.names):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert offenders == []
+def _imported_by(package: str) -> list[tuple[str, str]]:
+    """(file:line, module) for every absolute import in one backend package."""
+    found = []
+    for path in sorted((ROOT / "kvxfer" / "backends" / package).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found += [(where, f"{node.module}.{a.name}") for a in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(where, a.name) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("package", BACKEND_PACKAGES)
+def test_a_backend_package_imports_neither_the_registry_nor_another_backend(package):
+    registry_names = {"kvxfer.backends", *(f"kvxfer.backends.{name}" for name in registry.__all__)}
+    others = tuple(f"kvxfer.backends.{p}." for p in BACKEND_PACKAGES if p != package)
+    wrong = [(where, module) for where, module in _imported_by(package)
+             if module in registry_names or (module + ".").startswith(others)]
+    assert wrong == []
 
 
 @pytest.mark.parametrize("key", sorted(BUILTIN_BACKENDS))

@@ -29,7 +29,7 @@ from ucx_peer import make_pool, source_main  # noqa: E402
 from kvxfer.backends.ucx.backend import UcxBackend  # noqa: E402
 from kvxfer.backends.ucx import confirm  # noqa: E402
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD  # noqa: E402
-from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD  # noqa: E402
+from kvxfer.backends.same_host import PID_FIELD, START_FIELD  # noqa: E402
 from kvxfer.errors import PeerMetadataError  # noqa: E402
 from kvxfer.meta.seal import SEAL_FIELD, seal_meta  # noqa: E402
 

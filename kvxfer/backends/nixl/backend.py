@@ -73,7 +73,7 @@ import torch
 from kvxfer.meta import notice as notify
 from kvxfer.meta.version import WIRE_VERSION, check_wire_version
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
-from kvxfer.backends.ucx.same_host import SourceWatch, process_start_time
+from kvxfer.backends.same_host import SourceWatch, process_start_time
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,

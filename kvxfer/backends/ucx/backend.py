@@ -45,7 +45,7 @@ import torch
 from kvxfer.backends.ucx import binding as _ucp
 from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
-from kvxfer.backends.ucx.same_host import SourceWatch, own_identity, shared_memory_permitted
+from kvxfer.backends.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.plan.geometry import PeerGeometry
@@ -312,7 +312,7 @@ class UcxBackend(KVTransportBackend):
         failure mode, so UCX may use them (zero-copy gets, no source CPU); any other
         source gets ``UCP_ERR_HANDLING_MODE_PEER``. ``True``/``False`` force one mode
         for every source. Every source of this host is watched through a pidfd
-        whatever the mode (``kvxfer.backends.ucx.same_host``): its exit fails its
+        whatever the mode (``kvxfer.backends.same_host``): its exit fails its
         pulls at once and proves their gets can no longer land. A handle's ``path``
         says which mode was taken.
         """

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
-from kvxfer.backends.ucx.same_host import PID_FIELD, START_FIELD, process_start_time
+from kvxfer.backends.same_host import PID_FIELD, START_FIELD, process_start_time
 from kvxfer.errors import PeerMetadataError, TransferError
 
 logger = logging.getLogger("kvxfer.backends.ucx")

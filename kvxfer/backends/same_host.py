@@ -1,4 +1,4 @@
-"""Knowing that a source shares our host, and seeing it die at once.
+"""Knowing that a source shares our host, and seeing it die at once (the ucx and nixl backends).
 
 UCX's peer error handling (``UCP_ERR_HANDLING_MODE_PEER``) rules out its shared-memory
 transports, so on one host it pushed gets onto tcp emulation (0.75-1.0 GB/s where CMA
@@ -7,19 +7,19 @@ identity (boot id + network namespace, ``kvxfer.meta.seal.host_identity``), its
 pid and that pid's start time, and we watch it through a pidfd, which becomes readable
 the moment the process exits. A dead source then fails its pulls at once instead of by
 timeout, without UCX's peer failure mode.
+
+Beside the backend packages, like ``ucx_tls.py``, because both UCX-based backends use it and a
+backend package never imports another.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.ucx_tls import SHARED_MEMORY_TRANSPORTS, parse_ucx_tls
 from kvxfer.meta.seal import HOST_FIELD, host_identity
-
-logger = logging.getLogger("kvxfer.backends.ucx")
 
 PID_FIELD, START_FIELD = "ucx_pid", "ucx_pid_start"
 
