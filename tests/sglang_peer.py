@@ -32,8 +32,9 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 
-#: What SGLang's scheduler would own for the rank's life (``KVArgs`` carries raw pointers into it).
-OWNED: list = []
+#: What SGLang's scheduler would own for the rank's life (``KVArgs`` carries raw pointers into it):
+#: each manager's ``MetadataBuffers``.
+OWNED: dict = {}
 
 
 def reply(obj: dict) -> None:
@@ -78,7 +79,6 @@ def build(backend, cfg: dict):
                             enable_memory_saver=False, enable_alt_stream=False)
     meta = MetadataBuffers(size=cfg["aux_rows"], hidden_size=cfg["hidden"], hidden_states_dtype=torch.bfloat16,
                            max_sampling_mask_tokens=0)
-    OWNED.append(meta)  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
     kv_args.engine_rank = 0
     kv_args.pp_rank = 0
@@ -101,6 +101,7 @@ def build(backend, cfg: dict):
     kv_args.state_item_lens, kv_args.state_layer_ids = [], []
     mode = DisaggregationMode.PREFILL if CFG["role"] == "prefill" else DisaggregationMode.DECODE
     manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, get_server_args(), False)
+    OWNED[id(manager)] = meta  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
     return pool, kv_args, manager
 
 
@@ -274,6 +275,207 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
                for r in cmd["rooms"]}
     return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started}
 
+# --- SGLang's own queues (``prefill.PrefillBootstrapQueue``, ``decode.DecodePreallocQueue`` and
+# ``DecodeTransferQueue``), built the way SGLang's CPU unit tests build them
+# (``test/registered/unit/disaggregation/test_decode_queue_cleanup.py`` and others: ``Queue.__new__``,
+# then the attributes ``__init__`` would take from the scheduler). The queue methods that move a
+# request (``add``, ``pop_bootstrapped``, ``pop_preallocated``, ``pop_transferred``) and everything
+# they call into (kvxfer's manager, senders and receivers, SGLang's ``MetadataBuffers``,
+# ``ReqToMetadataIdxAllocator``, poll reductions over a real one-rank gloo group) are real.
+# Stand-ins, as in SGLang's tests: the scheduler, the requests, the decode's req-to-token table and
+# allocator view, and the decode's admission-budget helpers (the real ones size a model's pools).
+
+def one_rank_group():
+    """A real one-rank gloo group: SGLang's poll reductions run over it (and reduce nothing)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with __import__("socket").socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    return dist.group.WORLD
+
+
+def stand_in_req(r: dict, page_size: int):
+    """A request as SGLang's queue tests make one: only the fields the queues read."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    return SimpleNamespace(
+        rid=f"req-{r['room']}", bootstrap_host="127.0.0.1", bootstrap_port=CFG["bootstrap_port"],
+        bootstrap_room=r["room"], disagg_prefill_dp_rank=None, data_parallel_rank=None,
+        origin_input_ids=list(range(len(r["pages"]) * page_size)), output_ids=[], finished_reason=None,
+        to_finish=None, return_logprob=False, return_sampling_mask=False, is_retracted=False, metadata_buffer_index=-1,
+        prefill_attempt_count=0, sampling_params=SimpleNamespace(max_new_tokens=8), time_stats=MagicMock(),
+        lora_id=None, priority=None, pd_rebootstrap_forced_output_id=None, swa_branching_seqlen=None,
+        kv=SimpleNamespace(req_pool_idx=None, holds_kv=False, holds_mamba=False, retraction_backup=None,
+                           cache_protected_len=0))
+
+
+def stand_in_scheduler(group, page_size: int):
+    from unittest.mock import MagicMock
+
+    scheduler = MagicMock()  # flags read as branches are set explicitly (a MagicMock attribute is truthy)
+    scheduler.attn_cp_cpu_group = scheduler.attn_tp_cpu_group = group
+    scheduler.token_to_kv_pool_allocator.page_size = page_size
+    scheduler.processed_tokens_counter = 0
+    scheduler.running_batch.reqs = []
+    scheduler.waiting_queue = []
+    for flag in ("enable_priority_scheduling", "enable_hisparse", "enable_lora", "enable_decode_hicache",
+                 "enable_hicache_storage"):
+        setattr(scheduler, flag, False)
+    scheduler.metrics_reporter.enable_metrics = False
+    scheduler.kv_checksum_computer = None
+    return scheduler
+
+
+def serve_queued(cmd, backend, manager, pool, kv_args) -> dict:
+    """The prefill: SGLang's ``PrefillBootstrapQueue`` bootstraps the requests; each popped request's
+    pages go out in chunks through its sender (as ``send_kv_chunk`` does), and its sender is polled
+    (as the inflight queue does) until ``Success``, then its metadata slot is freed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, poll_and_all_reduce_attn_cp_tp_group
+
+    group, meta, page_size = one_rank_group(), OWNED[id(manager)], CFG["page_size"]
+    queue = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
+    queue.queue, queue.pp_size, queue.max_input_len, queue.scheduler_stage_metrics = [], 1, 1 << 20, None
+    queue.kv_manager, queue.transfer_backend, queue.bootstrap_port = manager, backend, CFG["bootstrap_port"]
+    queue.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(CFG["aux_rows"])
+    queue.scheduler = stand_in_scheduler(group, page_size)
+    plan = {r["room"]: r for r in cmd["rooms"]}
+    reqs = [stand_in_req(r, page_size) for r in cmd["rooms"]]
+    for req in reqs:
+        queue.add(req, num_kv_heads=CFG["heads"])
+    deadline = time.monotonic() + cmd.get("timeout", 60)
+    inflight, done, slots = [], {}, {}
+    while (queue.queue or inflight) and time.monotonic() < deadline:
+        for req in queue.pop_bootstrapped():
+            assert not req.pending_bootstrap, f"{req.rid} popped before its bootstrap (optimistic prefill)"
+            idx = req.metadata_buffer_index
+            slots[req.bootstrap_room] = idx
+            meta.output_ids[idx].zero_()  # the prefill's forward writes these; the room is what decode checks
+            meta.output_ids[idx, 0] = 1000 + req.bootstrap_room
+            meta.cached_tokens[idx].zero_()
+            meta.bootstrap_room[idx, 0] = req.bootstrap_room
+            pages = np.asarray(plan[req.bootstrap_room]["pages"], dtype=np.int64)
+            bounds = np.cumsum([0] + plan[req.bootstrap_room]["chunks"])
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                req.disagg_kv_sender.send(pages[a:b], None, num_kv_tokens=int(b - a) * page_size)
+            inflight.append(req)
+        if inflight:
+            polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], group, group)
+            for req, poll in zip(list(inflight), polls):
+                if poll in (KVPoll.Success, KVPoll.Failed):
+                    if poll == KVPoll.Success:
+                        req.disagg_kv_sender.get_transfer_metric()
+                    req.disagg_kv_sender.clear()
+                    queue.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
+                    done[req.bootstrap_room] = int(poll)
+                    inflight.remove(req)
+        time.sleep(0.001)
+    return {"rooms": {str(r): {"status": done.get(r), "reason": None} for r in plan},
+            "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
+                                 "aux": aux_digests(kv_args, slots[r]) if r in slots else []} for r in plan},
+            "left": {"bootstrap": len(queue.queue), "inflight": len(inflight),
+                     "metadata_slots": CFG["aux_rows"] - queue.req_to_metadata_buffer_idx_allocator.available_size()}}
+
+
+def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
+    """The decode: SGLang's ``DecodePreallocQueue`` makes the receivers (``add``), handshakes and
+    publishes each request's destination pages (``pop_preallocated``: ``send_metadata``), and its
+    ``DecodeTransferQueue`` polls them to ``Success`` and commits the metadata row to the request
+    (checking the row's bootstrap room, SGLang's own corruption check)."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+
+    group, meta, page_size = one_rank_group(), OWNED[id(manager)], CFG["page_size"]
+    addr = cmd["bootstrap"]
+    deadline = time.monotonic() + cmd.get("timeout", 60)
+    plan = {r["room"]: r for r in cmd["rooms"]}
+    scheduler = stand_in_scheduler(group, page_size)
+    metadata_slots = ReqToMetadataIdxAllocator(CFG["aux_rows"])
+    width = max(len(r["pages"]) for r in cmd["rooms"]) * page_size
+    req_to_token = torch.zeros((len(plan), width), dtype=torch.int64)  # stand-in ReqToTokenPool rows
+
+    transfer = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    transfer.queue, transfer.gloo_group, transfer.tp_rank, transfer.scheduler_stage_metrics = [], group, 0, None
+    transfer.req_to_metadata_buffer_idx_allocator, transfer.metadata_buffers = metadata_slots, meta
+    transfer.scheduler, transfer.tree_cache, transfer.spec_algorithm = scheduler, MagicMock(), MagicMock()
+    transfer.spec_algorithm.is_none.return_value = True
+    transfer.enable_host_receive = transfer.enable_staging = transfer.enable_deferred_kv_release = False
+    transfer.staging_handler, transfer._skipped_checksum_signatures, transfer._deferred_releases = None, set(), []
+
+    prealloc = DecodePreallocQueue.__new__(DecodePreallocQueue)
+    prealloc.queue, prealloc.pending_reqs, prealloc.retracted_queue = [], [], []
+    prealloc.scheduler_stage_metrics = None
+    prealloc.pp_size, prealloc.tp_rank, prealloc.gloo_group, prealloc.num_reserved_decode_tokens = 1, 0, group, 0
+    prealloc.kv_manager, prealloc.transfer_backend, prealloc.transfer_queue = manager, backend, transfer
+    prealloc.scheduler, prealloc.tree_cache, prealloc.draft_token_to_kv_pool = scheduler, MagicMock(), None
+    prealloc.metadata_buffers, prealloc.req_to_metadata_buffer_idx_allocator = meta, metadata_slots
+    prealloc.token_to_kv_pool, prealloc.max_total_num_tokens = pool, CFG["tokens"]
+    prealloc._prefill_dp_rank_queries, prealloc._num_published_destinations = {}, 0
+    prealloc.req_to_token_pool = SimpleNamespace(available_size=lambda: len(plan), req_to_token=req_to_token)
+    prealloc.token_to_kv_pool_allocator = SimpleNamespace(  # a plain MHA allocator's answers
+        page_size=page_size, translate_kv_indices_for_transfer=lambda x: x,
+        prealloc_ceiling_fits=lambda *_: None, prealloc_fits=lambda *_args, **_kw: True)
+    # admission budgets and allocation stand in for the pools' (SGLang's tests stub the same helpers):
+    # the allocator "gives" each request the destination pages the plan names
+    prealloc._allocatable_token_budgets = lambda **_: 1 << 20
+    prealloc._hicache_pending_restore_tokens = lambda: 0
+    prealloc._uses_swa_reservation = prealloc._uses_swa_tail_prealloc = lambda: False
+    rows = {}
+
+    def pre_alloc(req, *_args):
+        row = rows.setdefault(req.bootstrap_room, len(rows))
+        pages = plan[req.bootstrap_room]["pages"]
+        tokens = torch.tensor([p * page_size + k for p in pages for k in range(page_size)], dtype=torch.int64)
+        req_to_token[row, :len(tokens)] = tokens
+        req.kv.req_pool_idx, req.kv.holds_kv = row, True
+        return tokens
+
+    prealloc._pre_alloc = pre_alloc
+    scheduler.disagg_decode_prealloc_queue = prealloc
+    aux_seen = {}
+    clear_slot = meta.clear_slot
+
+    def digest_then_clear(idx):  # observe the row SGLang consumed before it resets the slot
+        aux_seen[int(idx)] = aux_digests(kv_args, int(idx))
+        clear_slot(idx)
+
+    meta.clear_slot = digest_then_clear
+    try:
+        while not manager.try_ensure_parallel_info(addr):  # what _ensure_prefill_info retries
+            if time.monotonic() > deadline:
+                return {"error": "no parallel info"}
+            time.sleep(0.05)
+        reqs = {r: stand_in_req(plan[r], page_size) for r in plan}
+        for req in reqs.values():
+            prealloc.add(req)
+        committed, failed, dst_slots = {}, [], {}
+        while (prealloc.queue or transfer.queue) and time.monotonic() < deadline:
+            ready, dropped = prealloc.pop_preallocated()
+            failed += dropped
+            dst_slots.update({d.req.bootstrap_room: d.metadata_buffer_index for d in ready})
+            transfer.extend(ready)
+            for req in transfer.pop_transferred():
+                committed[req.bootstrap_room] = req
+            time.sleep(0.001)
+    finally:
+        meta.clear_slot = clear_slot
+    return {"rooms": {str(r): {"status": 4 if r in committed else 0,
+                               "output_ids": committed[r].output_ids if r in committed else None,
+                               "reason": None if r in committed else str(reqs[r].finished_reason)} for r in plan},
+            "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
+                                 "aux": aux_seen.get(dst_slots.get(r), [])} for r in plan},
+            "failed": [d.req.rid for d in failed],
+            "left": {"prealloc": len(prealloc.queue), "pending": len(prealloc.pending_reqs),
+                     "transfer": len(transfer.queue), "metadata_slots": CFG["aux_rows"] - metadata_slots.available_size()}}
+
 
 def main() -> None:
     try:
@@ -298,6 +500,10 @@ def main() -> None:
                 reply(serve(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive":
                 reply(receive(cmd, backend, manager, pool, kv_args))
+            elif cmd["op"] == "serve_queued":
+                reply(serve_queued(cmd, backend, manager, pool, kv_args))
+            elif cmd["op"] == "receive_queued":
+                reply(receive_queued(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "sizes":
                 time.sleep(cmd.get("settle_s", 0.0))
                 reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters})

@@ -97,6 +97,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     1. three rooms at once, each sent in two chunks: every page of every layer and the aux rows
        arrive byte for byte, both sides ``KVPoll.Success``;
     2. the same room ids again (reused), four rooms of three chunks, other pages: byte exact;
+    2b. three rooms driven by SGLang's own queues (``PrefillBootstrapQueue``; ``DecodePreallocQueue``
+       and ``DecodeTransferQueue``, which commit the first token from the aux row after SGLang's
+       bootstrap-room check), built as SGLang's CPU unit tests build them (``sglang_peer.py``):
+       byte exact, every queue and metadata slot released;
     3. nothing left in any table on either side;
     4. a decode whose pool differs is refused, naming what differs;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
@@ -121,6 +125,15 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
 
         serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=(1, 2, 3), src_base=30, dst_base=2)
         _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+
+        serve, receive = rooms_plan(700, 3, pages_per_room=5, chunks=(2, 3), src_base=3, dst_base=50)
+        prefill.send(op="serve_queued", rooms=serve, timeout=30)  # through SGLang's own queues
+        queued = decode.ask(op="receive_queued", bootstrap=bootstrap, rooms=receive, timeout=30)
+        served = prefill.read()
+        _check_bytes(serve, served, queued)
+        assert not any(served["left"].values()) and not any(queued["left"].values()), (served, queued)
+        for r in serve:  # SGLang committed the first token from the aux row, after its bootstrap-room check
+            assert queued["rooms"][str(r["room"])]["output_ids"] == [1000 + r["room"]], queued["rooms"]
         _assert_empty(prefill, decode)
 
         serve, receive = rooms_plan(300, 1)  # refused: the prefill's room never bootstraps, so wait little
