@@ -476,6 +476,96 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
             "left": {"prealloc": len(prealloc.queue), "pending": len(prealloc.pending_reqs),
                      "transfer": len(transfer.queue), "metadata_slots": CFG["aux_rows"] - metadata_slots.available_size()}}
 
+# --- token-exact generation: a tiny decoder made here from a seed (no download), its KV kept in
+# SGLang's MHATokenToKVPool through SGLang's own set_kv_buffer / get_key_buffer / get_value_buffer
+
+class TinyLM:
+    """A pre-norm decoder with the pool's geometry (layers, KV heads, head size), learned absolute
+    positions and float32 weights drawn from ``seed``: the same model in every process."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, vocab: int = 97, max_pos: int = 256, seed: int = 29):
+        gen = torch.Generator().manual_seed(seed)
+        width = heads * head_dim
+        self.heads, self.head_dim, self.width = heads, head_dim, width
+
+        def weight(rows, cols, scale=1.0):
+            return torch.randn(rows, cols, generator=gen) * scale / cols ** 0.5
+
+        self.embed = torch.randn(vocab, width, generator=gen)
+        self.positions = torch.randn(max_pos, width, generator=gen) * 0.5
+        self.blocks = [{name: weight(*shape) for name, shape in (
+            ("q", (width, width)), ("k", (width, width)), ("v", (width, width)), ("o", (width, width)),
+            ("up", (4 * width, width)), ("down", (width, 4 * width)))} for _ in range(layers)]
+        self.unembed = weight(vocab, width, 4.0)
+
+    def forward(self, tokens: list[int], start: int, past) -> tuple:
+        """Logits after the last of ``tokens`` (at positions ``start...``), given each layer's past
+        ``(K, V)`` (``[start, heads, head_dim]``, or None), and the new tokens' ``(K, V)`` per layer."""
+        norm = torch.nn.functional.layer_norm
+        n = len(tokens)
+        x = self.embed[torch.tensor(tokens)] + self.positions[start:start + n]
+        new = []
+        for i, w in enumerate(self.blocks):
+            h = norm(x, (self.width,))
+            q, k, v = ((h @ w[name].T).view(n, self.heads, self.head_dim) for name in ("q", "k", "v"))
+            new.append((k, v))
+            keys, values = (k, v) if past is None else (torch.cat([past[i][0], k]), torch.cat([past[i][1], v]))
+            scores = torch.einsum("nhd,mhd->hnm", q, keys) / self.head_dim ** 0.5
+            visible = torch.arange(keys.shape[0])[None, :] <= (start + torch.arange(n))[:, None]
+            attn = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            x = x + torch.einsum("hnm,mhd->nhd", attn, values).reshape(n, self.width) @ w["o"].T
+            x = x + torch.nn.functional.gelu(norm(x, (self.width,)) @ w["up"].T) @ w["down"].T
+        return norm(x[-1], (self.width,)) @ self.unembed.T, new
+
+
+def token_locs(pages: list[int], count: int) -> torch.Tensor:
+    size = CFG["page_size"]
+    return torch.tensor([pages[t // size] * size + t % size for t in range(count)], dtype=torch.int64)
+
+
+def store_kv(pool, locs: torch.Tensor, kv) -> None:
+    for layer, (k, v) in enumerate(kv):
+        pool.set_kv_buffer(None, locs, k, v, layer_id_override=layer)
+
+
+def generate(model: TinyLM, pool, pages: list[int], prompt_len: int, first: int, count: int) -> list[int]:
+    """Greedy decoding from ``first`` (the token after the prompt): every step reads the past KV from
+    the pool's pages and writes its own there, as a decode rank does."""
+    tokens = [first]
+    for step in range(count - 1):
+        pos = prompt_len + step
+        locs = token_locs(pages, pos + 1)
+        past = [(pool.get_key_buffer(i)[locs[:pos]].float(), pool.get_value_buffer(i)[locs[:pos]].float())
+                for i in range(len(model.blocks))]
+        logits, new = model.forward([tokens[-1]], pos, past)
+        store_kv(pool, locs[pos:], new)
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def model_for_pool() -> TinyLM:
+    return TinyLM(CFG["layers"], CFG["heads"], CFG["head_dim"])
+
+
+def model_prefill(cmd, manager, pool) -> dict:
+    """Prefill the prompt: its KV into ``pages`` (to be sent) and, for the co-located reference, into
+    ``ref_pages``, where decoding then continues; the first token into the aux row (``output_ids``)."""
+    model, prompt, meta = model_for_pool(), cmd["prompt"], OWNED[id(manager)]
+    logits, kv = model.forward(prompt, 0, None)
+    first = int(logits.argmax())
+    store_kv(pool, token_locs(cmd["pages"], len(prompt)), kv)
+    store_kv(pool, token_locs(cmd["ref_pages"], len(prompt)), kv)
+    meta.output_ids[cmd["aux_index"]].zero_()
+    meta.output_ids[cmd["aux_index"], 0] = first
+    return {"tokens": generate(model, pool, cmd["ref_pages"], len(prompt), first, cmd["new_tokens"])}
+
+
+def model_decode(cmd, manager, pool) -> dict:
+    """Continue from what kvxfer delivered: the first token from the aux row, the prompt's KV in
+    ``pages`` (more pages after them for the new tokens)."""
+    first = int(OWNED[id(manager)].output_ids[cmd["aux_index"], 0])
+    return {"tokens": generate(model_for_pool(), pool, cmd["pages"], cmd["prompt_len"], first, cmd["new_tokens"])}
+
 
 def main() -> None:
     try:
@@ -500,6 +590,10 @@ def main() -> None:
                 reply(serve(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive":
                 reply(receive(cmd, backend, manager, pool, kv_args))
+            elif cmd["op"] == "model_prefill":
+                reply(model_prefill(cmd, manager, pool))
+            elif cmd["op"] == "model_decode":
+                reply(model_decode(cmd, manager, pool))
             elif cmd["op"] == "serve_queued":
                 reply(serve_queued(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive_queued":

@@ -101,6 +101,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        and ``DecodeTransferQueue``, which commit the first token from the aux row after SGLang's
        bootstrap-room check), built as SGLang's CPU unit tests build them (``sglang_peer.py``):
        byte exact, every queue and metadata slot released;
+    2c. token-exact generation: a tiny decoder made from a seed prefills a prompt into the prefill's
+       SGLang pool (its first token into the aux row); kvxfer moves the pages and the row; the decode
+       continues greedily from them (reading and writing its own pool) and produces exactly the
+       tokens the prefill produced co-located, and other tokens without the prompt's KV;
     3. nothing left in any table on either side;
     4. a decode whose pool differs is refused, naming what differs;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
@@ -134,6 +138,19 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         assert not any(served["left"].values()) and not any(queued["left"].values()), (served, queued)
         for r in serve:  # SGLang committed the first token from the aux row, after its bootstrap-room check
             assert queued["rooms"][str(r["room"])]["output_ids"] == [1000 + r["room"]], queued["rooms"]
+
+        prompt, new_tokens = [(7 * i + 3) % 97 for i in range(13)], 12  # 13 tokens: 4 pages, the last part full
+        colocated = prefill.ask(op="model_prefill", prompt=prompt, pages=[60, 61, 62, 63],
+                                ref_pages=[40, 41, 42, 43, 44, 45, 46], aux_index=5, new_tokens=new_tokens)["tokens"]
+        serve = [{"room": 800, "pages": [60, 61, 62, 63], "chunks": [2, 2], "aux_index": 5}]
+        _check_bytes(serve, *_exchange(prefill, decode, port, serve, [{"room": 800, "pages": [23, 20, 22, 21],
+                                                                       "aux_index": 13}]))
+        moved = decode.ask(op="model_decode", pages=[23, 20, 22, 21, 30, 31, 32], prompt_len=len(prompt),
+                           aux_index=13, new_tokens=new_tokens)["tokens"]
+        assert moved == colocated and len(set(colocated)) > 2, (moved, colocated)
+        blind = decode.ask(op="model_decode", pages=[50, 51, 52, 53, 54, 55, 56], prompt_len=len(prompt),
+                           aux_index=13, new_tokens=new_tokens)["tokens"]
+        assert blind != colocated, "the generation does not depend on the prompt's KV: the check above proves nothing"
         _assert_empty(prefill, decode)
 
         serve, receive = rooms_plan(300, 1)  # refused: the prefill's room never bootstraps, so wait little
