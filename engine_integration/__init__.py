@@ -27,7 +27,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "KVPoll": "engine_integration.poll",
+    "KVPoll": "kvxfer.handoff.poll",
     "HandoffDescriptor": "engine_integration.descriptor",
     "HandoffEngineAdapter": "engine_integration.adapter",
     "ImportedRequest": "engine_integration.adapter",

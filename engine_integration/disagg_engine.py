@@ -23,9 +23,9 @@ from engine_integration.control_plane import push_refusal
 from engine_integration.control_plane.base import ControlPlane, RegistrationRefused
 from engine_integration.descriptor import HandoffDescriptor, RequestId
 from engine_integration.handoff_engine import PREFILL, ROLES, StateHandoffDynamicInferenceEngine
-from engine_integration.poll import KVPoll
 from engine_integration.reference.engine import InferenceRequest
 from engine_integration.sink import PullStats, SinkEvent
+from kvxfer.handoff.poll import KVPoll
 
 __all__ = ["DisaggDynamicInferenceEngine"]
 

@@ -27,12 +27,12 @@ from typing import Any, Optional, Sequence
 
 from engine_integration.adapter import ImportedRequest
 from engine_integration.descriptor import HandoffDescriptor, RequestId, rank_transfer_meta
-from engine_integration.poll import KVPoll
 from engine_integration.reference.engine import InferenceRequest, ReferenceDynamicEngine
 from engine_integration.reference_adapter import ReferenceEngineAdapter
 from engine_integration.sink import HandoffSink, SinkEvent
 from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.handoff.poll import KVPoll
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 PREFILL, DECODE = "prefill", "decode"

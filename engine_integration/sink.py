@@ -6,9 +6,9 @@ the request will ever use (its prompt plus its outputs; the reference engine doe
 preemption), reuses the longest cached prefix found by block hash
 (``cached_prefix_blocks``) and pulls only the remaining prompt blocks.
 
-A pull that fails keeps its destination blocks out of reuse (quarantine) until its
-handle is ``storage_safe``: a late byte landing in a block that now belongs to another
-request would corrupt that request silently.
+A pull that fails keeps its destination blocks out of reuse (``kvxfer.handoff.quarantine``)
+until its handle is ``storage_safe``: a late byte landing in a block that now belongs to
+another request would corrupt that request silently.
 
 With a ``checker`` (``kvxfer.runtime.generations.GenerationChecker``) the pull is verified:
 when the source's meta carries its generation counters and the descriptor their values
@@ -29,8 +29,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from engine_integration.adapter import HandoffEngineAdapter, ImportedRequest
 from engine_integration.descriptor import HandoffDescriptor, RequestId, split_transfer_meta
-from engine_integration.poll import KVPoll
 from kvxfer.errors import KVXferError, TornReadError
+from kvxfer.handoff.poll import KVPoll
+from kvxfer.handoff.quarantine import Quarantine
 
 #: (source identity, meta index) -> that source's registered transfer meta, or None if not known yet.
 PeerMetaLookup = Callable[[str, int], Optional[Mapping[str, Any]]]
@@ -92,7 +93,7 @@ class HandoffSink:
         self.queue_timeout_s = queue_timeout_s
         self._queue: deque[_Import] = deque()
         self._transferring: dict[RequestId, _Import] = {}
-        self._quarantine: list[_Import] = []
+        self._quarantine: Quarantine[RequestId, _Import] = Quarantine()
         self.pull_stats: dict[RequestId, PullStats] = {}  #: per admitted request; the engine pops it
         self._admitted = 0
         #: called with the request id before a completed pull is committed (hashes registered, request
@@ -141,7 +142,7 @@ class HandoffSink:
 
     @property
     def num_quarantined_blocks(self) -> int:
-        return sum(len(e.fresh) for e in self._quarantine)
+        return sum(len(held.item.fresh) for held in self._quarantine)
 
     # --- internals ----------------------------------------------------------------------
     def _admit_from_queue(self) -> list[SinkEvent]:
@@ -257,15 +258,13 @@ class HandoffSink:
         if safe:
             self.adapter.free_blocks(entry.fresh)
         else:
-            self._quarantine.append(entry)
+            self._quarantine.hold(d.request_id, [entry.handle], entry.abort_reason or reason, entry)
         return SinkEvent(d.request_id, KVPoll.Failed, safe, reason=entry.abort_reason or reason, error=error)
 
     def _clear_quarantine(self) -> list[SinkEvent]:
         events = []
-        for entry in list(self._quarantine):
-            if entry.handle.storage_safe:
-                self._quarantine.remove(entry)
-                self.adapter.free_blocks(entry.fresh)
-                events.append(SinkEvent(entry.descriptor.request_id, KVPoll.Failed, True,
-                                        reason="quarantine cleared", quarantine_cleared=True))
+        for held in self._quarantine.reclaim():
+            self.adapter.free_blocks(held.item.fresh)
+            events.append(SinkEvent(held.key, KVPoll.Failed, True, reason="quarantine cleared",
+                                    quarantine_cleared=True))
         return events

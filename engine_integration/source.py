@@ -33,8 +33,8 @@ from typing import Any, Optional, Sequence
 
 from engine_integration.adapter import HandoffEngineAdapter
 from engine_integration.descriptor import HandoffDescriptor, RequestId
-from engine_integration.poll import KVPoll
 from kvxfer.errors import KVXferError
+from kvxfer.handoff.poll import KVPoll
 
 _FINAL_HISTORY = 4096  # final states remembered, so late duplicate reports are recognised
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from engine_integration.handoff_engine import StateHandoffDynamicInferenceEngine
-from engine_integration.poll import KVPoll
 from engine_integration.reference import ModelConfig, build_reference_engine
+from kvxfer.handoff.poll import KVPoll
 
 MODEL = ModelConfig()
 

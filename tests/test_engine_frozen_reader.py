@@ -51,7 +51,7 @@ def _emit(**fields) -> None:
 def frozen_decode_main() -> int:
     import torch
 
-    from engine_integration.poll import KVPoll
+    from kvxfer.handoff.poll import KVPoll
     from engine_integration.worker import EngineSpec, build_engine
 
     torch.set_num_threads(1)

@@ -14,12 +14,12 @@ from engine_integration.descriptor import HandoffDescriptor
 from engine_integration.handoff_engine import StateHandoffDynamicInferenceEngine
 from engine_integration.reference_adapter import ReferenceEngineAdapter
 from engine_integration.launch import generate_colocated
-from engine_integration.poll import KVPoll
 from engine_integration.reference import BlockAllocator, ModelConfig, block_hashes, build_reference_engine
 from engine_integration.sink import HandoffSink
 from engine_integration.source import HandoffSource
 from kvxfer.backends.base import ReadFailure
 from kvxfer.errors import TransferError
+from kvxfer.handoff.poll import KVPoll
 
 from engine_helpers import MODEL, drive_pair, make_pair, successes, varied_prompts
 

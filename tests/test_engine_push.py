@@ -19,10 +19,10 @@ from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.client import CoordinatorClient
 from engine_integration.descriptor import HandoffDescriptor
 from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
-from engine_integration.poll import KVPoll
 from engine_integration.source import HandoffSource
 from engine_integration.worker import EngineStartError
 from kvxfer.errors import PeerMetadataError, TransferError
+from kvxfer.handoff.poll import KVPoll
 
 from engine_helpers import varied_prompts
 from test_engine_coordinator import META as DESCRIPTOR_META

@@ -19,8 +19,8 @@ from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.policy import compatibility_problem
 from engine_integration.control_plane.zmq.coordinator import member
 from engine_integration.launch import generate_colocated
-from engine_integration.poll import KVPoll
 from kvxfer.errors import TornReadError
+from kvxfer.handoff.poll import KVPoll
 
 from engine_helpers import make_pair
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
+from kvxfer.handoff.guard import lease_holds
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, check_compatible, parse_handshake
 from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
-from kvxfer.integrations.vllm.leases import LeaseSlots, lease_holds
+from kvxfer.integrations.vllm.leases import LeaseSlots
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, fetch_handshake
 from kvxfer.integrations.vllm.tickets import derive_ticket_key, parse_ticket, prompt_digest, sign_ticket
 

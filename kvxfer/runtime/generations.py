@@ -9,23 +9,23 @@ were pinned. The reader pulls the data *without* a read-done, then reads those
 counters with one small one-sided read that *does* carry the read-done, and fails
 with ``TornReadError`` if any counter moved. Because the source only learns "read
 done" after the counters were read, it cannot free a block between the data read
-and the check: a mismatch is always a real reuse, never a false alarm.
+and the check: a mismatch is always a real reuse, never a false alarm. The order and
+the comparison are the generation-counter flavour of ``kvxfer.handoff.guard``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvxfer.backends.base import KVTransportBackend, ReadFailure, RequestId, TransferHandle, TransferState, abort_parts
 from kvxfer.errors import BlockIdError, PeerMetadataError, TornReadError
+from kvxfer.handoff.guard import UNREAD, CounterGuard, GuardedRead, begin_data_read
 from kvxfer.plan.descriptors import IdList
 from kvxfer.meta.records import plan_from_meta, transfer_peer_records
 from kvxfer.meta.seal import HOST_FIELD
-
-_UNREAD = -1
 
 
 class BlockGenerations:
@@ -68,7 +68,7 @@ class GenerationChecker:
         self.kv = kv_backend
         # counters land at the *destination* block ids: those belong to exactly one
         # in-flight request, so concurrent checks never share a slot
-        self.scratch = torch.full((num_blocks,), _UNREAD, dtype=torch.int64)
+        self.scratch = torch.full((num_blocks,), UNREAD, dtype=torch.int64)
         self.registration = kv_backend.new_registered_buffer(memory_buffer=self.scratch, expected_num_blocks=num_blocks)
 
     def begin_pull_verified(
@@ -86,9 +86,10 @@ class GenerationChecker:
         if expected.shape != (len(src_block_ids),):
             raise BlockIdError(f"{expected.size} expected generations for {len(src_block_ids)} blocks")
         self._check_counters_meta(peer_kv_meta, peer_generations_meta, src_block_ids, dst_block_ids)
-        data = self.kv.begin_pull_blocks(peer_kv_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
-        return VerifiedPull(self, peer_kv_meta, data, peer_generations_meta, np.asarray(src_block_ids), np.asarray(dst_block_ids),
-                            expected, request_id)
+        data = begin_data_read(self.kv, peer_kv_meta, src_block_ids, dst_block_ids, request_id=request_id)
+        guard = CounterGuard(self.scratch, self.registration, peer_generations_meta, np.asarray(src_block_ids),
+                             np.asarray(dst_block_ids), expected, request_id)
+        return VerifiedPull(self, peer_kv_meta, data, guard, request_id)
 
     def _check_counters_meta(self, kv_meta: Mapping[str, Any], generations_meta: Mapping[str, Any],
                              src_block_ids: IdList, dst_block_ids: IdList) -> None:
@@ -120,49 +121,34 @@ class GenerationChecker:
 
 
 class VerifiedPull(TransferHandle):
-    """Data read, then the counters read (carrying the read-done), then the comparison."""
+    """Data read, then the counters read (carrying the read-done), then the comparison
+    (``kvxfer.handoff.guard.GuardedRead``); a moved counter fails it with ``TornReadError``."""
 
     def __init__(self, checker: GenerationChecker, kv_meta: Mapping[str, Any], data: TransferHandle,
-                 generations_meta: Mapping[str, Any],
-                 src_ids: np.ndarray, dst_ids: np.ndarray, expected: np.ndarray, request_id: RequestId) -> None:
+                 guard: CounterGuard, request_id: RequestId) -> None:
         super().__init__(request_id, data.timeout_s)
         self._checker = checker
         self._kv_meta = kv_meta
         self._data = data
-        self._generations_meta = generations_meta
-        self._src_ids, self._dst_ids, self._expected = src_ids, dst_ids, expected
-        self._counters: Optional[TransferHandle] = None
+        self._read = GuardedRead([data], guard)
 
     def _progress(self) -> bool:
-        if self._counters is None:
-            if not self._data.poll():
-                return False
-            slots = torch.as_tensor(self._dst_ids)
-            self._checker.scratch[slots] = _UNREAD
-            self._counters = self._checker.registration.begin_pull_blocks(
-                self._generations_meta, self._src_ids, self._dst_ids, request_id=self.request_id)
-        if not self._counters.poll():
+        if not self._read.poll():
             return False
-        seen = self._checker.scratch[torch.as_tensor(self._dst_ids)].numpy()
-        moved = np.flatnonzero(seen != self._expected)
-        if moved.size:
-            blocks = self._src_ids[moved][:8].tolist()
-            raise TornReadError(
-                f"request {self.request_id!r}: source blocks {blocks} were freed or reused during the transfer "
-                f"({moved.size} of {self._src_ids.size} changed generation); the pulled bytes are discarded"
-            )
+        if self._read.verdict is not None:
+            raise TornReadError(self._read.verdict)
         return True
 
     def _abort(self) -> bool:
-        return abort_parts([self._data, self._counters], f"request {self.request_id!r}: verified pull aborted")
+        return abort_parts(self._read.handles, f"request {self.request_id!r}: verified pull aborted")
 
     def _settle(self) -> bool:
-        return all(part.storage_safe for part in (self._data, self._counters) if part is not None)
+        return all(part.storage_safe for part in self._read.handles)
 
     def _on_failed(self, error: Exception) -> None:
         # The data read carries no read-done (the counters read does). If it completed and the
         # counters read never started, no transport tells the source: we do, or its pins would
         # wait for the grace.
-        if self._counters is None and self._data.state is TransferState.DONE:
+        if self._read.guard_handles is None and self._data.state is TransferState.DONE:
             for meta, _ in transfer_peer_records(self._kv_meta, []):
                 self._checker.kv._notify_source(meta, self.request_id, failure=str(error))

@@ -5,12 +5,16 @@ SGLang's decode publishes a request's destination pages (``send_metadata``) and 
 that chunk's pages (kvxfer coalesces runs of adjacent pages into one descriptor), plus the aux
 row and state slots with the last chunk, all without read-done; once they are complete, one
 read of the room's lease slot carries the read-done to the prefill and proves the pages were
-still the room's when they were read (``source.lease_holds``). The room is ``Success`` when its
+still the room's when they were read (``kvxfer.handoff.guard.lease_holds``). The room is ``Success`` when its
 last chunk passed that check.
 
 A failed read fails its room only once no byte of any of the room's reads can still land
 (``storage_safe``): SGLang frees the destination pages as soon as it sees ``KVPoll.Failed``.
-Until then ``unsafe_rooms`` holds the room and the manager reports it as still transferring.
+Until then the room is quarantined (``unsafe``) and the manager reports it as still transferring.
+
+The lifecycle is the library's (``kvxfer.handoff``): each chunk is one ``GuardedRead`` with a
+``LeaseSlotGuard`` (the order of the two reads is kept there), and failed or retired rooms wait in
+a ``Quarantine``; this module maps rooms and chunks onto them.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Any, Callable, Optional
 
 from kvxfer.backends.transfer import abort_parts
 from kvxfer.errors import KVXferError
+from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
+from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.regions import describe_mismatch
-from kvxfer.integrations.sglang.source import lease_holds, request_id
+from kvxfer.integrations.sglang.source import request_id
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
@@ -37,10 +43,15 @@ class _Chunk:
     room: int
     body: dict[str, Any]
     key: str
-    data: list[Any] = field(default_factory=list)  # handles
-    ack: Any = None
-    scratch: Optional[int] = None
+    data: list[Any] = field(default_factory=list)  # handles, while they are posted
+    read: Optional[GuardedRead] = None  # the data reads (once all are posted), then the lease read
+    lease: Optional[LeaseSlotGuard] = None  # the lease read of ``read``
     error: Optional[str] = None
+
+    @property
+    def handles(self) -> list[Any]:
+        """Every read posted for this chunk: what may still write the room's pages or a scratch slot."""
+        return self.read.handles if self.read is not None else list(self.data)
 
 
 @dataclass
@@ -52,6 +63,7 @@ class _RoomPull:
     last_done: bool = False
     failed: Optional[str] = None
     cancelled: bool = False
+    retired: bool = False  # its room id went to a new request: settled without telling anyone
 
 
 class Puller:
@@ -68,10 +80,9 @@ class Puller:
         self._hellos: dict[str, dict[str, Any]] = {}
         self._rooms: dict[int, _RoomPull] = {}
         self._parked: list[dict[str, Any]] = []  # chunks whose prefill's HELLO has not come yet
-        self._unsafe: set[int] = set()
-        self._retired: list[_RoomPull] = []
-        self._scratch_free = list(range(pool.table.numel() - 1, -1, -1))
-        self._lock = threading.Lock()  # guards _unsafe and the counters for readers on other threads
+        self._held: Quarantine[int, _RoomPull] = Quarantine()  # failed and retired rooms with reads that may land
+        self._slots = ScratchSlots(pool.table)
+        self._lock = threading.Lock()  # guards _held and the counters for readers on other threads
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
                          "stale_chunks": 0}
         self._stop = threading.Event()
@@ -84,7 +95,7 @@ class Puller:
 
     def unsafe(self, room: int) -> bool:
         with self._lock:
-            return room in self._unsafe
+            return any(held.key == room and not held.item.retired for held in self._held)
 
     def active(self, room: int) -> bool:
         """The puller still has reads of ``room`` (read from another thread: a dict lookup)."""
@@ -96,8 +107,9 @@ class Puller:
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"rooms": len(self._rooms), "retired": len(self._retired), "parked": len(self._parked), "unsafe": len(self._unsafe),
-                    "scratch_in_use": self._pool.table.numel() - len(self._scratch_free)}
+            retired = sum(1 for held in self._held if held.item.retired)
+            return {"rooms": len(self._rooms), "retired": retired, "parked": len(self._parked),
+                    "unsafe": len(self._held) - retired, "scratch_in_use": self._slots.in_use}
 
     def close(self) -> None:
         self._stop.set()
@@ -140,11 +152,15 @@ class Puller:
 
     def _on_meta(self, payload: tuple[int, str, dict[str, Any]]) -> None:
         room, prefill, meta = payload
-        old = self._rooms.get(room)
+        old = self._rooms.get(room)  # replaced below, once it is held: never out of both at once
         if old is not None:
             old.cancelled = True
             self._cancel(old, "room id reused by a new request")
-            self._retired.append(old)  # settled (its reads over) without telling SGLang
+            self._quarantine(room, old)
+        with self._lock:
+            for held in self._held:
+                if held.key == room:
+                    held.item.retired = True  # settled (its reads over) without telling SGLang
         state = self._rooms[room] = _RoomPull(meta=meta, prefill=prefill)
         refused = self.refusal(prefill)
         if refused:
@@ -155,6 +171,7 @@ class Puller:
         if state is not None:
             state.cancelled = True
             self._cancel(state, "aborted")
+        self._cancel_held(room)
 
     def _on_clear(self, room: int) -> None:
         state = self._rooms.get(room)
@@ -163,6 +180,14 @@ class Puller:
         elif state is not None:
             state.cancelled = True
             self._cancel(state, "cleared")
+        self._cancel_held(room)
+
+    def _cancel_held(self, room: int) -> None:
+        """SGLang gave up a room that is quarantined: when it is released, SGLang is not told (the prefill is)."""
+        with self._lock:
+            for held in self._held:
+                if held.key == room:
+                    held.item.cancelled = True
 
     def _on_chunk(self, body: dict[str, Any]) -> None:
         room, prefill = int(body["room"]), body["prefill"]
@@ -191,6 +216,13 @@ class Puller:
         except (KVXferError, ValueError, KeyError, IndexError) as exc:
             chunk.error = f"{type(exc).__name__}: {exc}"
             abort_parts(chunk.data, chunk.error)
+            return
+        target = LeaseTarget(hello["metas"]["table"], int(body["slot"]), chunk.key)
+        chunk.lease = LeaseSlotGuard(self._slots, self._pool.table_backend, [target], int(body["lease"]),
+                                     pinned_at_offer=True, explain=lambda _, seen: (
+                                         f"the prefill gave the pages of chunk {body['chunk']} back before they were "
+                                         f"read (lease {body['lease']}, slot shows {seen}); the bytes are discarded"))
+        chunk.read = GuardedRead(chunk.data, chunk.lease, poll=_done)
 
     def _post_data(self, chunk: _Chunk, state: _RoomPull, metas: dict[str, Any]) -> None:
         body, meta = chunk.body, state.meta
@@ -202,22 +234,21 @@ class Puller:
         by_buffer = {"kv": _by_buffer(metas["kv"]), "aux": _by_buffer(metas["aux"])}
         if src:
             for region in self._pool.kv_regions:
-                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
-                    by_buffer["kv"][region.buffers[0]], src, dst, request_id=chunk.key, notify=False))
+                chunk.data.append(begin_data_read(self._pool.backend(region), by_buffer["kv"][region.buffers[0]],
+                                                  src, dst, request_id=chunk.key))
         if body.get("aux_index") is not None and meta.get("aux_index") is not None:
             for region in self._pool.aux_regions:
-                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
-                    by_buffer["aux"][region.buffers[0]], [int(body["aux_index"])], [int(meta["aux_index"])],
-                    request_id=chunk.key, notify=False))
+                chunk.data.append(begin_data_read(
+                    self._pool.backend(region), by_buffer["aux"][region.buffers[0]], [int(body["aux_index"])],
+                    [int(meta["aux_index"])], request_id=chunk.key))
         for c, src_slots in enumerate(body.get("state") or []):
             dst_slots = (meta.get("state_indices") or [])[c] if c < len(meta.get("state_indices") or []) else None
             if not src_slots or not dst_slots:
                 continue
             comp_metas = _by_buffer(metas["state"][c])
             for region in self._pool.state_regions[c]:
-                chunk.data.append(self._pool.backend(region).begin_pull_blocks(
-                    comp_metas[region.buffers[0]], list(src_slots), list(dst_slots), request_id=chunk.key,
-                    notify=False))
+                chunk.data.append(begin_data_read(self._pool.backend(region), comp_metas[region.buffers[0]],
+                                                  list(src_slots), list(dst_slots), request_id=chunk.key))
 
     def _advance(self) -> bool:
         busy = False
@@ -226,56 +257,38 @@ class Puller:
                 busy |= self._step(state, chunk)
                 if chunk.error is not None and state.failed is None:
                     state.failed = chunk.error
-                if chunk.error is None and chunk.ack == "done":
+                if chunk.error is None and chunk.read is not None and chunk.read.phase is Phase.JUDGED:
                     del state.chunks[idx]
                     self.counters["chunks_pulled"] += 1
                     if chunk.body.get("last"):
                         state.last_done = True
             busy |= self._settle(room, state)
-        for state in list(self._retired):
-            for chunk in state.chunks.values():
-                self._step(state, chunk)
-            handles = [h for c in state.chunks.values() for h in [*c.data, c.ack] if h is not None and not isinstance(h, str)]
-            if all(h.storage_safe for h in handles):
-                self._retired.remove(state)
-                self._scratch_free.extend(c.scratch for c in state.chunks.values() if c.scratch is not None)
-        return busy
+        with self._lock:
+            released = self._held.reclaim()
+        for held in released:
+            self._release(held.key, held.item)
+        return busy or bool(released)
 
     def _step(self, state: _RoomPull, chunk: _Chunk) -> bool:
         """Move one chunk on; True if anything happened."""
         if chunk.error is not None or state.failed is not None or state.cancelled:
             if chunk.error is None:
                 chunk.error = state.failed or "cancelled"
-            abort_parts([*chunk.data, chunk.ack if not isinstance(chunk.ack, str) else None], chunk.error)
+            abort_parts(chunk.handles, chunk.error)
             return False
+        read = chunk.read
+        assert read is not None
+        before = read.phase
         try:
-            if chunk.ack is None:
-                if not all(_done(h) for h in chunk.data):
-                    return False
-                if not self._scratch_free:
-                    return False  # every scratch slot busy: next turn
-                chunk.scratch = self._scratch_free.pop()
-                self._pool.table[chunk.scratch] = 0
-                hello = self._hellos[state.prefill]
-                chunk.ack = self._pool.table_backend.begin_pull_blocks(
-                    hello["metas"]["table"], [int(chunk.body["slot"])], [chunk.scratch], request_id=chunk.key,
-                    notify=True)
-                return True
-            if isinstance(chunk.ack, str) or not _done(chunk.ack):
-                return False
-            seen = int(self._pool.table[chunk.scratch])
-            self._scratch_free.append(chunk.scratch)
-            chunk.scratch = None
-            if not lease_holds(seen, int(chunk.body["lease"])):
-                self.counters["lease_revoked"] += 1
-                chunk.error = (f"the prefill gave the pages of chunk {chunk.body['chunk']} back before they were "
-                               f"read (lease {chunk.body['lease']}, slot shows {seen}); the bytes are discarded")
-                return True
-            chunk.ack = "done"
-            return True
+            if not read.poll():
+                return read.phase is not before  # the lease read was posted (or every scratch slot is busy)
         except KVXferError as exc:
             chunk.error = f"{type(exc).__name__}: {exc}"
             return True
+        if read.verdict is not None:
+            self.counters["lease_revoked"] += 1
+            chunk.error = read.verdict
+        return True
 
     def _settle(self, room: int, state: _RoomPull) -> bool:
         if state.failed is None and not state.cancelled:
@@ -285,30 +298,41 @@ class Puller:
                 self._succeed(room)
                 return True
             return False
-        handles = [h for c in state.chunks.values() for h in [*c.data, c.ack] if h is not None and not isinstance(h, str)]
-        if not all(h.storage_safe for h in handles):
-            with self._lock:
-                self._unsafe.add(room)
-            return False
         for chunk in state.chunks.values():
-            if chunk.scratch is not None:
-                self._scratch_free.append(chunk.scratch)
-                chunk.scratch = None
+            abort_parts(chunk.handles, chunk.error or state.failed or "cancelled")
+        safe = all(h.storage_safe for c in state.chunks.values() for h in c.handles)
+        if not safe:  # held before it leaves the rooms: the manager always sees it active or unsafe
+            self._quarantine(room, state)
         del self._rooms[room]
+        if safe:
+            self._release(room, state)
+        return True
+
+    def _quarantine(self, room: int, state: _RoomPull) -> None:
+        """Hold a failed or retired room until no byte of its reads can land (its scratch slots too)."""
         with self._lock:
-            self._unsafe.discard(room)
+            self._held.hold(room, [h for c in state.chunks.values() for h in c.handles],
+                            state.failed or "cancelled", state)
+
+    def _release(self, room: int, state: _RoomPull) -> None:
+        """No read of ``state`` can land any more: its scratch slots back, and (unless its room id went to
+        a new request) SGLang and the prefill told."""
+        for chunk in state.chunks.values():
+            if chunk.lease is not None:
+                chunk.lease.drop(chunk.error or "settled")
+        if state.retired:
+            return
         if not state.cancelled:
             self.counters["rooms_failed"] += 1
             self._fail(room, state.failed or "failed")
         self._send(state.prefill, wire.encode(wire.FAILED, {"room": room, "lease": state.lease,
                                                             "reason": state.failed or "aborted by the decode"}))
-        return True
 
     def _cancel(self, state: _RoomPull, reason: str) -> None:
         for chunk in state.chunks.values():
             if chunk.error is None:
                 chunk.error = reason
-            abort_parts([*chunk.data, chunk.ack if not isinstance(chunk.ack, str) else None], reason)
+            abort_parts(chunk.handles, reason)
         if state.failed is None:
             state.failed = reason
 

@@ -11,7 +11,7 @@ SGLang's prefill frees a request's pages once its sender polls ``KVPoll.Success`
 * a chunk saw neither within the transfer timeout (a decode that died or stalls).
 
 In every case the lease slot is revoked (``-lease``) *before* SGLang may reuse the pages. A
-reader checks the slot after its data (``lease_holds``), so a late reader of reused pages fails
+reader checks the slot after its data (``kvxfer.handoff.guard.LeaseSlotGuard``), so a late reader of reused pages fails
 its check instead of handing SGLang someone else's KV: freeing on a timer is safe only because
 of this.
 """
@@ -27,41 +27,33 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from kvxfer.handoff.guard import LeaseSlots, pin_lease, revoke_lease
 from kvxfer.integrations.sglang import wire
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
 
-def lease_holds(seen: int, lease: int) -> bool:
-    """True when a lease slot read as ``seen`` proves ``lease`` was still held: the pages were
-    not given back before the data read that preceded this slot read."""
-    return seen == lease
-
-
 class LeaseTable:
-    """Slots of the registered int64 table, and ever-growing lease tokens (a reused slot never
-    shows an old token)."""
+    """The registered int64 table and its slots (``kvxfer.handoff.guard.LeaseSlots``: ever-growing
+    lease tokens, so a reused slot never shows an old token); a slot is pinned when taken."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
-        self._free = list(range(table.numel() - 1, -1, -1))
-        self._next = 1
+        self._slots = LeaseSlots(table.numel())
 
     def take(self) -> Optional[tuple[int, int]]:
-        if not self._free:
-            return None
-        slot, lease = self._free.pop(), self._next
-        self._next += 1
-        self.table[slot] = lease
-        return slot, lease
+        taken = self._slots.take()
+        if taken is not None:
+            pin_lease(self.table, *taken)
+        return taken
 
     def revoke(self, slot: int, lease: int) -> None:
-        self.table[slot] = -lease
-        self._free.append(slot)
+        revoke_lease(self.table, slot, lease)
+        self._slots.give_back(slot)
 
     @property
     def in_use(self) -> int:
-        return self.table.numel() - len(self._free)
+        return self._slots.in_use
 
 
 @dataclass

@@ -13,45 +13,18 @@ or ``pin_grace_s`` without either) ``table[slot] = -lease`` *before* the request
 
 Reader: it reads the data first (no read-done), then the slot (carrying the read-done), and
 accepts the data only if the slot says the lease was not released when the data had been
-read (``lease_holds``). The producer learns "read done" only after the slot was read, so it
-cannot free between the two reads without the reader seeing it: a late or zombie reader of
+read. The producer learns "read done" only after the slot was read, so it cannot free between the two reads without the reader seeing it: a late or zombie reader of
 reused blocks fails instead of answering from someone else's KV. Before the producer's
 worker pins the lease (the ticket reaches a decode before the next producer step) the slot
 still holds an older lease or 0: the blocks are held by vLLM's delayed free, so that is valid.
+
+Both halves are the library's lease-slot guard (``kvxfer.handoff.guard``: ``LeaseSlots``,
+``pin_lease``/``revoke_lease`` in the sender, ``LeaseSlotGuard`` and ``lease_holds`` in the
+receiver); the scheduler takes its slots from here.
 """
 
 from __future__ import annotations
 
+from kvxfer.handoff.guard import LeaseSlots
 
-def lease_holds(seen: int, lease: int) -> bool:
-    """True when slot value ``seen`` proves lease ``lease`` had not been released.
-
-    ``seen == lease``: pinned. ``|seen| < lease``: an older lease (or 0), so ours is not pinned
-    yet and vLLM still holds the blocks. ``seen == -lease`` (released) or ``|seen| > lease``
-    (the slot was reused by a later export): the blocks may have been reused.
-    """
-    return seen == lease or abs(seen) < lease
-
-
-class LeaseSlots:
-    """Scheduler side of a producer: which slots are free, and the next (larger) token."""
-
-    def __init__(self, num_slots: int, first_token: int = 1) -> None:
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._next = first_token
-        self.num_slots = num_slots
-
-    def take(self) -> tuple[int, int] | None:
-        """``(slot, lease)`` for a new export, or None when every slot is held."""
-        if not self._free:
-            return None
-        slot, lease = self._free.pop(), self._next
-        self._next += 1
-        return slot, lease
-
-    def give_back(self, slot: int) -> None:
-        self._free.append(slot)
-
-    @property
-    def in_use(self) -> int:
-        return self.num_slots - len(self._free)
+__all__ = ["LeaseSlots"]

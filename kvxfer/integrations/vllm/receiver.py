@@ -24,6 +24,10 @@ the request (THE RULE, docs/reliability.md). Refusals happen before anything is 
 Every wait is bounded: handshakes by ``handshake_timeout_s``, transfers by the backend's
 ``timeout_s`` (``transfer_timeout_s``), a wait for a lease scratch slot by ``transfer_timeout_s``
 (``ScratchSlots``: a slot of a failed read comes back once that read is proven over).
+
+The lifecycle is the library's (``kvxfer.handoff``): the data reads and the lease read are one
+``GuardedRead`` with a ``LeaseSlotGuard``, and quarantined loads and scratch slots are held in a
+``Quarantine``; this module maps them onto vLLM's reports.
 """
 
 from __future__ import annotations
@@ -38,72 +42,17 @@ import torch
 
 from kvxfer.backends.base import TransferHandle, TransferStartError, abort_parts
 from kvxfer.errors import KVXferError, TransferError
+from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
+from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
-from kvxfer.integrations.vllm.leases import lease_holds
 from kvxfer.integrations.vllm.specs import LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 from kvxfer.integrations.vllm.tp_reads import RankReads, notify_ranks, rank_reads, reader_label
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
-_UNREAD = -(1 << 62)  # a scratch slot's value before the lease lands: never "holds"
 RECENT = 4096  # handoff records kept for stats()
-
-
-class ScratchSlots:
-    """The decode's lease scratch: one int64 slot per lease read in flight.
-
-    A slot follows its read: it is free again when the read completed, and when the read
-    failed only once no byte can still land in it (``storage_safe``); until then it is
-    quarantined with the handles that could still write it, and ``reclaim`` (every step)
-    returns it as soon as they are safe. A slot is never handed out while a byte may land.
-    """
-
-    def __init__(self, scratch: torch.Tensor) -> None:
-        self.tensor = scratch
-        self._free = list(range(scratch.numel() - 1, -1, -1))
-        self._held: list[tuple[int, list[TransferHandle]]] = []
-        self.lost = 0  # slots a failed start left unsafe with nothing to ask: never reused
-
-    def take(self) -> Optional[int]:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self.tensor[slot] = _UNREAD
-        return slot
-
-    def give_back(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def quarantine(self, slot: int, handles: Sequence[TransferHandle]) -> None:
-        if handles:
-            self._held.append((slot, list(handles)))
-        else:
-            self.lost += 1
-
-    def reclaim(self) -> int:
-        if not self._held:
-            return 0
-        # each slot judged once: ``storage_safe`` is flipped by the transport's thread, and a slot judged
-        # twice could land in both lists (handed out while still counted as quarantined, then freed again)
-        safe = [(slot, hs, all(h.storage_safe for h in hs)) for slot, hs in self._held]
-        still = [(slot, hs) for slot, hs, ok in safe if not ok]
-        back = [slot for slot, _, ok in safe if ok]
-        self._held = still
-        self._free.extend(back)
-        if back:
-            logger.info("kvxfer vllm: %d lease scratch slot(s) back in use: no byte can land in them any more",
-                        len(back))
-        return len(back)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def quarantined(self) -> int:
-        return len(self._held)
 
 
 @dataclass
@@ -114,7 +63,8 @@ class _Load:
     handshake: Optional[Handshake] = None
     refetched: bool = False
     data: list[TransferHandle] = field(default_factory=list)
-    leases: list[tuple[TransferHandle, int, int]] = field(default_factory=list)  # (handle, scratch slot, prefill rank)
+    read: Optional[GuardedRead] = None  # the data reads (once all are posted), then the lease reads
+    lease: Optional[LeaseSlotGuard] = None  # the lease reads of ``read``: one per prefill rank notified
     reads: Optional[RankReads] = None  # this rank's slab reads and whom it tells "done"
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
     verified: bool = False  # the ticket's signature checked (before the handshake, with a cluster key)
@@ -142,7 +92,7 @@ class Receiver:
         self._spin_s = spin_s
         self._clock = clock
         self._loads: dict[str, _Load] = {}
-        self._quarantined: dict[str, tuple[_Load, str]] = {}
+        self._quarantined: Quarantine[str, _Load] = Quarantine()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "bytes": 0, "descriptors": 0,
@@ -161,17 +111,17 @@ class Receiver:
 
     def collect(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` since the last call (failed ones are in both)."""
-        self.slots.reclaim()
+        back = self.slots.reclaim()
+        if back:
+            logger.info("kvxfer vllm: %d lease scratch slot(s) back in use: no byte can land in them any more",
+                        len(back))
         for load in list(self._loads.values()):
             self._step(load)
         self._spin()
-        for request_id, (load, reason) in list(self._quarantined.items()):
-            if all(h.storage_safe for h in load.data):
-                del self._quarantined[request_id]
-                self.counters["quarantined"] -= 1
-                logger.warning("kvxfer vllm: request %s: no byte can land any more; reporting its failure now",
-                               request_id)
-                self._report_failed(load, reason)
+        for held in self._quarantined.reclaim():
+            self.counters["quarantined"] -= 1
+            logger.warning("kvxfer vllm: request %s: no byte can land any more; reporting its failure now", held.key)
+            self._report_failed(held.item, held.reason)
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
         return finished, failed
@@ -183,7 +133,7 @@ class Receiver:
             return
         deadline = time.perf_counter() + self._spin_s
         while time.perf_counter() < deadline:
-            moving = [load for load in self._loads.values() if load.data or load.leases]
+            moving = [load for load in self._loads.values() if load.read is not None]
             if not moving:
                 return
             for load in moving:
@@ -204,10 +154,8 @@ class Receiver:
     # --- the state machine --------------------------------------------------------------------
     def _advance(self, load: _Load) -> None:
         spec = load.spec
-        if load.leases:
-            return self._advance_lease(load)
-        if load.data:
-            return self._advance_data(load)
+        if load.read is not None:
+            return self._advance_read(load)
         if spec.refusal:
             return self._refuse(load, spec.refusal)
         if load.ticket is None:
@@ -257,7 +205,7 @@ class Receiver:
             load.failing = str(exc)
             self.counters["refused"] += 1
             load.reads = RankReads((), notify_ranks(self._tp_rank, self._layout.tp_size, handshake.layout.tp_size))
-            return self._post_lease(load)  # a verified ticket: let the producer free its blocks now
+            return self._start_read(load)  # a verified ticket: let the producer free its blocks now
         load.marks["checked"] = self._clock()
         local = list(spec.local_block_ids)
         remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
@@ -268,7 +216,7 @@ class Receiver:
         if remote and max(remote) >= pool:  # signed by the producer, but checked against what it serves
             return self._refuse(load, f"the ticket names block {max(remote)}, the prefill's pool has {pool} blocks")
         if not local:
-            return self._post_lease(load)
+            return self._start_read(load)
         self._post_data(load, remote, local)
 
     def _post_data(self, load: _Load, remote: list[int], local: list[int]) -> None:
@@ -280,8 +228,8 @@ class Receiver:
             src_ids, dst_ids = read.ids(remote, local)
             for backend, meta in zip(self._regions, handshake.rank_kv_metas[read.src_rank]):
                 try:
-                    handle = backend.begin_pull_blocks(meta, src_ids, dst_ids, notify=False,
-                                                       request_id=labels.get(read.src_rank, ticket.request_id))
+                    handle = begin_data_read(backend, meta, src_ids, dst_ids,
+                                             request_id=labels.get(read.src_rank, ticket.request_id))
                 except KVXferError as exc:
                     posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
                     safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
@@ -292,83 +240,59 @@ class Receiver:
                 load.descriptors += handle.descriptors_posted
                 load.data.append(handle)
         load.marks["data_posted"] = self._clock()
-        self._advance_data(load)
+        self._start_read(load)
 
-    def _advance_data(self, load: _Load) -> None:
-        try:
-            done = all([h.poll() for h in load.data])
-        except TransferError as exc:
-            safe = abort_parts(load.data, f"request {load.spec.request_id!r}: a sibling region failed")
-            return self._fail_or_quarantine(load, str(exc), safe)
-        if done:
-            self._post_lease(load)
-
-    def _post_lease(self, load: _Load) -> None:
-        """One 8-byte lease read per prefill rank this rank notifies (it carries the read-done)."""
+    def _start_read(self, load: _Load) -> None:
+        """The data reads are posted (or there are none): after them, one 8-byte lease read per prefill
+        rank this rank notifies, which carries the read-done (``kvxfer.handoff.guard`` keeps the order)."""
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None and load.reads is not None
-        notify = load.reads.notify
-        if not notify:
-            return self._finish_failed(load, load.failing or "no prefill rank to read the lease from")
-        if self.slots.free < len(notify):  # every scratch slot is in use: try again next step, up to the timeout
-            now = self._clock()
-            load.slot_wait = load.slot_wait if load.slot_wait is not None else now
-            if now - load.slot_wait <= self._transfer_timeout_s:
-                return None
-            return self._finish_failed(load, load.failing or (
-                f"no lease scratch slot came free within transfer_timeout_s={self._transfer_timeout_s}s "
-                f"({self.slots.quarantined} held by failed reads that may still land)"))
-        for target in notify:
-            slot = self.slots.take()
-            assert slot is not None
-            try:
-                handle = self._scratch_backend.begin_pull_blocks(
-                    handshake.rank_lease_metas[target.rank], [ticket.slot], [slot],
-                    request_id=reader_label(ticket.request_id, target.reader, target.readers))
-            except KVXferError as exc:
-                if isinstance(exc, TransferStartError) and not exc.storage_safe:
-                    self.slots.quarantine(slot, exc.cleanup_handles)  # back once those are safe
-                else:
-                    self.slots.give_back(slot)
-                if load.leases:  # the ones posted still tell their ranks; their outcome is not awaited
-                    self._drop_leases(load, f"request {ticket.request_id!r}: a sibling lease read failed to start")
-                return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
-            load.leases.append((handle, slot, target.rank))
-        load.marks["lease_posted"] = self._clock()
-        self._advance_lease(load)
-
-    def _drop_leases(self, load: _Load, reason: str) -> None:
-        """Give back the scratch slots of ``load``'s lease reads: at once where no byte can land, else
-        once the transport proves it (aborting those still in flight)."""
-        abort_parts([h for h, _, _ in load.leases], reason)
-        for handle, slot, _ in load.leases:
-            if handle.storage_safe:
-                self.slots.give_back(slot)
-            else:
-                self.slots.quarantine(slot, [handle])
-        load.leases = []
-
-    def _advance_lease(self, load: _Load) -> None:
-        assert load.leases and load.ticket is not None and load.reads is not None
-        try:
-            if not all([handle.poll() for handle, _, _ in load.leases]):
-                return None
-        except TransferError as exc:
-            self._drop_leases(load, f"request {load.ticket.request_id!r}: a sibling lease read failed")
-            return self._finish_failed(load, load.failing or f"reading the lease of the prefill's blocks failed: {exc}")
         read_from = {read.src_rank for read in load.reads.reads}
-        seen = {rank: int(self.slots.tensor[slot]) for _, slot, rank in load.leases}
-        for _, slot, _ in load.leases:
-            self.slots.give_back(slot)
-        load.leases = []
+        targets = [LeaseTarget(handshake.rank_lease_metas[n.rank], ticket.slot,
+                               reader_label(ticket.request_id, n.reader, n.readers), n.rank, n.rank in read_from)
+                   for n in load.reads.notify]
+        load.lease = LeaseSlotGuard(self.slots, self._scratch_backend, targets, ticket.lease, pinned_at_offer=False,
+                                    explain=lambda rank, seen: (
+                                        f"prefill rank {rank} released request {ticket.request_id!r}'s blocks before "
+                                        f"the read completed (lease {ticket.lease}, slot now {seen}: pin_grace_s "
+                                        "passed, or a restart); the pulled bytes are discarded"))
+        load.read = GuardedRead(load.data, load.lease)
+        self._advance_read(load)
+
+    def _advance_read(self, load: _Load) -> None:
+        read, lease = load.read, load.lease
+        assert read is not None and lease is not None and load.ticket is not None and load.reads is not None
+        request_id = load.ticket.request_id
+        try:
+            done = read.poll()
+        except KVXferError as exc:
+            if read.phase is Phase.DATA and isinstance(exc, TransferError):
+                safe = abort_parts(load.data, f"request {request_id!r}: a sibling region failed")
+                return self._fail_or_quarantine(load, str(exc), safe)
+            if read.phase is Phase.WAITING:  # its siblings already posted were dropped by the guard
+                return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
+            if read.phase is Phase.GUARD and isinstance(exc, TransferError):
+                lease.drop(f"request {request_id!r}: a sibling lease read failed")
+                return self._finish_failed(load, load.failing or
+                                           f"reading the lease of the prefill's blocks failed: {exc}")
+            raise
+        if read.guard_handles is not None and "lease_posted" not in load.marks:
+            load.marks["lease_posted"] = self._clock()
+        if not done:
+            if read.phase is Phase.WAITING:  # every scratch slot is in use: try again next step, up to the timeout
+                now = self._clock()
+                load.slot_wait = load.slot_wait if load.slot_wait is not None else now
+                if now - load.slot_wait > self._transfer_timeout_s:
+                    self._finish_failed(load, load.failing or (
+                        f"no lease scratch slot came free within transfer_timeout_s={self._transfer_timeout_s}s "
+                        f"({self.slots.quarantined} held by failed reads that may still land)"))
+            return None
         if load.failing:
             return self._finish_failed(load, load.failing)
-        for rank, value in sorted(seen.items()):
-            if rank in read_from and not lease_holds(value, load.ticket.lease):
-                return self._finish_failed(
-                    load, f"prefill rank {rank} released request {load.ticket.request_id!r}'s blocks before the read "
-                          f"completed (lease {load.ticket.lease}, slot now {value}: pin_grace_s passed, or a restart); "
-                          "the pulled bytes are discarded")
+        if not load.reads.notify:
+            return self._finish_failed(load, "no prefill rank to read the lease from")
+        if read.verdict is not None:
+            return self._finish_failed(load, read.verdict)
         self._succeed(load)
 
     # --- outcomes -----------------------------------------------------------------------------
@@ -396,7 +320,7 @@ class Receiver:
         if storage_safe:
             return self._finish_failed(load, reason)
         self._loads.pop(load.spec.request_id, None)
-        self._quarantined[load.spec.request_id] = (load, reason)
+        self._quarantined.hold(load.spec.request_id, load.data, reason, load)
         self.counters["quarantined"] += 1
         logger.error("kvxfer vllm: request %s: %s; a byte may still land in its %d blocks, so they stay held (not "
                      "reported to vLLM) until the transport proves otherwise", load.spec.request_id, reason,

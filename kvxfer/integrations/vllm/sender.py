@@ -6,10 +6,11 @@ reader is in flight), or after ``pin_grace_s`` without all of them (a decode tha
 never came). A request has one reader per prefill rank with equal TP; with a decode of
 larger TP it has ``decode TP / prefill TP``, and each labels its reads with its index and
 that count (``tp_reads.reader_label``), so the count travels with the read-done.
-The last is safe only because of the lease (``kvxfer.integrations.vllm.leases``): the slot is
-marked released *before* vLLM gets the blocks back, and every reader checks the slot after
-its data. Reports are per request id (vLLM's, which the ticket names), drained from every
-registration the reads touch: the KV regions (failures) and the lease table (read-done).
+The last is safe only because of the lease (``kvxfer.integrations.vllm.leases``, the lease-slot
+guard of ``kvxfer.handoff.guard``): the slot is revoked *before* vLLM gets the blocks back,
+and every reader checks the slot after its data. Reports are per request id (vLLM's, which
+the ticket names), drained from every registration the reads touch: the KV regions (failures)
+and the lease table (read-done).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvxfer.handoff.guard import pin_lease, revoke_lease
 from kvxfer.integrations.vllm.specs import SendSpec
 from kvxfer.integrations.vllm.tp_reads import parse_reader_label
 
@@ -73,7 +75,7 @@ class Sender:
         return len(self._pins)
 
     def pin(self, spec: SendSpec) -> None:
-        self._table[spec.slot] = spec.lease
+        pin_lease(self._table, spec.slot, spec.lease)
         pin = self._pins[spec.request_id] = _Pin(spec, self._clock())
         early = self._early.pop(spec.request_id, None)
         if early is not None:  # reports that came before the pin: collect() releases it if they are all
@@ -118,7 +120,7 @@ class Sender:
 
     def _release(self, request_id: str, why: str, released: set[str], reason: str = "") -> None:
         pin = self._pins.pop(request_id)
-        self._table[pin.spec.slot] = -pin.spec.lease  # revoked before vLLM may reuse a block
+        revoke_lease(self._table, pin.spec.slot, pin.spec.lease)  # before vLLM may reuse a block
         self.counters[f"released_{why}"] += 1
         if why == "read_failed":
             logger.info("kvxfer vllm: request %s: a decode's read failed (%s); blocks freed", request_id, reason)

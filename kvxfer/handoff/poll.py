@@ -1,4 +1,7 @@
-"""One lifecycle enum for every handoff, on both sides (after SGLang's ``KVPoll``).
+"""One lifecycle enum for every handoff, on both sides (after SGLang's ``KVPoll``, same names and values).
+
+The library owns it, below every engine adapter: the reference engine's source and sink report
+it, and SGLang's own enum has the same names and values, so its adapter maps one to one.
 
 Prefill (source) side:
   ``WaitingForInput`` -- blocks pinned, descriptor published, waiting for the reader;

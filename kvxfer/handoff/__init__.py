@@ -1,0 +1,10 @@
+"""One hand-off lifecycle for every engine: its states, the guard read, the quarantine.
+
+Owns what every engine adapter (the reference engine's source and sink in ``engine_integration``,
+the vLLM connector's sender and receiver, SGLang's source and puller) would otherwise write again:
+``poll`` (``KVPoll``, the states of a hand-off on either side), ``guard`` (the data read, then a
+guard read that carries the read-done, judged by generation counters or a lease slot; the order
+kept in one place) and ``quarantine`` (storage a failed read may still write, held until every
+handle is ``storage_safe``). May import: ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
+``kvxfer.security``, ``kvxfer.errors``.
+"""
