@@ -273,11 +273,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model(str(tmp_path_factory.mktemp("vllm-model") / "tiny-llama"))
 
 
-@pytest.mark.parametrize("decode_blocks", [1536, 160])
-def test_pools_of_different_sizes(model: str, decode_blocks: int, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """vLLM sizes each pool by profiling: a decode with a larger and with a smaller pool than its prefill's
-    (1024 blocks) loads token-exact, counting every prompt token as external_kv_transfer and none as
-    local_compute; with the smaller pool the prefill's block ids run past the decode's pool."""
+def test_pools_of_different_sizes(model: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM sizes each pool by profiling: decodes with a smaller (160 blocks) and a larger (1,536) pool than
+    their prefill's (1,024) load token-exact, counting every prompt token as external_kv_transfer and none as
+    local_compute; for the smaller pool the prefill's block ids run past the decode's pool. One prefill serves
+    both decodes (three engines start at once: one prefill start-up less than a pair per size)."""
     env = {"KVXFER_SECRET_FILE": new_secret_file(str(tmp_path_factory.mktemp("secret")))}
     extra = {"backend": "nixl", "pin_grace_s": 30.0, "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0}
     with ExitStack() as stack:
@@ -285,23 +285,24 @@ def test_pools_of_different_sizes(model: str, decode_blocks: int, tmp_path_facto
         pair.stack, pair.model, pair.backend, pair.env, pair.extra = stack, model, "nixl", env, extra
         pair.prefill = pair._own(start("prefill", model, role="kv_producer", cpu="0", extra=extra, env=env,
                                        blocks=1024))
-        pair.decode = pair._own(start("decode", model, role="kv_consumer", cpu="1", extra=extra, env=env,
-                                      blocks=decode_blocks))
-        pair.prefill.wait_ready()
-        pair.decode.wait_ready()
-        # fill the prefill's cache so its next blocks come from high ids (past a small decode's pool)
-        pair.reference([prompt(900 + i, 1000) for i in range(8)], max_tokens=1)
-        prompts = [prompt(950 + i, n) for i, n in enumerate([40, 300, 2 * BLOCK + 7, 500])]
-        reference = pair.reference(prompts)
-        tickets = pair.export(prompts)
-        highest = max(max(t["remote_block_ids"][0]) for t in tickets)
-        if decode_blocks < 1024:
-            assert highest >= decode_blocks, highest
-        before = counters(pair.decode)
-        out = pair.decode.generate(decode_requests(prompts, tickets))
-        after = counters(pair.decode)
-        assert [o["tokens"] for o in out["outputs"]] == reference
-        assert delta(after, before, "prompt_local_compute") == 0
-        assert delta(after, before, "prompt_external_kv_transfer") == sum(map(len, prompts))
-        assert delta(after, before, "handoffs") == len(prompts)
-        assert after["step_hold_max_s"] < 1.0, after["step_hold_max_s"]
+        decodes = {blocks: pair._own(start(f"decode-{blocks}", model, role="kv_consumer", cpu="1", extra=extra,
+                                           env=env, blocks=blocks)) for blocks in (160, 1536)}
+        for instance in (pair.prefill, *decodes.values()):
+            instance.wait_ready()
+        for round_, (decode_blocks, decode) in enumerate(decodes.items()):  # the small pool first: fresh high ids
+            # fill the prefill's cache so its next blocks come from high ids (past a small decode's pool)
+            pair.reference([prompt(900 + 20 * round_ + i, 1000) for i in range(8)], max_tokens=1)
+            prompts = [prompt(950 + 20 * round_ + i, n) for i, n in enumerate([40, 300, 2 * BLOCK + 7, 500])]
+            reference = pair.reference(prompts)
+            tickets = pair.export(prompts)
+            highest = max(max(t["remote_block_ids"][0]) for t in tickets)
+            if decode_blocks < 1024:
+                assert highest >= decode_blocks, highest
+            before = counters(decode)
+            out = decode.generate(decode_requests(prompts, tickets))
+            after = counters(decode)
+            assert [o["tokens"] for o in out["outputs"]] == reference, f"decode with {decode_blocks} blocks"
+            assert delta(after, before, "prompt_local_compute") == 0
+            assert delta(after, before, "prompt_external_kv_transfer") == sum(map(len, prompts))
+            assert delta(after, before, "handoffs") == len(prompts)
+            assert after["step_hold_max_s"] < 1.0, after["step_hold_max_s"]

@@ -4,6 +4,6 @@
 
 ``kvxfer.integrations.sglang``: kvxfer as an SGLang PD transfer backend (``docs/sglang.md``).
 
-May import: ``kvxfer.runtime``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
+May import: ``kvxfer.runtime``, ``kvxfer.handoff``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
 ``kvxfer.security``, ``kvxfer.errors``, and the engine each adapter serves.
 """
