@@ -4,7 +4,8 @@ Each rank is a real process (``sglang_peer.py``): SGLang's plugin loading, its b
 its ``Common*`` managers, senders and receivers (through kvxfer's subclasses), its real
 ``MHATokenToKVPool`` (page_size 4) and ``MetadataBuffers``. The prefill fills its pool with
 random bytes; the decode reads them into other pages; every page of every layer and every aux
-row is compared by digest. Nothing is faked.
+row is compared by digest. Nothing on the transfer path is faked; where SGLang's own queues drive
+it, the scheduler around them is stood in for as SGLang's own CPU unit tests do.
 """
 
 from __future__ import annotations
