@@ -50,30 +50,33 @@ Timeouts and storage safety
     ``invalidateRemoteMD`` NIXL can no longer say whether they ended, and they do
     not stop: measured), and a backend closed with such READs keeps its
     registration and memory until they end (``parked_registrations()``).
+
+The package, one job per module (as ``ucx/``): ``environment.py`` (settings and the probe),
+``peer.py`` (the meta's NIXL section), ``slices.py`` (descriptors from a plan), ``agent.py``
+(the shared agent and its peer table), ``handle.py`` (one READ), this module (the backend).
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
-import itertools
 import logging
 import os
 import threading
 import time
-import uuid
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 
 from kvxfer.meta import notice as notify
-from kvxfer.meta.version import WIRE_VERSION, check_wire_version
-from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, keep_idle_ib_module_out, nixl_transport_info
-from kvxfer.backends.same_host import SourceWatch, process_start_time
+from kvxfer.meta.version import WIRE_VERSION
+from kvxfer.backends.nixl.agent import AgentShare
+from kvxfer.backends.nixl.environment import INSTALL_HINT, SAME_HOST_ENV, nixl_api, nixl_transport_probe
+from kvxfer.backends.nixl.handle import NixlHandle
+from kvxfer.backends.nixl.peer import PID_FIELD, START_FIELD, NixlPeer, parse_nixl_peer
+from kvxfer.backends.nixl.slices import plan_is_slice_aligned, plan_rows, slice_indices, slice_rows
+from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, nixl_transport_info
+from kvxfer.backends.same_host import process_start_time
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,
@@ -83,9 +86,8 @@ from kvxfer.backends.base import (
     TransferHandle,
     TransferState,
 )
-from kvxfer.plan.descriptors import CopyPlan
 from kvxfer.errors import BackendUnavailableError, GeometryError, PeerMetadataError, TransferError
-from kvxfer.plan.geometry import BufferGeometry, PeerGeometry
+from kvxfer.plan.geometry import PeerGeometry
 from kvxfer.meta.seal import HOST_FIELD, host_identity
 
 __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info", "parked_registrations",
@@ -93,22 +95,6 @@ __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_t
 
 logger = logging.getLogger("kvxfer.backends.nixl")
 
-INSTALL_HINT = (
-    "pip install 'kvxfer[nixl]' (on a CPU-only machine run `pip install torch==2.13.0` first: "
-    "otherwise pip resolves nixl's torch dependency to a multi-GB CUDA build)"
-)
-#: Above this many (outer slice, block) entries a per-slice prepared list costs more
-#: memory than it saves time; such pools post Nx3 rows instead.
-MAX_PREPPED_ENTRIES = 1 << 22
-_MEM_TYPES = ("DRAM", "VRAM")
-#: Remote-agent table bounds (issue 26, row 6: 41 sources met one after another left 41 remote
-#: agents). A peer whose process exited (pidfd, same host) is removed at once; one unused for
-#: PEER_IDLE_S is removed; beyond MAX_PEERS the least recently used one without open READs is.
-#: A removed peer is loaded again by its next pull.
-MAX_PEERS = 64
-PEER_IDLE_S = 300.0
-_PEER_SWEEP_S = 1.0
-PID_FIELD, START_FIELD = "nixl_pid", "nixl_pid_start"
 #: How long ``close()`` waits for READs that failed while active to end before parking the registration.
 CLOSE_SETTLE_S = 1.0
 #: Closed registrations kept (memory registered, tensor referenced) until their last active READ ends.
@@ -129,588 +115,6 @@ def parked_registrations() -> int:
         return len(_PARKED)
 
 
-def nixl_transport_probe() -> dict[str, Any]:
-    """For ``kvxfer info``: what UCX under NIXL will use here (no agent is created)."""
-    info = nixl_transport_info()
-    return {
-        "package": info.nixl_package or "not installed",
-        "UCX_TLS": info.ucx_tls if info.ucx_tls is not None else "unset (all UCX can load)",
-        "UCX_NET_DEVICES": info.ucx_net_devices or "unset",
-        "UCX_MODULES": os.environ.get("UCX_MODULES", "unset (kvxfer sets ^ib when no RDMA device exists)"),
-        "transports": ",".join(info.transports),
-        "rdma_devices": ",".join(info.rdma_devices) or "none",
-        "ucx_error_handling": "none (same-host mode, KVXFER_NIXL_SAME_HOST=1)" if _same_host_or_none() else "peer",
-        "DRAM": info.usable_for("DRAM")[1] or "ok",
-        "VRAM": _vram_status(info),
-    }
-
-
-def _vram_status(info: NixlTransportInfo) -> str:
-    """"ok" only when NIXL is installed, a CUDA device exists and UCX can move its memory."""
-    if not info.nixl_package:
-        return "nixl not installed"
-    try:
-        import torch  # noqa: PLC0415
-
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA runtime is information, not a crash
-        devices = 0
-    if devices == 0:
-        return "no CUDA device here"
-    return info.usable_for("VRAM")[1] or "ok"
-
-
-def _nixl_api() -> Any:
-    """Import nixl only when a backend is built: ``import kvxfer`` must work without it."""
-    import nixl._api as api  # noqa: PLC0415
-
-    return api
-
-
-# --------------------------------------------------------------------------------------------
-# peer metadata
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class NixlPeer:
-    """The NIXL fields of a peer's ``export_meta()``, checked."""
-
-    name: str
-    instance: str  # changes when the peer's agent is re-created (restart under the same name)
-    metadata: bytes
-    buffer_id: int
-    mem_type: str
-
-
-def parse_nixl_peer(meta: Mapping[str, Any]) -> NixlPeer:
-    """Validate the NIXL fields of a peer meta; ``PeerMetadataError`` names the bad field."""
-    check_wire_version(meta.get("nixl_meta_version"), "meta field 'nixl_meta_version'")
-    instance = meta.get("nixl_agent_instance")
-    if not isinstance(instance, str) or not instance:
-        raise PeerMetadataError("peer meta field 'nixl_agent_instance' must be a non-empty string")
-    encoded = meta.get("nixl_agent_metadata")
-    if not isinstance(encoded, str) or not encoded:
-        raise PeerMetadataError("peer meta field 'nixl_agent_metadata' must be a non-empty base64 string")
-    try:
-        metadata = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise PeerMetadataError("peer meta field 'nixl_agent_metadata' is not valid base64") from None
-    buffer_id = meta.get("nixl_buffer_id")
-    if isinstance(buffer_id, bool) or not isinstance(buffer_id, int) or buffer_id < 1:
-        raise PeerMetadataError(f"peer meta field 'nixl_buffer_id' must be a positive int, got {buffer_id!r}")
-    mem_type = meta.get("nixl_mem_type")
-    if mem_type not in _MEM_TYPES:
-        raise PeerMetadataError(f"peer meta field 'nixl_mem_type' must be one of {_MEM_TYPES}, got {mem_type!r}")
-    name = meta.get("nixl_agent_name")
-    if not isinstance(name, str) or not name:
-        raise PeerMetadataError("peer meta field 'nixl_agent_name' must be a non-empty string")
-    return NixlPeer(name, instance, metadata, buffer_id, mem_type)
-
-
-# --------------------------------------------------------------------------------------------
-# descriptors
-# --------------------------------------------------------------------------------------------
-def slice_rows(geometry: BufferGeometry) -> np.ndarray:
-    """``num_outer`` strided rows ``(addr, len, dev, stride, count)`` covering every
-    (outer, block) slice: entry ``outer * num_blocks + block`` of the expanded list."""
-    g = geometry
-    rows = np.empty((g.num_outer, 5), dtype=np.uint64)
-    rows[:, 0] = g.buf_ptr + np.arange(g.num_outer, dtype=np.uint64) * np.uint64(g.outer_stride_bytes)
-    rows[:, 1] = g.bytes_per_slice
-    rows[:, 2] = g.device_id
-    rows[:, 3] = g.bytes_per_slice
-    rows[:, 4] = g.num_blocks
-    return rows
-
-
-def slice_indices(plan: CopyPlan, bytes_per_slice: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-slice list indices ``(src, dst)`` for a plan whose rows are whole slices.
-
-    A row of ``n`` slices becomes ``n`` consecutive indices (array ops only).
-    """
-    n = plan.lengths // bytes_per_slice
-    src0 = plan.src_offsets // bytes_per_slice
-    dst0 = plan.dst_offsets // bytes_per_slice
-    if n.size == 0 or (n == 1).all():
-        return src0.astype(np.int32), dst0.astype(np.int32)
-    step = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
-    return (np.repeat(src0, n) + step).astype(np.int32), (np.repeat(dst0, n) + step).astype(np.int32)
-
-
-def _plan_is_slice_aligned(plan: CopyPlan, local: BufferGeometry, remote: BufferGeometry) -> bool:
-    bps = local.bytes_per_slice
-    if remote.bytes_per_slice != bps:
-        return False
-    for g in (local, remote):
-        if g.num_outer * g.num_blocks > MAX_PREPPED_ENTRIES:
-            return False
-    return not ((plan.src_offsets % bps).any() or (plan.dst_offsets % bps).any() or (plan.lengths % bps).any())
-
-
-def _rows(base: int, offsets: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
-    rows = np.empty((lengths.size, 3), dtype=np.uint64)
-    rows[:, 0] = offsets.astype(np.uint64) + np.uint64(base)
-    rows[:, 1] = lengths
-    rows[:, 2] = device_id
-    return rows
-
-
-def _remote_key(peer: NixlPeer, g: BufferGeometry) -> tuple:
-    return (peer.name, peer.instance, peer.mem_type, g.buf_ptr, g.num_outer, g.num_blocks,
-            g.bytes_per_slice, g.device_id)
-
-
-#: Pause of NIXL's progress thread between rounds, in microseconds. NIXL's Python wrapper
-#: hard-codes 0, a busy loop that burns a whole core in every idle process holding an agent.
-#: Measured idle over 10 s: 1 ms -> 2.6% of a core, 2 ms -> 1.35%, 5 ms -> 0.6%. 2 ms keeps
-#: an idle process under 2% and bounds the extra latency of the progress a peer's one-sided
-#: reads need from us (TCP; shared-memory and RDMA reads need none). 0 restores NIXL's default.
-PROGRESS_DELAY_ENV = "KVXFER_NIXL_PROGRESS_DELAY_US"
-DEFAULT_PROGRESS_DELAY_US = 2000
-_create_lock = threading.Lock()
-
-
-#: ``1``: a same-host deployment (docs/environment.md). The agent's UCX runs without peer
-#: failure handling, so reads between processes of this host go over CMA/shared memory
-#: (measured, 0.5 MB pulls between two processes: p50 0.67 -> 0.35 ms, p90 2.5 -> 0.39 ms),
-#: and metas from other hosts are refused: without that mode a dead remote peer could hang a
-#: read or abort the process inside UCX. A dead same-host source still fails its reads at once.
-SAME_HOST_ENV = "KVXFER_NIXL_SAME_HOST"
-
-
-def _same_host_or_none() -> bool:
-    try:
-        return same_host_mode()
-    except BackendUnavailableError:
-        return False
-
-
-def same_host_mode() -> bool:
-    raw = os.environ.get(SAME_HOST_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
-        return False
-    if raw in ("1", "true", "yes"):
-        return True
-    raise BackendUnavailableError(f"{SAME_HOST_ENV}={raw!r}: use 1 (same-host deployment) or 0")
-
-
-def progress_delay_us() -> int:
-    raw = os.environ.get(PROGRESS_DELAY_ENV, "")
-    try:
-        return max(0, int(raw)) if raw.strip() else DEFAULT_PROGRESS_DELAY_US
-    except ValueError:
-        raise BackendUnavailableError(f"{PROGRESS_DELAY_ENV}={raw!r} is not an integer number of microseconds") from None
-
-
-def _create_agent(api: Any, name: str, config: Any) -> Any:
-    """``nixl_agent(name, config)`` with the progress thread's pause set to ``progress_delay_us()``.
-
-    The wrapper builds its native config itself and sets ``pthrDelay = 0``; for the
-    duration of this call (under a lock) it builds ours, which raises that to our delay.
-    """
-    delay = progress_delay_us()
-    native = api.nixlBind.nixlAgentConfig
-
-    class DelayedProgressConfig(native):  # type: ignore[misc, valid-type]
-        def __setattr__(self, field: str, value: Any) -> None:
-            if field == "pthrDelay":
-                value = max(int(value), delay)
-            super().__setattr__(field, value)
-
-    with _create_lock:
-        api.nixlBind.nixlAgentConfig = DelayedProgressConfig
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            api.nixlBind.nixlAgentConfig = native
-
-
-# --------------------------------------------------------------------------------------------
-# the process-wide agent, shared by sibling registrations
-# --------------------------------------------------------------------------------------------
-class _AgentShare:
-    """One NIXL agent per (process, agent name), reference-counted by its registrations.
-
-    Siblings (``new_registered_buffer``: KV pool, SSM pools) share it, so they
-    share one connection per peer and one notification stream; notifications are
-    routed to the registration named in them. All agent calls go through
-    ``lock``: the agent is created without NIXL's own locking (its default when
-    no listener thread runs) and handles may be polled from any thread.
-    """
-
-    _shares: dict[str, "_AgentShare"] = {}
-    _shares_lock = threading.Lock()
-
-    def __init__(self, name: str) -> None:
-        api = _nixl_api()
-        self.same_host = same_host_mode()
-        # NIXL creates its UCX backend with UCX's peer failure mode, which rules out shared memory
-        # and CMA: reads between two processes of one host then run as tcp emulation served by
-        # the source's progress thread. Same-host mode creates it without (zero-copy, no source CPU).
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
-                                       backends=[] if self.same_host else ["UCX"])
-        keep_idle_ib_module_out()
-        try:
-            self.agent = _create_agent(api, name, config)
-            if self.same_host:
-                self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
-        except Exception as exc:
-            # Seen here: UCX_TLS=cma,self or sm,self makes NIXL's own UCX loopback setup fail
-            # ("Destination is unreachable"); UCX needs tcp (or an RDMA transport) beside them.
-            raise BackendUnavailableError(
-                f"could not create NIXL agent {name!r} ({type(exc).__name__}: {exc}); "
-                f"{nixl_transport_info().summary()}. If UCX_TLS is set, unset it or add tcp (or rc) to it"
-            ) from exc
-        if "UCX" not in self.agent.backends:
-            raise BackendUnavailableError(
-                f"NIXL agent {name!r} has no UCX backend (plugins found: {self.agent.get_plugin_list()}); "
-                f"reinstall nixl: {INSTALL_HINT}"
-            )
-        self.name = name
-        self.instance = uuid.uuid4().hex
-        self.lock = threading.RLock()
-        self.refs = 0
-        self.garbage_notifications = 0
-        self._buffer_ids = itertools.count(1)
-        self._registrations: dict[int, weakref.ref[NixlBackend]] = {}
-        self._remote_md: dict[str, bytes] = {}
-        self._remote_instance: dict[str, str] = {}
-        self._remote_dlists: dict[tuple, Any] = {}
-        self._open_reads: dict[str, int] = {}  # peer name -> READs posted and not yet released
-        self._forget_later: set[str] = set()  # peers to remove once their open READs end
-        self._last_used: "OrderedDict[str, float]" = OrderedDict()  # loaded peers, least recently used first
-        self._watches: dict[str, SourceWatch] = {}  # peers of this host, watched by pidfd
-        self.max_peers = MAX_PEERS
-        self.peer_idle_s = PEER_IDLE_S
-        self.peers_dropped = 0
-        self._next_sweep = 0.0
-
-    @classmethod
-    def acquire(cls, name: str) -> "_AgentShare":
-        with cls._shares_lock:
-            share = cls._shares.get(name)
-            if share is None:
-                share = cls._shares[name] = _AgentShare(name)
-            share.refs += 1
-            return share
-
-    def release(self) -> None:
-        """Drop one reference; the last one releases every peer and the agent."""
-        with _AgentShare._shares_lock:
-            self.refs -= 1
-            if self.refs > 0:
-                return
-            _AgentShare._shares.pop(self.name, None)
-        with self.lock:
-            for name in list(self._remote_md):
-                self._forget(name)
-            self.agent = None  # the binding's destructor tears the agent down
-
-    # --- registrations and notifications -----------------------------------------------
-    def add_registration(self, backend: "NixlBackend") -> int:
-        with self.lock:
-            buffer_id = next(self._buffer_ids)
-            self._registrations[buffer_id] = weakref.ref(backend)
-            return buffer_id
-
-    def remove_registration(self, buffer_id: int) -> None:
-        with self.lock:
-            self._registrations.pop(buffer_id, None)
-
-    def collect_notifications(self) -> None:
-        """Route every new notification to the registration it names; count the rest."""
-        with self.lock:
-            self.sweep()
-            incoming = self.agent.get_new_notifs()
-            for messages in incoming.values():
-                for message in messages:
-                    note = notify.decode(message)
-                    ref = self._registrations.get(note.buffer_id) if note is not None else None
-                    target = ref() if ref is not None else None
-                    if note is None or target is None:
-                        self.garbage_notifications += 1
-                    elif note.kind == "done":
-                        target._deliver_read_done(note.request_id)
-                    else:
-                        target._deliver_read_failed(note.request_id, note.reason)
-
-    # --- peers ------------------------------------------------------------------------
-    def ensure_remote(self, peer: NixlPeer, meta: Optional[Mapping[str, Any]] = None) -> None:
-        """Load the peer's metadata unless the same bytes are already loaded (then bound the table).
-
-        ``meta`` (the peer's export_meta) lets a peer of this host be watched by pidfd.
-
-        Changed metadata from the same agent instance (a sibling registered since)
-        is loaded over the old (NIXL merges it; live reads are unaffected). A new
-        instance under the same name is a restarted peer: the old one is dropped
-        with its prepared lists first.
-        """
-        with self.lock:
-            if peer.name == self.name:
-                if peer.instance != self.instance:
-                    raise PeerMetadataError(
-                        f"peer agent name {peer.name!r} is this process's own agent name but the meta comes from "
-                        "another agent; give every process a unique agent_name"
-                    )
-                return  # loopback: our own agent already knows its registrations
-            self.sweep()
-            if self._remote_md.get(peer.name) == peer.metadata and peer.name not in self._forget_later:
-                self._touch(peer.name)
-                return
-            if self._remote_instance.get(peer.name, peer.instance) != peer.instance or peer.name in self._forget_later:
-                if self._open_reads.get(peer.name):
-                    raise TransferError(
-                        f"peer {peer.name!r} was restarted (or dropped) while {self._open_reads[peer.name]} READ(s) "
-                        "from its previous agent may still land; nothing was posted: retry once they have ended "
-                        "(they end when that process resumes or exits)"
-                    )
-                self._forget(peer.name)
-            try:
-                loaded = self.agent.add_remote_agent(peer.metadata)
-            except Exception as exc:
-                kind = type(exc).__name__
-                if kind in ("nixlMismatchError", "nixlInvalidParamError", "TypeError", "ValueError"):
-                    raise PeerMetadataError(
-                        f"NIXL rejected peer {peer.name!r}'s agent metadata ({kind}: {exc}); "
-                        "pass the peer's export_meta() unchanged"
-                    ) from None
-                # Loading connects to the peer: a dead peer fails here (seen: NIXL_ERR_BACKEND).
-                raise TransferError(
-                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? nothing was posted"
-                ) from None
-            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded_name != peer.name:
-                if loaded_name in self._remote_md:
-                    self._forget(loaded_name)  # the load replaced a peer we use: set it up afresh next time
-                else:
-                    self._remove_agent(loaded_name)
-                raise PeerMetadataError(
-                    f"peer meta says agent {peer.name!r} but its NIXL metadata is agent {loaded_name!r}"
-                )
-            self._remote_md[peer.name] = peer.metadata
-            self._remote_instance[peer.name] = peer.instance
-            self._touch(peer.name)
-            old = self._watches.pop(peer.name, None)
-            if old is not None:
-                old.close()
-            watch = SourceWatch.for_meta(meta, PID_FIELD, START_FIELD) if meta is not None else None
-            if watch is not None:
-                self._watches[peer.name] = watch
-            self._evict_over_cap()
-
-    def _touch(self, name: str) -> None:
-        self._last_used[name] = time.monotonic()
-        self._last_used.move_to_end(name)
-
-    def _evict_over_cap(self) -> None:
-        """Lock held: beyond ``max_peers``, remove the least recently used peers without open READs."""
-        for name in list(self._last_used):
-            if len(self._remote_md) <= self.max_peers:
-                return
-            if not self._open_reads.get(name):
-                self._forget(name)
-                self.peers_dropped += 1
-
-    def sweep(self) -> None:
-        """Lock held, at most once a second: remove peers whose process exited (pidfd) or that went
-        unused for ``peer_idle_s``; a peer with READs open is left until they end."""
-        now = time.monotonic()
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + _PEER_SWEEP_S
-        for name in list(self._last_used):
-            if self._open_reads.get(name):
-                continue
-            watch = self._watches.get(name)
-            if (watch is not None and watch.exited()) or now - self._last_used[name] > self.peer_idle_s:
-                self._forget(name)
-                self.peers_dropped += 1
-
-    def peer_count(self) -> int:
-        with self.lock:
-            return len(self._remote_md)
-
-    def remote_dlist(self, peer: NixlPeer, geometry: BufferGeometry) -> Any:
-        """The prepared per-slice list of a peer region (made once, kept until the peer changes)."""
-        key = _remote_key(peer, geometry)
-        with self.lock:
-            handle = self._remote_dlists.get(key)
-            if handle is None:
-                try:
-                    handle = self.agent.prep_xfer_dlist(peer.name, slice_rows(geometry), peer.mem_type)
-                except Exception as exc:
-                    raise PeerMetadataError(
-                        f"peer {peer.name!r}'s exported region ({geometry.region_bytes} B at {geometry.buf_ptr:#x}) "
-                        f"is not registered in its NIXL metadata ({type(exc).__name__}: {exc})"
-                    ) from None
-                self._remote_dlists[key] = handle
-            return handle
-
-    def forget(self, name: str) -> None:
-        """Remove a peer, or, while READs from it are open, as soon as they end."""
-        with self.lock:
-            if self._open_reads.get(name):
-                self._forget_later.add(name)
-            else:
-                self._forget(name)
-
-    def read_opened(self, name: str) -> None:
-        with self.lock:
-            self._open_reads[name] = self._open_reads.get(name, 0) + 1
-
-    def read_closed(self, name: str) -> None:
-        with self.lock:
-            left = self._open_reads.get(name, 0) - 1
-            if left > 0:
-                self._open_reads[name] = left
-                return
-            self._open_reads.pop(name, None)
-            if name in self._forget_later:
-                self._forget(name)
-
-    def _forget(self, name: str) -> None:
-        self._forget_later.discard(name)
-        for key in [k for k in self._remote_dlists if k[0] == name]:
-            try:
-                self._remote_dlists.pop(key).release()
-            except Exception as exc:  # a dead peer's list is freed with the agent at the latest
-                logger.warning(f"kvxfer nixl: releasing a prepared list of peer {name!r} failed: {exc}")
-        if self._remote_md.pop(name, None) is not None:
-            self._remove_agent(name)
-        self._remote_instance.pop(name, None)
-        self._last_used.pop(name, None)
-        watch = self._watches.pop(name, None)
-        if watch is not None:
-            watch.close()
-
-    def _remove_agent(self, name: str) -> None:
-        try:
-            self.agent.remove_remote_agent(name)
-        except Exception as exc:
-            logger.warning(f"kvxfer nixl: removing peer agent {name!r} failed: {exc}")
-
-    def send(self, peer_name: str, message: bytes) -> bool:
-        """Best effort: a dead or unknown peer is not an error for the sender."""
-        with self.lock:
-            if self.agent is None:
-                return False
-            try:
-                self.agent.send_notif(peer_name, message)
-                return True
-            except Exception:
-                return False
-
-
-# --------------------------------------------------------------------------------------------
-# handle
-# --------------------------------------------------------------------------------------------
-class NixlHandle(TransferHandle):
-    """One posted NIXL READ.
-
-    ``path`` is ``"prepped"`` (indices into prepared lists) or ``"rows"`` (Nx3
-    descriptor lists); ``num_descriptors``/``raw_descriptors`` are the coalesced
-    and naive row counts; ``build_s`` the time spent building the request.
-    The xfer is released only once NIXL reports it over (module docstring).
-    """
-
-    def __init__(self, request_id: RequestId, timeout_s: float, backend: "NixlBackend", xfer: Any,
-                 peer: NixlPeer, *, path: str, num_descriptors: int,
-                 raw_descriptors: int, total_bytes: int, build_s: float, report_failure: bool = True) -> None:
-        super().__init__(request_id, timeout_s)
-        self._report_failure = report_failure
-        self._backend = backend
-        self._xfer = xfer
-        self._peer = peer
-        self._released = False
-        self._read_completed = False
-        self._failure_reason: Optional[str] = None
-        self._failure_sent = False
-        self.path = path
-        self.num_descriptors = num_descriptors
-        self.raw_descriptors = raw_descriptors
-        self.total_bytes = total_bytes
-        self.build_s = build_s
-
-    def _xfer_state(self) -> str:
-        """``DONE``, ``PROC``, ``ERR`` (over: failed, nothing of it moves any more) or ``UNKNOWN``."""
-        if self._released:
-            return "DONE" if self._read_completed else "ERR"
-        share = self._backend._share
-        with share.lock:
-            if share.agent is None:
-                return "UNKNOWN"
-            try:
-                return share.agent.check_xfer_state(self._xfer)
-            except Exception as exc:
-                # A remote disconnect ends the READ (measured: nothing lands after it). Anything else
-                # (e.g. NOT_FOUND after the peer was invalidated) says nothing about whether it moves.
-                return "ERR" if type(exc).__name__ == "nixlRemoteDisconnectError" else "UNKNOWN"
-
-    def _progress(self) -> bool:
-        state = self._xfer_state()
-        if state == "DONE":
-            self._read_completed = True
-            self._release()
-            return True
-        if state == "ERR":
-            raise TransferError(
-                f"request {self.request_id!r}: NIXL READ from peer {self._peer.name!r} failed "
-                "(peer dead or unreachable, or its memory deregistered)"
-            )
-        return False
-
-    def _release(self) -> bool:
-        """Free the xfer handle; only ever called once NIXL reports the READ over."""
-        if self._released:
-            return True
-        share = self._backend._share
-        with share.lock:
-            try:
-                share.agent.release_xfer_handle(self._xfer)
-            except Exception:
-                return False  # kept; retried when storage_safe is next read
-        self._released = True
-        # The binding's xfer handle keeps the native agent alive (its fds and threads):
-        # a handle kept by the caller after close() must not keep it too.
-        self._xfer = None
-        self._backend._in_flight.discard(self)
-        share.read_closed(self._peer.name)
-        return True
-
-    def _abort(self) -> bool:
-        """Safe only if the READ is over (then released); an active READ is never released."""
-        state = self._xfer_state()
-        if state not in ("DONE", "ERR"):
-            return False
-        # A read that completed right at the deadline has already sent its done notification.
-        self._read_completed = state == "DONE"
-        return self._release()
-
-    def _settle(self) -> bool:
-        return self._abort()
-
-    def _on_failed(self, error: TransferError) -> None:
-        self._failure_reason = str(error)
-        if self._released:
-            self._notify_failed()
-        else:
-            self._backend._unsettled.add(self)
-
-    def _on_settled(self) -> None:
-        self._backend._unsettled.discard(self)
-        self._notify_failed()
-
-    def _notify_failed(self) -> None:
-        """Tell the source, once no byte of the read can still move."""
-        if self._read_completed or self._failure_sent or not self._report_failure:
-            return
-        self._failure_sent = True
-        message = notify.encode("failed", self.request_id, self._peer.buffer_id, self._failure_reason or "")
-        self._backend._share.send(self._peer.name, message)
-
-
-# --------------------------------------------------------------------------------------------
-# backend
-# --------------------------------------------------------------------------------------------
 class NixlBackend(KVTransportBackend):
     """NIXL transport: DRAM or VRAM pools, one READ per request, read-done by notification."""
 
@@ -728,7 +132,7 @@ class NixlBackend(KVTransportBackend):
     def availability(cls) -> tuple[bool, str]:
         if cls._availability is None:
             try:
-                _nixl_api()
+                nixl_api()
                 cls._availability = (True, "")
             except Exception as exc:  # ImportError, or a broken native library
                 cls._availability = (False, f"cannot import nixl ({type(exc).__name__}: {exc}); fix: {INSTALL_HINT}")
@@ -749,7 +153,7 @@ class NixlBackend(KVTransportBackend):
         self._local_dlist: Any = None
         # A sibling (``new_registered_buffer``) shares its parent's agent whatever it is called.
         parent = self._parent
-        self._share = _AgentShare.acquire(parent._share.name if isinstance(parent, NixlBackend) else self.agent_name)
+        self._share = AgentShare.acquire(parent._share.name if isinstance(parent, NixlBackend) else self.agent_name)
         g = self.geometry
         try:
             self.buffer_id = self._share.add_registration(self)
@@ -887,7 +291,7 @@ class NixlBackend(KVTransportBackend):
         with share.lock:
             xfer, path = self._make_xfer(pull, peer, message)
             handle = NixlHandle(
-                pull.request_id, self.timeout_s, self, xfer, peer, path=path,
+                pull.request_id, self.timeout_s, share, self._in_flight, self._unsettled, xfer, peer, path=path,
                 num_descriptors=plan.num_descriptors, raw_descriptors=plan.raw_descriptors,
                 total_bytes=plan.total_bytes, build_s=time.perf_counter() - started,
                 report_failure=pull.report_failure,
@@ -922,17 +326,17 @@ class NixlBackend(KVTransportBackend):
         plan, local, remote = pull.plan, self.geometry, pull.peer.geometry
         local_base = local.buf_ptr if pull.local_base is None else pull.local_base  # pool, or a staging range
         try:
-            if pull.local_base is None and _plan_is_slice_aligned(plan, local, remote):
+            if pull.local_base is None and plan_is_slice_aligned(plan, local, remote):
                 remote_list = self._share.remote_dlist(peer, remote)
                 src_idx, dst_idx = slice_indices(plan, local.bytes_per_slice)
                 return agent.make_prepped_xfer(
                     "READ", self._local_prepped(), dst_idx, remote_list, src_idx, message
                 ), "prepped"
             local_rows = agent.get_xfer_descs(
-                _rows(local_base, plan.dst_offsets, plan.lengths, local.device_id), self.mem_type
+                plan_rows(local_base, plan.dst_offsets, plan.lengths, local.device_id), self.mem_type
             )
             remote_rows = agent.get_xfer_descs(
-                _rows(remote.buf_ptr, plan.src_offsets, plan.lengths, remote.device_id), peer.mem_type
+                plan_rows(remote.buf_ptr, plan.src_offsets, plan.lengths, remote.device_id), peer.mem_type
             )
             return agent.initialize_xfer("READ", local_rows, remote_rows, peer.name, message), "rows"
         except PeerMetadataError:
