@@ -24,6 +24,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from kvxfer.handoff.poll import KVPoll
 from kvxfer.security.auth import new_secret_file
 from tests.vllm_support import (BLOCK, Child, Decode, Pair, Producer, counters, decode_requests, delta, make_model,
                                 prompt, start)
@@ -69,7 +70,10 @@ def test_lease_slot_returns_after_unsafe_timeout() -> None:
         started = time.monotonic()
         other = Producer(stack, "nixl")  # running: the data read lands, but no scratch slot is free for its lease
         decode.submit("genuine", other.ticket([6], "genuine"), [7])
+        assert decode.receiver.poll("genuine") is KVPoll.Bootstrapping  # a new producer: its handshake first
+        assert decode.receiver.states()["Bootstrapping"] == 1
         waited = decode.run_until({"genuine"}, 15)
+        assert decode.receiver.poll("genuine") is None  # reported: gone from every table
         assert "genuine" in decode.failed and 2.0 <= waited < 2.0 + 3, waited
         assert "lease scratch slot" in decode.receiver.recent[-1]["failed"]
         producer.source.signal(signal.SIGCONT)

@@ -42,6 +42,7 @@ import torch
 
 from kvxfer.backends.base import TransferHandle, TransferStartError, abort_parts
 from kvxfer.errors import KVXferError, TransferError
+from kvxfer.handoff.poll import KVPoll
 from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
@@ -72,6 +73,13 @@ class _Load:
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for "where did the time go"
     bytes: int = 0
     descriptors: int = 0
+
+    @property
+    def state(self) -> KVPoll:
+        """The load in the library's one lifecycle: ``Bootstrapping`` while its ticket, handshake and
+        layouts are checked, ``Transferring`` once its reads are posted (the guarded read); it leaves
+        the table as ``Success`` (``finished_recving``) or ``Failed`` (``failed_recving`` too)."""
+        return KVPoll.Transferring if self.read is not None else KVPoll.Bootstrapping
 
 
 class Receiver:
@@ -150,6 +158,21 @@ class Receiver:
     @property
     def in_flight(self) -> int:
         return len(self._loads) + len(self._quarantined)
+
+    def poll(self, request_id: str) -> Optional[KVPoll]:
+        """A load's state; a quarantined one is still ``Transferring`` (a byte may land), an unknown one None."""
+        load = self._loads.get(request_id)
+        if load is not None:
+            return load.state
+        return KVPoll.Transferring if request_id in self._quarantined else None
+
+    def states(self) -> dict[str, int]:
+        """How many loads are in each state (quarantined ones apart), for ``stats()``."""
+        out = {state.name: 0 for state in (KVPoll.Bootstrapping, KVPoll.Transferring)}
+        for load in self._loads.values():
+            out[load.state.name] += 1
+        out["quarantined"] = len(self._quarantined)
+        return out
 
     # --- the state machine --------------------------------------------------------------------
     def _advance(self, load: _Load) -> None:

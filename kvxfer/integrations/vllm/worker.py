@@ -170,7 +170,7 @@ class KvxferWorker:
         if self.sender is not None:
             out.update(self.sender.counters, pins_held=self.sender.held)
         if self.receiver is not None:
-            out.update(self.receiver.counters, loads_in_flight=self.receiver.in_flight,
+            out.update(self.receiver.counters, loads_in_flight=self.receiver.in_flight, loads=self.receiver.states(),
                        recent=list(self.receiver.recent), handshake_fetches=self.handshakes.fetches,
                        handshakes_cached=len(self.handshakes), scratch_free=self.receiver.slots.free,
                        scratch_quarantined=self.receiver.slots.quarantined)
