@@ -129,3 +129,12 @@ def test_a_failed_run_exits_1_with_one_error_line(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("kvxfer: error: some requests failed (")
     assert len(out.stdout.splitlines()) == 2  # one line per prompt: tokens, then the error
+
+
+def test_a_usage_error_answers_before_torch_is_imported():
+    """The parser and its checks import no backend (each imports torch, ~2 s): a mistyped command is
+    answered at once. Several of the mistakes above need a backend or a pool to be judged; these do not."""
+    code = ("import sys\nfrom kvxfer.cli import main\n"
+            "status = main(['frobnicate'])\n" "print(status, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from kvxfer.harness.loopback import LoopbackConfig
+from kvxfer.harness.loopback_config import LoopbackConfig
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 import kvxfer
-from kvxfer.backends.vram_lanes import vram_lane_lines
 from kvxfer.cli.errors import RunFailed, UsageError
 from kvxfer.errors import KVXferError
 from kvxfer.harness.progress import DelayedProgress
@@ -65,6 +64,7 @@ def run_info(args: argparse.Namespace) -> int:
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  {cuda_line}")
     for name, details in transport_probes().items():
         console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={_probe_value(k, v, cuda)}" for k, v in details.items()))
+    from kvxfer.backends.vram_lanes import vram_lane_lines  # the backends import torch: not for a usage error
     for line in vram_lane_lines(cuda_device=cuda):
         console.print(("[bold red]" + line + "[/bold red]") if "DEFECT" in line else line, highlight=False)
     console.print(control_plane_line(getattr(args, "control_plane", None)), highlight=False)
@@ -146,7 +146,7 @@ def _mem_available_bytes() -> Optional[int]:
 def loopback_config(args: argparse.Namespace) -> Any:
     """The run's ``LoopbackConfig``; options that cannot work together raise ``UsageError``."""
     from kvxfer.backends import default_backend_name
-    from kvxfer.harness.loopback import LoopbackConfig
+    from kvxfer.harness.loopback_config import LoopbackConfig
     from kvxfer.plan.geometry import dtype_from_name
 
     if args.blocks > args.pool_blocks:
