@@ -112,3 +112,81 @@ def test_large_scattered_plan_is_array_built():
     got = np.sort(plan.dst_offsets)
     assert np.array_equal(got, np.sort(expected_dst))
     print(f"plan for 4096 blocks x 64 slices: {elapsed * 1e3:.1f} ms, {plan.num_descriptors} rows")
+
+
+# --- the short-request path (plain Python) plans exactly what the numpy path plans ------------------
+from contextlib import contextmanager  # noqa: E402
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import kvxfer.plan.descriptors as descriptors  # noqa: E402
+
+
+@contextmanager
+def _numpy_only():
+    saved = descriptors.SMALL_IDS
+    descriptors.SMALL_IDS = -1
+    try:
+        yield
+    finally:
+        descriptors.SMALL_IDS = saved
+
+
+def _outcome(src_geometry, dst_geometry, src_ids, dst_ids):
+    try:
+        plan = plan_block_copies(src_geometry, dst_geometry, src_ids, dst_ids)
+    except (BlockIdError, PeerMetadataError) as exc:
+        return type(exc), str(exc)
+    return plan.src_offsets.tolist(), plan.dst_offsets.tolist(), plan.lengths.tolist(), plan.raw_descriptors
+
+
+@settings(max_examples=300, deadline=None)
+@given(outer=st.integers(1, 4), src_blocks=st.integers(6, 30), dst_blocks=st.integers(6, 30), data=st.data())
+def test_short_request_path_plans_what_the_numpy_path_plans(outer, src_blocks, dst_blocks, data):
+    """Same rows (merged the same way), same raw count, same error and message, on any ids: runs,
+    scatter, repeats, ids outside either pool, lists of different lengths."""
+    src = torch.zeros((outer, src_blocks, 97, 5), dtype=torch.bfloat16)  # no other axis of the block count
+    dst = torch.zeros((outer, dst_blocks, 97, 5), dtype=torch.bfloat16)
+    gs, gd = (compute_buffer_geometry(t, t.shape[1], backend_name="t") for t in (src, dst))
+    n = data.draw(st.integers(0, 12))
+    ids = st.integers(-2, max(src_blocks, dst_blocks) + 1)
+    src_ids = data.draw(st.lists(ids, min_size=n, max_size=n))
+    dst_ids = data.draw(st.lists(ids, min_size=n, max_size=n + data.draw(st.integers(0, 1))))
+    short = _outcome(gs, gd, src_ids, dst_ids)
+    with _numpy_only():
+        numpy_path = _outcome(gs, gd, np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64))
+    assert short == numpy_path
+
+
+def test_short_request_path_is_taken_for_a_list_of_ints_and_copies_exactly():
+    src, dst = _pools(torch.float16)
+    gs, gd = (compute_buffer_geometry(t, t.shape[2], backend_name="t") for t in (src, dst))
+    src_ids, dst_ids = [3, 4, 5, 9, 0], [0, 1, 2, 7, 11]
+    calls = []
+    real = descriptors._small_block_copies
+    descriptors._small_block_copies = lambda *a: calls.append(a) or real(*a)
+    try:
+        plan = plan_block_copies(gs, gd, src_ids, dst_ids)
+    finally:
+        descriptors._small_block_copies = real
+    assert len(calls) == 1
+    apply_plan(plan, src, dst)
+    expected = torch.zeros_like(dst)
+    expected[:, :, dst_ids] = src[:, :, src_ids]
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("src_ids,dst_ids", [
+    (list(range(8)), list(range(8))),             # whole pools: one row across every outer slice
+    ([0, 1, 2, 5, 6], [3, 4, 5, 0, 1]),           # two runs
+    ([7, 6, 5], [0, 1, 2]),                       # descending on one side: no run
+    ([], []),
+])
+def test_short_request_path_merges_as_the_numpy_path(src_ids, dst_ids):
+    src = torch.zeros((3, 8, 97, 5), dtype=torch.float16)
+    gs = compute_buffer_geometry(src, 8, backend_name="t")
+    short = _outcome(gs, gs, src_ids, dst_ids)
+    with _numpy_only():
+        assert short == _outcome(gs, gs, np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64))
+    if src_ids == list(range(8)):
+        assert len(short[2]) == 1, short  # one row

@@ -54,7 +54,7 @@ from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferErr
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
 from kvxfer.plan.geometry import PeerGeometry, PoolSpec, dtype_name, pool_geometry, takes_pool_spec
-from kvxfer.meta.records import plan_from_meta, transfer_peer_records
+from kvxfer.meta.records import PreparedPeer, is_whole_request, plan_from_meta, transfer_peer_records
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.request import RequestPlan, plan_pull
 from kvxfer.meta.seal import (
@@ -213,6 +213,8 @@ class KVTransportBackend(ABC):
         (``kvxfer.runtime.generations``). Several sources give one ``GroupHandle``.
         """
         self._check_open()
+        if isinstance(peer_meta, PreparedPeer) and peer_meta.backend != self.name:
+            raise PeerMetadataError(f"a peer prepared by the {peer_meta.backend} backend cannot be read by {self.name}")
         if request_id is None:
             label: RequestId = f"{self.agent_name}:{next(self._request_counter)}"
             notify = False
@@ -384,6 +386,19 @@ class KVTransportBackend(ABC):
         self.close()
 
     # --- shared machinery -----------------------------------------------------------------
+    def prepare_peer(self, peer_meta: Mapping[str, Any]) -> PreparedPeer:
+        """Verify and parse one source's ``export_meta()`` once, for many requests from it: pass the
+        result to ``begin_pull_blocks`` in the meta's place (any sibling registration of the same
+        backend type may use it). Only a meta as exported: a wrapper naming several sources, block
+        ids or SSM metas is per request, and refused here."""
+        self._check_open()
+        if (not isinstance(peer_meta, Mapping) or is_whole_request(peer_meta)
+                or any(key in peer_meta for key in ("block_ids", "ssm"))):
+            raise PeerMetadataError("prepare_peer takes one source's export_meta() as exported (no tp_metas, "
+                                    "pp_metas, block_ids or ssm: those are per request)")
+        meta = copy.deepcopy(dict(peer_meta))
+        return PreparedPeer(self.name, meta, self.parse_peer_meta(meta))
+
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         """Check one source record's seal and fields; only sealed fields are read.
 

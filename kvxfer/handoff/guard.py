@@ -239,7 +239,7 @@ class ScratchSlots:
 class LeaseTarget:
     """One producer (rank) whose lease slot a reader reads."""
 
-    meta: Mapping[str, Any]  #: the producer's lease table meta
+    meta: Any  #: the producer's lease table meta, or its ``PreparedPeer``
     slot: int                #: the producer's slot of this request
     request_id: RequestId    #: the read-done's label
     name: Hashable = None    #: how a verdict names it (vLLM: the prefill rank)

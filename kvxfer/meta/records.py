@@ -20,6 +20,7 @@ hostile wrapper cannot make the decode side allocate or loop without limit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from kvxfer.errors import PeerMetadataError
@@ -125,11 +126,28 @@ def drop_transfer_prefix_blocks(peer_meta: Mapping[str, Any], src_block_ids: Seq
     return _trim(peer_meta, prefix), list(src_block_ids)[prefix:]
 
 
+@dataclass(frozen=True)
+class PreparedPeer:
+    """One source's ``export_meta()``, verified and parsed once (``KVTransportBackend.prepare_peer``).
+
+    A caller that reads from the same source request after request (the vLLM connector: the metas
+    of a handshake) passes this instead of the meta, and its requests skip the seal check, the
+    parse and the look-up of what was verified: the handshake's work is not redone per request.
+    ``meta`` is the preparing backend's own copy (a later change to the caller's dict is not seen).
+    """
+
+    backend: str  #: the backend type that verified it (a pull through another type is refused)
+    meta: Mapping[str, Any]
+    peer: PeerGeometry
+
+
 def parse_request(peer_meta: Any, src_block_ids: Sequence[int],
                   parse: Callable[[Mapping[str, Any]], PeerGeometry]) -> tuple[list[SourceRecord], bool]:
     """Every source record the engine's meta names, each parsed once by ``parse`` (the backend's
     ``parse_peer_meta``: seal or signature, geometry, transport fields), and whether the meta is a
-    wrapper naming the whole request (``is_whole_request``)."""
+    wrapper naming the whole request (``is_whole_request``). A ``PreparedPeer`` is one source, parsed."""
+    if isinstance(peer_meta, PreparedPeer):
+        return [SourceRecord(peer_meta.meta, peer_meta.peer, src_block_ids)], False
     return ([SourceRecord(meta, parse(meta), ids) for meta, ids in transfer_peer_records(peer_meta, src_block_ids)],
             is_whole_request(peer_meta))
 

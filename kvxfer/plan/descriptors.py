@@ -3,7 +3,10 @@
 The reference issues one descriptor per (block, outer slice). Here adjacent blocks
 become one run, runs become one row per outer slice, and rows that touch on both
 sides merge again, all with numpy array operations: the Python work does not grow
-with blocks x layers. The plan is pure data; backends post it however their
+with blocks x layers. A short request (``SMALL_IDS`` ids, ``SMALL_ROWS`` rows: what a vLLM
+handoff or a lease read is) is planned in plain Python instead, where numpy's cost per call
+would be most of the time; both paths give the same plan (a property test keeps them equal).
+The plan is pure data; backends post it however their
 transport likes (rows, strided rows, prepared-list indices).
 """
 
@@ -18,6 +21,10 @@ from kvxfer.errors import BlockIdError, PeerMetadataError
 from kvxfer.plan.geometry import BufferGeometry
 
 IdList = Sequence[int] | np.ndarray
+
+#: At most this many ids per side, and rows before merging, are planned in plain Python.
+SMALL_IDS = 64
+SMALL_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ def validate_block_ids(src_ids: IdList, dst_ids: IdList, src_num_blocks: int, ds
     reads landing in one destination block would race; a repeated source id is a
     caller bug that would otherwise go unnoticed).
     """
+    if _small_int_list(src_ids) and _small_int_list(dst_ids):
+        return _validate_small(src_ids, dst_ids, src_num_blocks, dst_num_blocks)  # type: ignore[arg-type]
     src, dst = _as_ids(src_ids, "source"), _as_ids(dst_ids, "destination")
     if src.size != dst.size:
         raise BlockIdError(f"{src.size} source block ids but {dst.size} destination block ids; pass one of each per block")
@@ -80,6 +89,28 @@ def validate_block_ids(src_ids: IdList, dst_ids: IdList, src_num_blocks: int, ds
             values, counts = np.unique(arr, return_counts=True)
             raise BlockIdError(f"{side} block id {int(values[counts > 1][0])} appears more than once")
     return src, dst
+
+
+def _small_int_list(ids: IdList) -> bool:
+    return isinstance(ids, (list, tuple)) and len(ids) <= SMALL_IDS and all(type(x) is int for x in ids)
+
+
+def _validate_small(src: Sequence[int], dst: Sequence[int], src_num_blocks: int,
+                    dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """``validate_block_ids`` for short lists of Python ints: the same checks and messages, in Python."""
+    if len(src) != len(dst):
+        raise BlockIdError(f"{len(src)} source block ids but {len(dst)} destination block ids; pass one of each per block")
+    for ids, side, limit in ((src, "source", src_num_blocks), (dst, "destination", dst_num_blocks)):
+        if not ids:
+            continue
+        if min(ids) < 0 or max(ids) >= limit:
+            bad = next(x for x in ids if x < 0 or x >= limit)
+            raise BlockIdError(f"{side} block id {bad} is outside the pool's [0, {limit})")
+        if len(set(ids)) != len(ids):
+            seen: set[int] = set()
+            twice = {x for x in ids if x in seen or seen.add(x)}
+            raise BlockIdError(f"{side} block id {min(twice)} appears more than once")
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
 
 
 def _distinct(arr: np.ndarray) -> bool:
@@ -129,6 +160,10 @@ def plan_checked_block_copies(src: BufferGeometry, dst: BufferGeometry, s: np.nd
             f"source slices are {src.num_outer} x {src.bytes_per_slice} B, destination {dst.num_outer} x "
             f"{dst.bytes_per_slice} B; whole-block copies need the same shape (or a reshard layout)"
         )
+    if s.size <= SMALL_IDS:
+        plan = _small_block_copies(src, dst, s.tolist(), d.tolist())
+        if plan is not None:
+            return plan
     run_src, run_dst, run_len = block_runs(s, d)
     outer = np.arange(src.num_outer, dtype=np.int64)[:, None]
     bps = src.bytes_per_slice
@@ -139,6 +174,45 @@ def plan_checked_block_copies(src: BufferGeometry, dst: BufferGeometry, s: np.nd
     plan = CopyPlan(src_off, dst_off, lengths, raw_descriptors=int(s.size) * src.num_outer)
     check_plan_bounds(plan, src, dst)
     return plan
+
+
+def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: list[int], d: list[int]) -> CopyPlan | None:
+    """``plan_checked_block_copies`` in plain Python for a short request (None: too many rows for it).
+
+    Rows outer-major, runs consecutive on both sides, touching rows merged, every row inside both
+    regions: the numpy path's plan, row for row.
+    """
+    runs: list[list[int]] = []  # [src block, dst block, blocks]
+    for a, b in zip(s, d):
+        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+    if src.num_outer * len(runs) > SMALL_ROWS:
+        return None
+    bps = src.bytes_per_slice
+    src_off: list[int] = []
+    dst_off: list[int] = []
+    lengths: list[int] = []
+    for outer in range(src.num_outer):
+        src_base, dst_base = outer * src.outer_stride_bytes, outer * dst.outer_stride_bytes
+        for run_src, run_dst, blocks in runs:
+            so, do, n = src_base + run_src * bps, dst_base + run_dst * bps, blocks * bps
+            if lengths and so == src_off[-1] + lengths[-1] and do == dst_off[-1] + lengths[-1]:
+                lengths[-1] += n
+            else:
+                src_off.append(so)
+                dst_off.append(do)
+                lengths.append(n)
+    if lengths and min(lengths) <= 0:
+        raise PeerMetadataError("a planned copy has a non-positive length")
+    for offsets, geometry, side in ((src_off, src, "source"), (dst_off, dst, "destination")):
+        if any(o < 0 or o + n > geometry.region_bytes for o, n in zip(offsets, lengths)):
+            raise PeerMetadataError(
+                f"a planned copy leaves the {side} region of {geometry.region_bytes} bytes; the peer meta is inconsistent"
+            )
+    return CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
+                    np.array(lengths, dtype=np.int64), raw_descriptors=len(s) * src.num_outer)
 
 
 def check_plan_bounds(plan: CopyPlan, src: BufferGeometry, dst: BufferGeometry) -> None:

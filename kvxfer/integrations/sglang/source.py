@@ -8,7 +8,7 @@ SGLang's prefill frees a request's pages once its sender polls ``KVPoll.Success`
   the chunk read; after the last chunk the room is ``Success``;
 * the decode reported failure or abort (kvxfer's ``drain_read_failed``, ``KVXFER_FAILED`` or
   SGLang's ``ABORT``): its reads are over, or their bytes will be discarded;
-* a chunk saw neither within the transfer timeout (a decode that died or stalls).
+* a chunk saw neither within twice the transfer timeout (a decode that died or stalls).
 
 In every case the lease slot is revoked (``-lease``) *before* SGLang may reuse the pages. A
 reader checks the slot after its data (``kvxfer.handoff.guard.LeaseSlotGuard``), so a late reader of reused pages fails
@@ -178,7 +178,7 @@ class SourceRooms:
             self._finish_locked(room, state, False, f"decode: {reason}", tell=False)
 
     def expire(self, now: Optional[float] = None) -> None:
-        """Fail rooms with a chunk unread past the transfer timeout (lease revoked first)."""
+        """Fail rooms with a chunk unread past the bound (twice the transfer timeout; lease revoked first)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             for room, state in list(self._rooms.items()):
@@ -189,7 +189,7 @@ class SourceRooms:
                     self.counters["rooms_timed_out"] += 1
                     self._finish_locked(room, state, False,
                                         f"no read-done from the decode {now - oldest:.1f}s after chunk "
-                                        f"{min(state.announced)} was offered (transfer timeout {self._timeout_s}s); "
+                                        f"{min(state.announced)} was offered (the bound: {self._timeout_s}s, twice the transfer timeout); "
                                         "its lease is revoked, so a late read fails", tell=True)
 
     def _finish_locked(self, room: int, state: _Room, success: bool, reason: Optional[str], *, tell: bool) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -82,6 +82,38 @@ class _Load:
         return KVPoll.Transferring if self.read is not None else KVPoll.Bootstrapping
 
 
+class PreparedSources:
+    """The metas of each handshake, verified and parsed once (``prepare_peer``) and reused by every
+    load from that producer: a load's reads skip the seal check and the parse of what the handshake
+    already checked. Bounded like the handshake cache; a handshake fetched again is prepared again."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._by_handshake: "OrderedDict[int, tuple[Handshake, dict[tuple, Any]]]" = OrderedDict()
+
+    def get(self, handshake: Handshake, key: tuple, backend: Any, meta: dict[str, Any]) -> Any:
+        """The prepared form of ``meta`` for ``backend``; the meta itself if it cannot be prepared
+        (then the read refuses it where it always did, with its own error)."""
+        entry = self._by_handshake.get(id(handshake))
+        if entry is None or entry[0] is not handshake:
+            entry = self._by_handshake[id(handshake)] = (handshake, {})
+            while len(self._by_handshake) > self.LIMIT:
+                self._by_handshake.popitem(last=False)
+        else:
+            self._by_handshake.move_to_end(id(handshake))
+        prepared = entry[1].get(key)
+        if prepared is None:
+            try:
+                prepared = entry[1][key] = backend.prepare_peer(meta)
+            except KVXferError:
+                return meta
+        return prepared
+
+    def __len__(self) -> int:
+        return len(self._by_handshake)
+
+
 class Receiver:
     def __init__(self, *, tp_rank: int, backend_name: str, layout: EngineLayout, regions: Sequence[Any],
                  scratch_backend: Any, scratch: torch.Tensor, handshakes: HandshakeCache,
@@ -100,6 +132,7 @@ class Receiver:
         self._spin_s = spin_s
         self._clock = clock
         self._loads: dict[str, _Load] = {}
+        self._prepared = PreparedSources()
         self._quarantined: Quarantine[str, _Load] = Quarantine()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
@@ -249,9 +282,10 @@ class Receiver:
         labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
         for read in load.reads.reads:  # one per prefill rank read from (one with equal TP)
             src_ids, dst_ids = read.ids(remote, local)
-            for backend, meta in zip(self._regions, handshake.rank_kv_metas[read.src_rank]):
+            for region, (backend, meta) in enumerate(zip(self._regions, handshake.rank_kv_metas[read.src_rank])):
                 try:
-                    handle = begin_data_read(backend, meta, src_ids, dst_ids,
+                    source = self._prepared.get(handshake, ("kv", read.src_rank, region), backend, meta)
+                    handle = begin_data_read(backend, source, src_ids, dst_ids,
                                              request_id=labels.get(read.src_rank, ticket.request_id))
                 except KVXferError as exc:
                     posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
@@ -271,7 +305,9 @@ class Receiver:
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None and load.reads is not None
         read_from = {read.src_rank for read in load.reads.reads}
-        targets = [LeaseTarget(handshake.rank_lease_metas[n.rank], ticket.slot,
+        lease_meta = lambda rank: self._prepared.get(handshake, ("lease", rank), self._scratch_backend,  # noqa: E731
+                                                     handshake.rank_lease_metas[rank])
+        targets = [LeaseTarget(lease_meta(n.rank), ticket.slot,
                                reader_label(ticket.request_id, n.reader, n.readers), n.rank, n.rank in read_from)
                    for n in load.reads.notify]
         load.lease = LeaseSlotGuard(self.slots, self._scratch_backend, targets, ticket.lease, pinned_at_offer=False,
