@@ -234,3 +234,23 @@ def test_kv_regions_one_registration_for_layers_of_one_buffer():
     # a permutation of a contiguous tensor (vLLM 0.32's NHD views) is dense: one block is one slice
     (region,) = kv_regions({"l0": torch.zeros(100, 4, 8).transpose(1, 2)}, 100)
     assert region.view.shape == (1, 100, 32) and region.signature["layout"] == "order021"
+
+
+def test_a_slab_as_long_as_the_slab_count_is_registered_and_read_byte_exact():
+    """A tiny Llama's CPU pool: 1,024 blocks x 4 heads = 4,096 slabs of 32 x 2 x 64 = 4,096 elements.
+    Registered as ``[layers, 4096, 4096]`` its blocks axis was ambiguous (registration refused, found by
+    ``kvxfer bench-vllm``); the slab is now two axes, and a read into a pool of another size is exact."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+
+    cls = construct_kv_transfer_backend_class("local")
+    pools = {n: torch.randn(2, n, 4, 32, 128).to(torch.bfloat16) for n in (1024, 600)}
+    regions = {n: kv_regions({f"l{i}": pools[n][i] for i in range(2)}, n)[0] for n in pools}
+    assert regions[1024].view.shape == (2, 4096, 2048, 2) and regions[600].view.shape == (2, 2400, 4096)
+    src, dst = (cls(f"slab-{n}", regions[n].view, n * 4) for n in (1024, 600))
+    try:
+        src_ids, dst_ids = [4 * 1000 + h for h in range(4)], [4 * 7 + h for h in range(4)]  # block 1000 -> 7
+        dst.begin_pull_blocks(src.export_meta(), src_ids, dst_ids).wait()
+        assert torch.equal(pools[600][:, 7].view(torch.int16), pools[1024][:, 1000].view(torch.int16))
+    finally:
+        src.close()
+        dst.close()

@@ -125,6 +125,18 @@ def slabs_per_block(layout: str, layer_shape: Sequence[Optional[int]]) -> int:
     return int(layer_shape[1]) if layout == "LBHNC" and layer_shape[1] else 1
 
 
+def _slab_dims(slab: int, blocks: int) -> tuple[int, ...]:
+    """A slab's elements as one axis, or two when that one would be as long as the blocks axis: the
+    registration finds its blocks axis by its length, so no other axis may have it (a tiny Llama's
+    1,024 blocks x 4 heads = 4,096 slabs of 32 x 2 x 64 = 4,096 elements did)."""
+    if slab != blocks:
+        return (slab,)
+    for factor in range(2, slab):
+        if slab % factor == 0 and factor != blocks and slab // factor != blocks:
+            return (slab // factor, factor)
+    return (slab,)  # prime: the registration refuses it, naming the sizes
+
+
 def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], order: tuple[int, ...],
           num_blocks: int) -> list[KVRegion]:
     """One region for layers evenly spaced back to back in one storage; else one per layer."""
@@ -143,7 +155,7 @@ def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], o
         base = group[0][1]
         view = torch.empty(0, dtype=base.dtype, device=base.device)
         view.set_(base.untyped_storage(), base.storage_offset(),
-                  (len(group) * outer, num_blocks * slabs, slice_elems // slabs))
+                  (len(group) * outer, num_blocks * slabs, *_slab_dims(slice_elems // slabs, num_blocks * slabs)))
         out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis, order, slabs))
     return out
 
