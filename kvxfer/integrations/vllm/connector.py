@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
+from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig, check_kv_cache_groups
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
 from kvxfer.integrations.vllm.stats import KvxferStats
@@ -44,12 +44,8 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
         raise ConnectorConfigError("KvxferConnector supports pipeline_parallel_size 1 only")
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
         raise ConnectorConfigError("KvxferConnector does not support decode/prefill context parallelism")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConnectorConfigError(
-            f"KvxferConnector moves models with one KV cache group (full attention); this model has {len(groups)} "
-            "(sliding window, hybrid or Mamba layers)"
-        )
+    check_kv_cache_groups([[cls.__name__ for cls in type(group.kv_cache_spec).__mro__]
+                           for group in kv_cache_config.kv_cache_groups])
 
 
 class KvxferConnector(KVConnectorBase_V1):

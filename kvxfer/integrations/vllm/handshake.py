@@ -4,7 +4,9 @@ Built by the producer's scheduler from what each worker reported (``get_handshak
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
 (``check_compatible``): the same block size, model and per-block layout, and equal tensor
-parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); else a
+parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); MLA models
+(``model["use_mla"]``: one latent cache per layer, the same on every TP rank) with any TP sizes
+that divide one another, each decode rank reading whole blocks from one prefill rank; else a
 refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason when
 it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
-from kvxfer.integrations.vllm.tp_mapping import check_tp_pair, describe_side, plan_rank_reads
+from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
@@ -35,7 +37,23 @@ class EngineLayout:
     regions: tuple[Mapping[str, Any], ...]  # kv_buffers.layout_signature()["regions"]
     num_blocks: int = 0  # this instance's pool length: not compared, block ids are checked against it
 
+    @property
+    def is_mla(self) -> bool:
+        """vLLM's ``model_config.use_mla``: each layer keeps one latent cache, identical on every TP
+        rank (no heads to split), so any rank's block is the whole block."""
+        return self.model.get("use_mla") is True
+
+    def latent(self) -> str:
+        """One layer's latent block, as both sides must have it for an MLA read (``check_mla_pair``)."""
+        shapes = sorted({str(tuple(r.get("layer_shape") or ())) for r in self.regions})
+        dtypes = sorted({str(r.get("dtype")) for r in self.regions})
+        layers = sum(int(r.get("layers") or 0) for r in self.regions)
+        return f"MLA latent per layer {'/'.join(shapes)} {'/'.join(dtypes)} x {layers} layers"
+
     def describe(self) -> str:
+        if self.is_mla:
+            return (f"TP {self.tp_size} x PP {self.pp_size}, {self.latent()} (replicated on every TP rank), "
+                    f"block_size {self.block_size}, {self.num_blocks} blocks")
         heads = self.model.get("num_kv_heads")
         per_rank = heads // self.tp_size if isinstance(heads, int) and self.tp_size else "?"
         shapes = ", ".join(str(tuple(r.get("layer_shape", ()))) for r in self.regions) or "none"
@@ -138,6 +156,8 @@ def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
     """Why different TP sizes are refused, or None when they are read (``tp_reads``): NixlConnector's
     reason when it refuses the pair too (``tp_mapping.check_tp_pair``), and any layout but ``LBHNC``
     on both sides, the one where a block's heads are contiguous slabs (``kv_buffers``)."""
+    if prefill.is_mla or decode.is_mla:
+        return _mla_tp_problem(prefill, decode)
     heads = prefill.model.get("num_kv_heads")
     if not isinstance(heads, int) or isinstance(heads, bool):
         return "tensor parallelism (no KV head count to map it with)"
@@ -160,6 +180,23 @@ def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
         per_rank = max(1, heads // lay.tp_size)
         if any((r.get("layer_shape") or [None, None])[1] != per_rank for r in lay.regions):
             return f"KV heads per rank: TP {lay.tp_size} with {heads} KV heads should hold {per_rank} ({sides})"
+    return None
+
+
+def _mla_tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
+    """MLA with different TP: read whole latent blocks from one prefill rank (``tp_mapping.mla_source_rank``),
+    if both sides are MLA with the same latent blocks, as NixlConnector requires of a replicated cache."""
+    if not (prefill.is_mla and decode.is_mla):
+        return (f"attention type: MLA on one side only (prefill use_mla={prefill.is_mla}, decode "
+                f"use_mla={decode.is_mla})")
+    try:
+        check_mla_pair(src_tp=prefill.tp_size, dst_tp=decode.tp_size, src_latent=prefill.latent(),
+                       dst_latent=decode.latent(), src_block_size=prefill.block_size,
+                       dst_block_size=decode.block_size)
+    except LayoutError as exc:
+        return f"tensor parallelism, refused as NixlConnector refuses it ({exc})"
+    if [dict(r) for r in prefill.regions] != [dict(r) for r in decode.regions]:
+        return f"MLA per-layer KV layout (prefill {prefill.latent()}; decode {decode.latent()})"
     return None
 
 
@@ -192,6 +229,8 @@ def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake)
     if not problems and theirs.tp_size == local.tp_size and \
             [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
         problems.append("per-layer KV layout")
+    if (theirs.is_mla or local.is_mla) and theirs.latent() != local.latent() and theirs.tp_size == local.tp_size:
+        problems.append(f"MLA latent cache (prefill {theirs.latent()}; decode {local.latent()})")
     if problems:
         raise LayoutError(
             f"prefill engine {remote.engine_id!r} cannot hand KV to this decode: different {', '.join(problems)}. "

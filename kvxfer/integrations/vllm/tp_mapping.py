@@ -11,7 +11,14 @@ vLLM 0.32's NixlConnector decides this in ``nixl/tp_mapping.py`` (``compute_tp_m
 * ``D < P``: decode rank ``d`` reads from ranks ``d*(P/D) + i``, keeping only the first rank
   per distinct head ("GQA dedup": with ``P > K`` several of them hold the same head);
 * refused: TP sizes that do not divide one another, and ``D < P`` with the prefill's KV
-  replicated (``P > K``) for attention-only models (``_validate_remote_agent_handshake``).
+  replicated (``P > K``) for attention-only models (``_validate_remote_agent_handshake``);
+* MLA (``TransferTopology.is_mla``): the latent cache has no heads axis and is the same on
+  every rank ("replicated", ``replicates_kv_cache``), so decode rank ``d`` reads whole blocks
+  from the one prefill rank ``d*P//D`` in both directions (``compute_tp_mapping``'s ``is_mla``
+  branch), tells the other handshake targets it is done (``pull_worker.py``, the
+  ``send_notif`` after a single MLA read), and each prefill rank waits for ``max(1, D/P)``
+  readers as for attention; the latent block sizes must be equal ("KV cache sizes must match
+  between P and D when replicated", ``base_worker.py``).
 
 The head arithmetic itself is kvxfer's reshard planner (``KVShardLayout``,
 ``kv_transfer_between``), so a vLLM pair is planned the way a Megatron pair is. The byte runs
@@ -118,6 +125,26 @@ def check_tp_pair(*, src_tp: int, dst_tp: int, total_kv_heads: int, src_layout: 
                           f"place: {sides}")
     if src_block_size != dst_block_size:
         raise LayoutError(f"different block sizes ({src_block_size} vs {dst_block_size}): {sides}")
+
+
+def mla_source_rank(dst_rank: int, dst_tp: int, src_tp: int) -> int:
+    """MLA: the one prefill rank decode rank ``dst_rank`` reads its whole latent blocks from. Any
+    rank would do (each holds the same latent cache); vLLM's ``d*P//D`` spreads the decode ranks
+    over the prefill's when ``P > D`` and keeps ``D/P`` readers per prefill rank when ``D > P``."""
+    return dst_rank * src_tp // dst_tp
+
+
+def check_mla_pair(*, src_tp: int, dst_tp: int, src_latent: str, dst_latent: str, src_block_size: int,
+                   dst_block_size: int) -> None:
+    """Refuse an MLA pair NixlConnector refuses, naming both sides: TP sizes that do not divide one
+    another, different latent blocks (``*_latent`` describe one layer's block on each side), block sizes."""
+    sides = f"prefill TP {src_tp}, {src_latent}; decode TP {dst_tp}, {dst_latent}"
+    if min(src_tp, dst_tp) < 1 or max(src_tp, dst_tp) % min(src_tp, dst_tp):
+        raise LayoutError(f"MLA: TP sizes {src_tp} and {dst_tp} do not divide one another: {sides}")
+    if src_latent != dst_latent:
+        raise LayoutError(f"MLA: different latent cache per block, a replicated cache is read whole: {sides}")
+    if src_block_size != dst_block_size:
+        raise LayoutError(f"MLA: different block sizes ({src_block_size} vs {dst_block_size}): {sides}")
 
 
 def plan_rank_reads(*, dst_rank: int, dst_tp: int, src_tp: int, total_kv_heads: int,

@@ -7,6 +7,9 @@ heads ``h0..h0+n-1`` of block ``b`` on a side with ``H`` heads per rank are back
 ``b*H+h0 .. b*H+h0+n-1``, and the existing whole-"block" reads fetch exactly a rank's heads,
 byte-exact, with each side using its own ``H``. Only ``LBHNC`` has a head's bytes contiguous in
 a block; the handshake refuses different TP on other layouts (``handshake.tp_problem``).
+MLA has no heads to split: every rank holds the same latent cache, so a decode rank reads its
+whole blocks from one prefill rank (``tp_mapping.mla_source_rank``) and still tells every
+prefill rank it maps to that it is done, as NixlConnector does.
 
 A prefill rank frees a request only once *every* decode rank that reads it is done. That count
 is the decode's to know (it depends on the decode's TP), so it travels in the read-done: each
@@ -24,7 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
-from kvxfer.integrations.vllm.tp_mapping import plan_rank_reads, readers_per_source, target_ranks
+from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
 
 _LABEL = re.compile(r"^(?P<id>.+)#kvxfer-reader-(?P<i>\d{1,4})-of-(?P<n>\d{1,4})$", re.S)
 
@@ -97,8 +100,9 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
     the prefill's ``EngineLayout``, already found compatible by ``handshake.check_compatible``)."""
     src_slabs, dst_slabs = _slabs(remote.regions), _slabs(local.regions)
     notify = notify_ranks(tp_rank, local.tp_size, remote.tp_size)
-    if remote.tp_size == local.tp_size:
-        return RankReads((SlabRead(tp_rank, 0, 0, dst_slabs, src_slabs, dst_slabs),), notify)
+    if remote.tp_size == local.tp_size or remote.is_mla:
+        source = mla_source_rank(tp_rank, local.tp_size, remote.tp_size)  # its own rank with equal TP
+        return RankReads((SlabRead(source, 0, 0, dst_slabs, src_slabs, dst_slabs),), notify)
     plan = plan_rank_reads(dst_rank=tp_rank, dst_tp=local.tp_size, src_tp=remote.tp_size,
                            total_kv_heads=int(local.model["num_kv_heads"]))
     reads = tuple(SlabRead(r.src_rank, r.src_head, r.dst_head, r.num_heads, src_slabs, dst_slabs) for r in plan.reads)
