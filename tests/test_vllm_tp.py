@@ -377,3 +377,13 @@ def test_mla_latent_mismatch_and_mixed_attention_are_refused_naming_both():
         check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(2)))
     with pytest.raises(LayoutError, match="do not divide"):
         check_compatible(mla_engine(3), "nixl", producer(mla_engine(2)))
+
+
+def test_mla_without_use_mla_in_the_model_facts_is_refused_with_different_tp_never_misread():
+    """Until ``worker.engine_model`` carries ``use_mla``, a real MLA pair looks like 4 KV heads in one
+    ``[blocks, 1, 16, 576]`` slab: equal TP reads whole blocks (right), different TP is refused."""
+    from kvxfer.integrations.vllm.handshake import check_compatible
+    check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(1, mla=False)))
+    for src_tp, dst_tp in ((1, 2), (2, 1)):
+        with pytest.raises(LayoutError, match="KV heads per rank"):
+            check_compatible(mla_engine(dst_tp, mla=False), "nixl", producer(mla_engine(src_tp, mla=False)))
