@@ -380,8 +380,9 @@ def test_mla_latent_mismatch_and_mixed_attention_are_refused_naming_both():
 
 
 def test_mla_without_use_mla_in_the_model_facts_is_refused_with_different_tp_never_misread():
-    """Until ``worker.engine_model`` carries ``use_mla``, a real MLA pair looks like 4 KV heads in one
-    ``[blocks, 1, 16, 576]`` slab: equal TP reads whole blocks (right), different TP is refused."""
+    """Model facts without ``use_mla`` (as kvxfer sent them before ``worker.engine_model`` carried it): an
+    MLA pair looks like 4 KV heads in one ``[blocks, 1, 16, 576]`` slab: equal TP reads whole blocks
+    (right), different TP is refused, never misread."""
     from kvxfer.integrations.vllm.handshake import check_compatible
     check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(1, mla=False)))
     for src_tp, dst_tp in ((1, 2), (2, 1)):

@@ -46,6 +46,7 @@ def engine_model(vllm_config: "VllmConfig") -> dict[str, Any]:
         "head_size": mc.get_head_size(),
         "dtype": str(mc.dtype).removeprefix("torch."),
         "kv_dtype": str(vllm_config.cache_config.cache_dtype),
+        "use_mla": bool(getattr(mc, "use_mla", False)),  # one latent cache per layer: read whole, any TP
     }
 
 
