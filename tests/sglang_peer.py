@@ -4,12 +4,13 @@ Argument: a JSON object (role, backend, pool shape, bootstrap port). It builds w
 scheduler builds for a PD rank (``disaggregation/prefill.py`` / ``decode.py``): server args
 published the way SGLang's tests do (``override_server_args``), plugins loaded (so
 ``--disaggregation-transfer-backend kvxfer_*`` resolves through kvxfer's entry point), SGLang's
-real ``MHATokenToKVPool`` and ``MetadataBuffers``, ``KVArgs`` filled from them as
+real ``MHATokenToKVPool`` and ``MetadataBuffers`` (and, with ``mamba``, its ``HybridReqToTokenPool``,
+whose Mamba state becomes ``KVArgs``' state buffers), ``KVArgs`` filled from them as
 ``_init_kv_manager`` does, and the classes ``get_kv_class`` returns. The prefill rank also runs
 SGLang's bootstrap server. Then it answers JSON commands on stdin, one reply line each on stdout:
 ``serve`` (prefill: senders, chunked ``send``), ``receive`` (decode: receivers, ``send_metadata``),
-``sizes``, ``exit``; ``"manager": "mismatch"`` runs one on a second manager shaped by the config's
-``mismatch`` fields. Page and aux-row contents travel back as SHA-256 digests.
+``sizes``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the config's ``NAME``
+fields (``mismatch``, ``tp2``). Page and aux-row contents travel back as SHA-256 digests.
 """
 
 from __future__ import annotations
@@ -68,11 +69,76 @@ def setup():
     return (backend, server, *build(backend, CFG))
 
 
+#: Each manager's Mamba request pool (``HybridReqToTokenPool``), when the rank's config has ``mamba``.
+MAMBA: dict = {}
+
+
+def mamba_pool(cfg: dict):
+    """SGLang's real ``HybridReqToTokenPool`` (its ``MambaPool``: conv and temporal state per layer,
+    one item per slot), as a hybrid Mamba model's scheduler builds it; ``cfg["mamba"]`` its request rows."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    layers = list(range(cfg["layers"]))
+    shape = Mamba2StateShape.create(tp_world_size=cfg.get("attn_tp_size", 1), intermediate_size=32, n_groups=1,
+                                    num_heads=4, head_dim=8, state_size=8, conv_kernel=4)
+    return HybridReqToTokenPool(size=cfg["mamba"], mamba_size=cfg["mamba"], mamba_spec_state_size=0, max_context_len=64,
+                                device="cpu", enable_memory_saver=False, cache_params=Mamba2CacheParams(
+                                    shape=shape, layers=layers), mamba_layer_ids=layers,
+                                enable_mamba_extra_buffer=False)
+
+
+def state_indices_for(manager, kv_args, r: dict):
+    """``state_indices`` as SGLang's prefill and decode build them (``_mamba_payload`` in
+    ``disaggregation/prefill.py`` / ``decode.py``: one entry per state type, Mamba's a one-slot list),
+    or None for a room without a Mamba slot. Stand-in: the room's row is pointed at the plan's slot
+    directly (SGLang's ``mamba_allocator`` picks it), so source and destination slots can differ."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    hybrid = MAMBA.get(id(manager))
+    if hybrid is None or r.get("mamba_slot") is None:
+        return None
+    row = int(r["req_row"])
+    hybrid.req_index_to_mamba_index_mapping[row] = int(r["mamba_slot"])
+    payloads = {StateType.MAMBA: lambda: [
+        hybrid.translate_mamba_indices(hybrid.req_index_to_mamba_index_mapping[row]).cpu().numpy()]}
+    return [payloads[st]() if st in payloads else None for st in kv_args.state_types]
+
+
+def state_digests(kv_args, slot: int) -> list[str]:
+    """One digest per state tensor (each Mamba layer's conv, then temporal state) of one slot."""
+    from kvxfer.integrations.sglang.regions import raw_view
+
+    return [hashlib.sha256(raw_view(ptr + slot * item, item, "cpu").numpy().tobytes()).hexdigest()[:16]
+            for comp_ptrs, comp_items in zip(kv_args.state_data_ptrs, kv_args.state_item_lens)
+            for ptr, item in zip(comp_ptrs, comp_items)]
+
+
+def state_written_slots(kv_args) -> list[int]:
+    """The state slots with any non-zero byte in any state tensor (a fresh pool is all zeros)."""
+    from kvxfer.integrations.sglang.regions import raw_view
+
+    written = set()
+    for comp_ptrs, comp_lens, comp_items in zip(kv_args.state_data_ptrs, kv_args.state_data_lens,
+                                                kv_args.state_item_lens):
+        for ptr, n, item in zip(comp_ptrs, comp_lens, comp_items):
+            rows = raw_view(ptr, n, "cpu").view(n // item, item)
+            written.update(torch.nonzero(rows.any(dim=1)).flatten().tolist())
+    return sorted(written)
+
+
 def build(backend, cfg: dict):
-    """One rank's pool, metadata buffers, ``KVArgs`` and manager, shaped by ``cfg``."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, MetadataBuffers, get_kv_class
+    """One rank's pool, metadata buffers, ``KVArgs`` and manager, shaped by ``cfg``. A config with
+    ``attn_tp_size`` > 1 builds this rank as attention-TP rank 0 of that size: SGLang reads the widths
+    from ``get_parallel()``, so they are stated with its scoped ``override`` while the manager is made
+    (no process group is built: the stand-in for the other TP ranks, which a kvxfer manager never
+    contacts before bootstrap), and the pool holds this rank's share of the heads."""
+    import contextlib
+
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode, KVClassType, MetadataBuffers, get_kv_class, setup_state_kv_args)
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.runtime_context import get_server_args
+    from sglang.srt.runtime_context import get_parallel, get_server_args
 
     pool = MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
                             head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
@@ -91,17 +157,24 @@ def build(backend, cfg: dict):
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = pool.get_contiguous_buf_infos()
     kv_args.num_draft_entries = 0
     kv_args.kv_layer_ids = list(range(cfg["layers"])) * 2
+    tp = int(cfg.get("attn_tp_size", 1))
     kv_args.kv_head_num = pool.head_num
-    kv_args.total_kv_head_num = pool.head_num
+    kv_args.total_kv_head_num = pool.head_num * tp
     kv_args.page_size = pool.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = None
     kv_args.gpu_id = 0
-    kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens = [], [], []
-    kv_args.state_item_lens, kv_args.state_layer_ids = [], []
+    hybrid = mamba_pool(cfg) if cfg.get("mamba") else None
+    # SGLang's own: no state for a plain MHA pool; a Mamba component from the hybrid request pool
+    setup_state_kv_args(kv_args, pool, req_to_token_pool=hybrid)
     mode = DisaggregationMode.PREFILL if CFG["role"] == "prefill" else DisaggregationMode.DECODE
-    manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, get_server_args(), False)
+    widths = (get_parallel().override(tp_size=tp, attn_tp_size=tp, moe_tp_size=tp) if tp > 1
+              else contextlib.nullcontext())
+    with widths:
+        manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, get_server_args(), False)
     OWNED[id(manager)] = meta  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
+    if hybrid is not None:
+        MAMBA[id(manager)] = hybrid
     return pool, kv_args, manager
 
 
@@ -111,7 +184,8 @@ def fill(pool, kv_args, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for buf in list(pool.k_buffer) + list(pool.v_buffer):
         buf.view(torch.int16).copy_(torch.randint(-2**15, 2**15, buf.shape, dtype=torch.int16, generator=gen))
-    for ptr, n in zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens):
+    state = [(p, n) for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens) for p, n in zip(ptrs, lens)]
+    for ptr, n in list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)) + state:
         raw_view(ptr, n, "cpu").copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
 
 
@@ -187,8 +261,10 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
                 pages = np.asarray(r["pages"], dtype=np.int64)
                 bounds = np.cumsum([0] + r["chunks"])
                 offered[room] = time.monotonic()
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    senders[room].send(pages[a:b], None, num_kv_tokens=int(b - a) * CFG["page_size"])
+                state_indices = state_indices_for(manager, kv_args, r)
+                for a, b in zip(bounds[:-1], bounds[1:]):  # state with the last chunk only, as prefill.py sends it
+                    senders[room].send(pages[a:b], state_indices if b == bounds[-1] else None,
+                                       num_kv_tokens=int(b - a) * CFG["page_size"])
                     chunks_sent += 1
                     if cmd.get("die_after_chunks") and chunks_sent >= cmd["die_after_chunks"]:
                         time.sleep(cmd.get("die_delay_s", 0.0))
@@ -216,10 +292,15 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         result[str(room)] = {"status": int(status), "reason": reason}
         if cmd.get("timing"):
             result[str(room)].update(at_s=at - offered.get(room, started), lease_revoked=revoked)
-    digests = {str(r["room"]): {"pages": page_digests(pool, r["pages"]),
-                                "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else []}
-               for r in cmd["rooms"]}
+    digests = room_digests(cmd["rooms"], pool, kv_args)
     return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started, "leases_held": len(held)}
+
+
+def room_digests(rooms: list[dict], pool, kv_args) -> dict:
+    return {str(r["room"]): {
+        "pages": page_digests(pool, r["pages"]),
+        "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else [],
+        "state": state_digests(kv_args, r["mamba_slot"]) if r.get("mamba_slot") is not None else []} for r in rooms}
 
 
 def die_on_first_read(manager) -> None:
@@ -256,9 +337,9 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         rcv = receiver_cls(mgr=manager, bootstrap_addr=addr, bootstrap_room=r["room"])
         rcv.init(0)
         receivers[r["room"]] = rcv
-    for r in cmd["rooms"]:
-        receivers[r["room"]].send_metadata(np.asarray(r["pages"], dtype=np.int32), r.get("aux_index"), [],
-                                           decode_prefix_len=0)
+    for r in cmd["rooms"]:  # SGLang passes [] without state, else one entry per state type
+        receivers[r["room"]].send_metadata(np.asarray(r["pages"], dtype=np.int32), r.get("aux_index"),
+                                           state_indices_for(manager, kv_args, r) or [], decode_prefix_len=0)
     started = time.monotonic()
     if cmd.get("abort_after_s") is not None:
         time.sleep(cmd["abort_after_s"])
@@ -270,10 +351,8 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         status, at, _ = ended[room]
         result[str(room)] = {"status": int(status), "reason": reason_of(rcv, status), "at_s": at - started}
         rcv.clear()
-    digests = {str(r["room"]): {"pages": page_digests(pool, r["pages"]),
-                                "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else []}
-               for r in cmd["rooms"]}
-    return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started}
+    return {"rooms": result, "digests": room_digests(cmd["rooms"], pool, kv_args),
+            "elapsed_s": time.monotonic() - started, "state_written_slots": state_written_slots(kv_args)}
 
 # --- SGLang's own queues (``prefill.PrefillBootstrapQueue``, ``decode.DecodePreallocQueue`` and
 # ``DecodeTransferQueue``), built the way SGLang's CPU unit tests build them
@@ -420,6 +499,10 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
     prealloc.token_to_kv_pool, prealloc.max_total_num_tokens = pool, CFG["tokens"]
     prealloc._prefill_dp_rank_queries, prealloc._num_published_destinations = {}, 0
     prealloc.req_to_token_pool = SimpleNamespace(available_size=lambda: len(plan), req_to_token=req_to_token)
+    hybrid = MAMBA.get(id(manager))
+    if hybrid is not None:  # what _mamba_payload reads (every row on slot 0: the prefill sends no state here)
+        prealloc.req_to_token_pool.translate_mamba_indices = hybrid.translate_mamba_indices
+        prealloc.req_to_token_pool.req_index_to_mamba_index_mapping = hybrid.req_index_to_mamba_index_mapping
     prealloc.token_to_kv_pool_allocator = SimpleNamespace(  # a plain MHA allocator's answers
         page_size=page_size, translate_kv_indices_for_transfer=lambda x: x,
         prealloc_ceiling_fits=lambda *_: None, prealloc_fits=lambda *_args, **_kw: True)
@@ -600,7 +683,9 @@ def main() -> None:
                 reply(receive_queued(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "sizes":
                 time.sleep(cmd.get("settle_s", 0.0))
-                reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters})
+                reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,
+                       "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
+                       "attn_tp_size": manager.attn_tp_size})
             elif cmd["op"] == "exit":
                 reply({"bye": True})
                 break

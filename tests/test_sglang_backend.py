@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -82,6 +83,7 @@ def _check_bytes(serve_rooms, prefill_reply, decode_reply) -> None:
         for layer, (a, b) in enumerate(zip(src["pages"], dst["pages"])):
             assert a == b, f"room {key} buffer {layer}: pages differ"
         assert src["aux"] == dst["aux"] and src["aux"], f"room {key}: aux rows differ"
+        assert src.get("state", []) == dst.get("state", []), f"room {key}: Mamba state slots differ"
 
 
 def _exchange(prefill: Peer, decode: Peer, port: int, serve, receive, **extra) -> tuple[dict, dict]:
@@ -95,8 +97,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     """One prefill rank and two decode ranks, all real SGLang ranks on one backend (the second decode
     also holds a mismatched manager, so no fourth process pays SGLang's imports):
 
-    1. three rooms at once, each sent in two chunks: every page of every layer and the aux rows
-       arrive byte for byte, both sides ``KVPoll.Success``;
+    1. three rooms at once, each sent in two chunks: every page of every layer, the aux rows and each
+       room's Mamba state slot (every layer's conv and temporal state, SGLang's ``state_indices`` with
+       the last chunk, to another slot) arrive byte for byte, no other state slot is written, both sides
+       ``KVPoll.Success``;
     2. the same room ids again (reused), four rooms of three chunks, other pages: byte exact;
     2b. three rooms driven by SGLang's own queues (``PrefillBootstrapQueue``; ``DecodePreallocQueue``
        and ``DecodeTransferQueue``, which commit the first token from the aux row after SGLang's
@@ -107,7 +111,8 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        continues greedily from them (reading and writing its own pool) and produces exactly the
        tokens the prefill produced co-located, and other tokens without the prompt's KV;
     3. nothing left in any table on either side;
-    4. a decode whose pool differs is refused, naming what differs;
+    4. a decode whose pool differs is refused, naming what differs; a decode of another attention TP
+       size (rank 0 of TP 2) is refused at bootstrap naming both sizes, with nothing read or kept;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
        no table keeps an entry;
     6. the decode is SIGKILLed with its first page read in flight (one room mid-read, one published
@@ -120,13 +125,23 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     port = free_port()
     bootstrap = f"127.0.0.1:{port}"
     # the prefill's bound for a silent decode is 2 x its transfer timeout: short here, to keep step 6 cheap
-    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S)})
-    decode = Peer("decode", backend, port, env=secret_env)
-    other = Peer("decode", backend, port, env=secret_env, mismatch=mismatch)
+    # every rank also holds SGLang's Mamba request pool (8 rows): its conv and temporal state per layer
+    # are KVArgs' state buffers (random bytes on the prefill, zeros on a decode)
+    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S)},
+                   mamba=8)
+    decode = Peer("decode", backend, port, env=secret_env, mamba=8)
+    other = Peer("decode", backend, port, env=secret_env, mamba=8, mismatch=mismatch,
+                 tp2={"heads": 1, "attn_tp_size": 2})  # attention-TP rank 0 of 2: half the prefill's heads
     try:
         prefill.ready(), decode.ready(), other.ready()
         serve, receive = rooms_plan(100, 3)
-        _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+        for i, (s, r) in enumerate(zip(serve, receive)):  # each room's Mamba slot, sent with its last chunk
+            s.update(req_row=i, mamba_slot=1 + i)
+            r.update(req_row=7 - i, mamba_slot=(7, 4, 5)[i])
+        served, received = _exchange(prefill, decode, port, serve, receive)
+        _check_bytes(serve, served, received)
+        assert all(served["digests"][str(r["room"])]["state"] for r in serve), served["digests"]
+        assert received["state_written_slots"] == [4, 5, 7], received["state_written_slots"]  # no other slot
 
         serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=(1, 2, 3), src_base=30, dst_base=2)
         _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
@@ -164,6 +179,16 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             reason = refused["rooms"]["300"]["reason"]
             assert refused["rooms"]["300"]["status"] == FAILED, refused
             assert "kv_head_num: prefill=2 decode=4" in reason and "kv_item_lens" in reason, reason
+
+        # a decode of attention TP 2 (rank 0) bootstraps against the TP-1 prefill: refused before any receiver
+        began = time.monotonic()
+        refused = other.ask(op="receive", manager="tp2", bootstrap=bootstrap, rooms=rooms_plan(310, 1)[1], timeout=15)
+        assert "attn_tp_size=1" in refused.get("refused", "") and "attn_tp_size=2" in refused["refused"], refused
+        tp2 = other.ask(op="sizes", manager="tp2")
+        assert tp2["attn_tp_size"] == 2 and tp2["prefill_info_table"] == 0, tp2  # not cached as usable
+        assert not any(tp2["sizes"].values()) and not any(tp2["counters"].values()), tp2  # nothing read or kept
+        print(f"{backend}: TP 2 decode refused in {time.monotonic() - began:.2f}s (manager built on first use): "
+              f"{refused['refused']}")
 
         serve, receive = rooms_plan(200, 2)  # the decode aborts right after publishing its pages
         prefill.send(op="serve", rooms=serve, timeout=20)
