@@ -20,9 +20,10 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.security.auth import new_secret_file
-from tests.vllm_support import BLOCK, Pair, counters, decode_requests, delta, make_model, prompt
+from tests.vllm_support import BLOCK, Pair, counters, decode_requests, delta, make_model, prompt, start
 
 GRACE_S = 4.0
+LARGER_POOL, SMALLER_POOL = 1536, 160  # decode pools against the prefill's 1,024 blocks
 #: bytes of one block on the tiny model: 4 layers x [2 heads, 32 tokens, 2 x 64] bf16
 BLOCK_BYTES = 4 * 2 * BLOCK * 128 * 2
 
@@ -39,8 +40,8 @@ def pair(request: pytest.FixtureRequest, model: str, tmp_path_factory: pytest.Te
     env = {}
     if request.param == "nixl":  # signed metas and tickets; ucx runs without a secret (same host only)
         env["KVXFER_SECRET_FILE"] = new_secret_file(str(tmp_path_factory.mktemp("secret")))
-    with ExitStack() as stack:
-        yield Pair(stack, model, request.param, env, GRACE_S)
+    with ExitStack() as stack:  # vLLM sizes pools by profiling: the nixl pair's decode has more blocks than its prefill
+        yield Pair(stack, model, request.param, env, GRACE_S, decode_blocks=LARGER_POOL if request.param == "nixl" else 1024)
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -77,6 +78,36 @@ def test_token_exact_across_prompt_lengths(pair: Pair) -> None:
     # one descriptor per layer per run of adjacent blocks, not one per block x layer
     assert delta(after, before, "descriptors") < blocks * 4
     wait_for(lambda: counters(pair.prefill)["pins_held"] == 0, 10, "prefill pins released by read-done")
+
+
+def test_pools_of_different_sizes(pair: Pair) -> None:
+    """vLLM sizes each pool by profiling: a decode with a larger pool than its prefill's 1,024 blocks (the
+    nixl pair's own decode, 1,536) and with a smaller one (ucx: a decode of 160 blocks started here, the
+    prefill's block ids pushed past it first) loads token-exact, every prompt token counted as
+    external_kv_transfer, none as local_compute."""
+    if pair.backend == "nixl":
+        decode = pair.decode
+    else:
+        decode = start("decode-small", pair.model, role="kv_consumer", cpu="1", extra=pair.extra, env=pair.env,
+                       blocks=SMALLER_POOL).wait_ready()
+        pair.reference([prompt(900 + i, 1000) for i in range(8)], max_tokens=1)  # the prefill's next blocks: high ids
+    try:
+        prompts = [prompt(950 + i, n) for i, n in enumerate([40, 300, 2 * BLOCK + 7, 500])]
+        reference = pair.reference(prompts)
+        tickets = pair.export(prompts)
+        if decode is not pair.decode:
+            highest = max(max(t["remote_block_ids"][0]) for t in tickets)
+            assert highest >= SMALLER_POOL, highest  # ids this decode's pool does not have
+        before = counters(decode)
+        out = decode.generate(decode_requests(prompts, tickets))
+        after = counters(decode)
+        assert [o["tokens"] for o in out["outputs"]] == reference
+        assert_no_recompute(before, after, external=sum(map(len, prompts)))
+        assert delta(after, before, "handoffs") == len(prompts)
+        assert after["step_hold_max_s"] < 1.0, after["step_hold_max_s"]
+    finally:
+        if decode is not pair.decode:
+            decode.close()
 
 
 def test_prefix_cache_hit_on_decode_pulls_only_missing_blocks(pair: Pair) -> None:

@@ -8,13 +8,12 @@ answers, as a TP worker behind a live scheduler) and drives a decode's ``Receive
 vLLM's engine step does (``submit`` then ``collect`` every 5 ms), timing every call. The
 listener's own bounds are measured on a listener process (``tests.vllm_support listener``).
 
-The pools of different sizes run in real vLLM (``test_pools_of_different_sizes``), because
-vLLM sizes the pools and hands the blocks.
+The pools of different sizes run in real vLLM (``test_vllm_connector.py::test_pools_of_different_sizes``),
+because vLLM sizes the pools and hands the blocks.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import socket
@@ -25,9 +24,7 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.handoff.poll import KVPoll
-from kvxfer.security.auth import new_secret_file
-from tests.vllm_support import (BLOCK, Child, Decode, Pair, Producer, counters, decode_requests, delta, make_model,
-                                prompt, start)
+from tests.vllm_support import Child, Decode, Producer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -268,45 +265,3 @@ def test_junk_bytes_log_one_line(tmp_path) -> None:
     assert stats["junk"] >= 3 and stats["served"] == 1, stats
     assert "Traceback" not in text and "ERROR" not in text, text[-2000:]
     assert len([line for line in text.splitlines() if "handshake listener" in line]) == 1, text[-2000:]
-
-
-# --- real vLLM ------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model(str(tmp_path_factory.mktemp("vllm-model") / "tiny-llama"))
-
-
-def test_pools_of_different_sizes(model: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """vLLM sizes each pool by profiling: decodes with a smaller (160 blocks) and a larger (1,536) pool than
-    their prefill's (1,024) load token-exact, counting every prompt token as external_kv_transfer and none as
-    local_compute; for the smaller pool the prefill's block ids run past the decode's pool. One prefill serves
-    both decodes (three engines start at once: one prefill start-up less than a pair per size)."""
-    env = {"KVXFER_SECRET_FILE": new_secret_file(str(tmp_path_factory.mktemp("secret")))}
-    extra = {"backend": "nixl", "pin_grace_s": 30.0, "transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0}
-    with ExitStack() as stack:
-        pair = Pair.__new__(Pair)  # the pair's helpers, with pools of our sizes
-        pair.stack, pair.model, pair.backend, pair.env, pair.extra = stack, model, "nixl", env, extra
-        pair.prefill = pair._own(start("prefill", model, role="kv_producer", cpu="0", extra=extra, env=env,
-                                       blocks=1024))
-        decodes = {blocks: pair._own(start(f"decode-{blocks}", model, role="kv_consumer", cpu="1", extra=extra,
-                                           env=env, blocks=blocks)) for blocks in (160, 1536)}
-        for instance in (pair.prefill, *decodes.values()):
-            instance.wait_ready()
-        for round_, (decode_blocks, decode) in enumerate(decodes.items()):  # the small pool first: fresh high ids
-            # fill the prefill's cache so its next blocks come from high ids (past a small decode's pool)
-            pair.reference([prompt(900 + 20 * round_ + i, 1000) for i in range(8)], max_tokens=1)
-            prompts = [prompt(950 + 20 * round_ + i, n) for i, n in enumerate([40, 300, 2 * BLOCK + 7, 500])]
-            reference = pair.reference(prompts)
-            tickets = pair.export(prompts)
-            highest = max(max(t["remote_block_ids"][0]) for t in tickets)
-            if decode_blocks < 1024:
-                assert highest >= decode_blocks, highest
-            before = counters(decode)
-            out = decode.generate(decode_requests(prompts, tickets))
-            after = counters(decode)
-            assert [o["tokens"] for o in out["outputs"]] == reference, f"decode with {decode_blocks} blocks"
-            assert delta(after, before, "prompt_local_compute") == 0
-            assert delta(after, before, "prompt_external_kv_transfer") == sum(map(len, prompts))
-            assert delta(after, before, "handoffs") == len(prompts)
-            assert after["step_hold_max_s"] < 1.0, after["step_hold_max_s"]

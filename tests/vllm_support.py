@@ -76,14 +76,16 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 class Pair:
-    """A prefill (core 0) and a decode (core 1) instance on one backend."""
+    """A prefill (core 0, 1,024 blocks) and a decode (core 1, ``decode_blocks``) instance on one backend."""
 
-    def __init__(self, stack: ExitStack, model: str, backend: str, env: dict[str, str], grace_s: float) -> None:
+    def __init__(self, stack: ExitStack, model: str, backend: str, env: dict[str, str], grace_s: float,
+                 decode_blocks: int = 1024) -> None:
         self.stack, self.model, self.backend, self.env = stack, model, backend, env
         self.extra = {"backend": backend, "pin_grace_s": grace_s, "transfer_timeout_s": 5.0,
                       "handshake_timeout_s": 5.0}
         self.prefill = self._own(start("prefill", model, role="kv_producer", cpu="0", extra=self.extra, env=env))
-        self.decode = self._own(start("decode", model, role="kv_consumer", cpu="1", extra=self.extra, env=env))
+        self.decode = self._own(start("decode", model, role="kv_consumer", cpu="1", extra=self.extra, env=env,
+                                      blocks=decode_blocks))
         self.prefill.wait_ready()
         self.decode.wait_ready()
 
