@@ -299,7 +299,7 @@ def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.Mon
 
 def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21: close() once hung in ucp_worker_destroy after a notice stall (3 of 6 runs). Here,
-    20 times: a pull to a SIGSTOPped source times out, its read-failed notice cannot leave (the new
+    10 times (a 1-in-2 hang is missed with odds 1 in 1,024): a pull to a SIGSTOPped source times out, its read-failed notice cannot leave (the new
     endpoint's wireup needs the stopped source), and the backend is closed at once. Every close
     must return within the teardown bound and leave no UCX object behind."""
     from kvxfer.backends.ucx import backend as ucx_backend
@@ -311,7 +311,7 @@ def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch:
     try:
         with Mode("tcp").decode(name="stall-close-warm-up") as warm:  # its meta confirmed while it runs (confirm.py)
             warm.begin_pull_blocks(src.meta, [0], [0], request_id="warm-up").wait()
-        for run in range(20):
+        for run in range(10):
             dst = Mode("tcp").decode(timeout_s=0.2, name=f"stall-close-{run}")
             os.kill(src.pid, signal.SIGSTOP)
             try:
@@ -326,7 +326,7 @@ def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch:
     finally:
         src.stop()
     hung = sum(took > _ucp.WORKER_DESTROY_TIMEOUT_S for took in closes)
-    print(f"20 closes after a notice stall: {hung} over the bound; slowest {max(closes):.2f}s")
+    print(f"10 closes after a notice stall: {hung} over the bound; slowest {max(closes):.2f}s")
     assert hung == 0 and max(closes) < _ucp.WORKER_DESTROY_TIMEOUT_S
     assert _ucp.live_objects() == {}
 

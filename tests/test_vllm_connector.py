@@ -177,13 +177,16 @@ def test_decode_killed_prefill_frees_after_grace_and_a_late_reader_fails(pair: P
     tickets = pair.export(prompts)
     assert counters(pair.prefill)["pins_held"] == 3
     pair.decode.kill()
+    # the late reader starts now (vLLM's start-up, ~20 s) while the prefill waits out its grace
+    late = pair._own(start("decode-2", pair.model, role="kv_consumer", cpu="1", extra=pair.extra, policy="recompute",
+                           env=pair.env))
     p_after = wait_for(lambda: (c := counters(pair.prefill))["pins_held"] == 0 and c, GRACE_S + 10,
                        "pins freed after the decode died")
     assert delta(p_after, p_before, "released_grace") == 3
     assert delta(p_after, p_before, "released_read_done") == 0
     # the prefill reuses the freed blocks; a late reader of the old tickets must not admit them
     pair.reference([prompt(510 + i, 300) for i in range(6)])
-    late = pair.start_decode("decode-2", policy="recompute")
+    late.wait_ready()
     before = counters(late)
     out = late.generate(decode_requests(prompts, tickets))
     after = counters(late)

@@ -93,10 +93,6 @@ class Pair:
         self.stack.callback(instance.close)
         return instance
 
-    def start_decode(self, name: str, policy: str) -> VllmInstance:
-        return self._own(start(name, self.model, role="kv_consumer", cpu="1", extra=self.extra, policy=policy,
-                               env=self.env)).wait_ready()
-
     def reference(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
         """Co-located generation on the prefill instance (no handoff)."""
         out = self.prefill.generate([{"prompt": p, "max_tokens": max_tokens} for p in prompts])
