@@ -26,8 +26,12 @@ $(SGLANG_STAMP): pyproject.toml setup.py tools/bootstrap.sh
 loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes, on the default backend
 	$(VENV)/bin/kvxfer loopback
 
+# pytest-xdist workers; each test file runs whole in one worker (its module fixtures, a vLLM pair
+# for one, start once), two files at a time: most tests wait on peers, timeouts and engines
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV), SGLang's ranks in $(SGLANG_VENV))
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 info: $(STAMP)
 	$(VENV)/bin/kvxfer info

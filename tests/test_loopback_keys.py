@@ -14,7 +14,6 @@ import glob
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -24,19 +23,21 @@ from kvxfer.security.auth import SECRET_FILE_ENV
 SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "16", "--pool-blocks", "64", "--blocks", "16"]
 
 
-def _key_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "kvxfer-secret-*")))
+def _key_dirs(directory: str) -> set[str]:
+    return set(glob.glob(os.path.join(directory, "kvxfer-secret-*")))
 
 
 @pytest.mark.parametrize("backend", ["ucx", "nixl"])
-def test_loopback_processes_sign_their_metas_with_a_key_of_their_own(backend):
+def test_loopback_processes_sign_their_metas_with_a_key_of_their_own(backend, tmp_path):
+    # the run's temporary files go to a folder of this test's own: other tests (run in
+    # parallel) write key folders of theirs to the shared temporary folder
     env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
-    before = _key_dirs()
+    env["TMPDIR"] = str(tmp_path)
     run = subprocess.run([sys.executable, "-m", "kvxfer", "loopback", "--backend", backend, "-v", *SMALL],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "UNAUTHENTICATED" not in run.stdout + run.stderr, run.stderr[-3000:]
-    assert _key_dirs() <= before        # the run's key file went with it
+    assert not _key_dirs(str(tmp_path))  # the run's key file went with it
 
 
 def test_soak_processes_sign_their_metas_with_a_key_of_their_own(monkeypatch, caplog):
