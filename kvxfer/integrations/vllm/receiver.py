@@ -47,7 +47,7 @@ from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
-from kvxfer.integrations.vllm.specs import LoadSpec
+from kvxfer.integrations.vllm.specs import MAMBA, LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 from kvxfer.integrations.vllm.tp_reads import RankReads, notify_ranks, rank_reads, reader_label
 
@@ -112,6 +112,39 @@ class PreparedSources:
 
     def __len__(self) -> int:
         return len(self._by_handshake)
+
+
+def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] | str":
+    """The producer's and this decode's block ids, paired in order, or why they cannot be. One group:
+    the ticket's blocks from ``first_block`` on. A hybrid model: every transfer group's pairs in one
+    list (all groups' pages are one registered region): an attention group's from its first block,
+    a Mamba group's one running slot to the decode's one."""
+    if not spec.groups:
+        local = list(spec.local_block_ids)
+        remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
+        if len(remote) < len(local):
+            return (f"the ticket names {len(ticket.block_ids)} blocks, the request needs blocks "
+                    f"{spec.first_block}..{spec.first_block + len(local) - 1}")
+        return remote, local
+    if len(ticket.groups) != len(spec.groups):
+        return f"the ticket has {len(ticket.groups)} KV cache groups, this decode's model {len(spec.groups)}"
+    remote, local = [], []
+    for index, (load, theirs) in enumerate(zip(spec.groups, ticket.groups)):
+        if load.group.kind == MAMBA:
+            if len(load.local_block_ids) != 1 or len(theirs) != 1:
+                return (f"KV cache group {index} (Mamba state) pairs {len(theirs)} prefill slot(s) with "
+                        f"{len(load.local_block_ids)} decode slot(s); a Mamba state is one slot on each side")
+            remote.append(theirs[0])
+            local.append(load.local_block_ids[0])
+            continue
+        mine = list(load.local_block_ids)
+        picked = list(theirs[load.first_block: load.first_block + len(mine)])
+        if len(picked) < len(mine):
+            return (f"the ticket names {len(theirs)} blocks of KV cache group {index}, the request needs blocks "
+                    f"{load.first_block}..{load.first_block + len(mine) - 1}")
+        remote += picked
+        local += mine
+    return remote, local
 
 
 class Receiver:
@@ -216,7 +249,8 @@ class Receiver:
             return self._refuse(load, spec.refusal)
         if load.ticket is None:
             try:
-                load.ticket = parse_ticket(spec.params, block_size=self._layout.block_size)
+                load.ticket = parse_ticket(spec.params, block_size=self._layout.block_size,
+                                           groups=[g.group for g in spec.groups] or None)
                 if self._cluster_key is not None:  # checked before anything the ticket names is contacted
                     load.ticket.verify(ticket_key(self._cluster_key, None))
                     load.verified = True
@@ -263,11 +297,10 @@ class Receiver:
             load.reads = RankReads((), notify_ranks(self._tp_rank, self._layout.tp_size, handshake.layout.tp_size))
             return self._start_read(load)  # a verified ticket: let the producer free its blocks now
         load.marks["checked"] = self._clock()
-        local = list(spec.local_block_ids)
-        remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
-        if len(remote) < len(local):
-            return self._refuse(load, f"the ticket names {len(ticket.block_ids)} blocks, the request needs blocks "
-                                      f"{spec.first_block}..{spec.first_block + len(local) - 1}")
+        paired = block_pairs(spec, ticket)
+        if isinstance(paired, str):
+            return self._refuse(load, paired)
+        remote, local = paired
         pool = handshake.layout.num_blocks
         if remote and max(remote) >= pool:  # signed by the producer, but checked against what it serves
             return self._refuse(load, f"the ticket names block {max(remote)}, the prefill's pool has {pool} blocks")

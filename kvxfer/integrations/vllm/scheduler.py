@@ -13,6 +13,14 @@ Producer side (``kv_producer``/``kv_both``): ``request_finished`` of a request w
 fields plus kvxfer's signed lease. The blocks go back to vLLM when the worker reports the
 request in ``finished_sending`` (read-done, read-failed, or the lease grace), never on a
 bare timer. It also serves the handshake on ``kv_ip:kv_port``.
+
+Hybrid attention+Mamba models (several transfer groups): a Mamba layer's state after ``n`` tokens
+is one slot, not a block per token range, and vLLM recomputes the last prompt token of a whole-
+prompt load (``scheduler.py``: ``num_computed_tokens = num_tokens - 1``), which would advance a
+state that already holds it. So the producer computes the prompt without its last token
+(``on_new_request``, as NixlConnector's ``_truncate_request_for_prefill``), the ticket carries
+``remote_num_tokens`` = N-1 and, per group, the attention blocks and the one running Mamba slot;
+the decode loads N-1 tokens and computes the last one itself.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ from kvxfer.integrations.vllm.leases import LeaseSlots
 from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHandshakeMetadata, LoadSpec,
                                                SendSpec)
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, local_only_policy
+from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA, GroupLoad, TransferGroup
 from kvxfer.integrations.vllm.tickets import parse_ticket, prompt_digest, sign_ticket, ticket_key
 from kvxfer.meta.seal import meta_key_from_env
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
@@ -44,13 +54,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def running_slot(block_ids: "list[int]", spec_blocks: int) -> list[int]:
+    """A Mamba group's running-state slot in vLLM's list for a request: the last one before the
+    ``spec_blocks`` speculative scratch slots (``[]`` if there is none)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+
+    return list(clip_ssm_state_blocks(list(block_ids), spec_blocks))
+
+
 class KvxferScheduler:
-    def __init__(self, vllm_config: "VllmConfig", engine_id: str, cfg: KvxferConfig) -> None:
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, cfg: KvxferConfig,
+                 kv_cache_config: Optional["KVCacheConfig"] = None,
+                 groups: tuple[TransferGroup, ...] = ()) -> None:
         kv_cfg = vllm_config.kv_transfer_config
         parallel = vllm_config.parallel_config
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
+        self.kv_cache_config = kv_cache_config
+        #: per transfer group when the model is hybrid (several groups); empty: one attention/MLA group
+        self.groups: tuple[TransferGroup, ...] = groups if len(groups) > 1 else ()
+        self.has_mamba = any(g.kind == MAMBA for g in self.groups)
+        if self.groups:
+            self.block_size = min(g.block_size for g in self.groups if g.kind == ATTENTION)
         self.is_producer = bool(kv_cfg.is_kv_producer)
         self.is_consumer = bool(kv_cfg.is_kv_consumer)
         self.tp_size = parallel.tensor_parallel_size
@@ -104,7 +130,10 @@ class KvxferScheduler:
         remote = params.get("remote_num_tokens")
         if isinstance(remote, bool) or not isinstance(remote, int) or remote <= 0:
             remote = request.num_prompt_tokens  # malformed: the worker refuses the ticket, the policy decides
-        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        # Mamba: the producer stopped one token short (on_new_request), so N-1 load; a ticket claiming all N
+        # still loads N-1 here and is refused before any byte moves (_prompt_refusal, parse_ticket)
+        cap = request.num_prompt_tokens - 1 if self.has_mamba else request.num_prompt_tokens
+        count = min(remote, cap) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_computed[request.request_id] = num_computed_tokens
@@ -121,18 +150,44 @@ class KvxferScheduler:
             # Nothing to load (the local prefix cache holds it all): let the producer free its pin now.
             self._loads.append(LoadSpec(request.request_id, spec_params, (), 0, awaiting=False))
             return
+        refusal = self._prompt_refusal(request, spec_params)
+        if self.groups:
+            loads = self._group_loads(blocks, local_computed, num_external_tokens)
+            union = tuple(b for load in loads for b in load.local_block_ids)
+            self._loads.append(LoadSpec(request.request_id, spec_params, union, 0, awaiting=True, refusal=refusal,
+                                        groups=loads))
+            return
         first = local_computed // self.block_size
         last = _cdiv(local_computed + num_external_tokens, self.block_size)
         local_ids = tuple(blocks.get_block_ids()[0][first:last])
         self._loads.append(LoadSpec(request.request_id, spec_params, local_ids, first, awaiting=True,
-                                    refusal=self._prompt_refusal(request, spec_params)))
+                                    refusal=refusal))
+
+    def _group_loads(self, blocks: "KVCacheBlocks", local_computed: int, num_external_tokens: int
+                     ) -> tuple[GroupLoad, ...]:
+        """Per transfer group, the decode's blocks the load fills: attention, the blocks past the local
+        hit up to the loaded tokens (in that group's block size); Mamba, the running slot vLLM allocated
+        for the request (unhashed, not a null placeholder, before the speculative scratch slots)."""
+        assert self.kv_cache_config is not None
+        ids = self.kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
+        unhashed = self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups())
+        out = []
+        for group, group_ids, fresh in zip(self.groups, ids, unhashed):
+            if group.kind == MAMBA:
+                out.append(GroupLoad(group, tuple(running_slot(fresh, group.spec_blocks))))
+                continue
+            first = local_computed // group.block_size
+            last = _cdiv(local_computed + num_external_tokens, group.block_size)
+            out.append(GroupLoad(group, tuple(group_ids[first:last]), first))
+        return tuple(out)
 
     def _prompt_refusal(self, request: "Request", params: dict[str, Any]) -> Optional[str]:
         tokens = request.prompt_token_ids
         if tokens is None:
             return "the request has no prompt token ids (prompt embeds): its KV cannot be matched to a ticket"
         try:
-            parse_ticket(params, block_size=self.block_size, max_tokens=len(tokens)).check_prompt(tokens)
+            parse_ticket(params, block_size=self.block_size, max_tokens=len(tokens),
+                         groups=self.groups or None).check_prompt(tokens)
         except KVXferError as exc:
             return str(exc)
         return None
@@ -149,7 +204,36 @@ class KvxferScheduler:
             if slot is not None:
                 self._slots.give_back(slot)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def on_new_request(self, request: "Request") -> None:
+        """Producer of a Mamba model: compute the prompt without its last token, so the exported state
+        is the one after N-1 tokens and the decode's recompute of the last token advances it once
+        (``_p_side_truncated`` guards a preempted request; a request that skips reading the prefix cache
+        loads nothing on the decode, which recomputes it all)."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and self.has_mamba and params and params.get("do_remote_decode")):
+            return
+        if params.get("_p_side_truncated") or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None \
+                or request.get_skip_reading_prefix_cache():
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_p_side_truncated"] = True
+
+    def _ticket_block_ids(self, block_ids: "tuple[list[int], ...]") -> list[list[int]]:
+        """``remote_block_ids``: one list per transfer group; a Mamba group's only its running slot.
+        One group (not hybrid): the list vLLM gave, as before."""
+        if not self.groups:
+            return [list(block_ids[0])]
+        assert self.kv_cache_config is not None
+        chosen = self.kv_cache_config.select_transfer_block_ids(list(block_ids))
+        return [running_slot(ids, g.spec_blocks) if g.kind == MAMBA else list(ids)
+                for g, ids in zip(self.groups, chosen)]
+
+    def request_finished(self, request: "Request", block_ids: "tuple[list[int], ...]"
+                         ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """``block_ids``: one list per KV cache group (all groups, as vLLM's scheduler passes them)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -166,7 +250,8 @@ class KvxferScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        if not block_ids or request.prompt_token_ids is None:
+        remote_block_ids = self._ticket_block_ids(block_ids) if block_ids else []
+        if not remote_block_ids or not all(remote_block_ids) or request.prompt_token_ids is None:
             return False, None
         taken = self._slots.take()
         if taken is None:
@@ -180,7 +265,7 @@ class KvxferScheduler:
         out: dict[str, Any] = dict(
             do_remote_prefill=True,
             do_remote_decode=False,
-            remote_block_ids=[list(block_ids)],
+            remote_block_ids=remote_block_ids,
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
             remote_host=self.cfg.remote_host,
@@ -196,7 +281,7 @@ class KvxferScheduler:
         sign_ticket(out, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.cfg.backend_name,
                           "prompt": prompt_digest(request.prompt_token_ids, num_tokens)}, self._ticket_key)
         self._slot_of[request.request_id] = slot
-        self._sends.append(SendSpec(request.request_id, tuple(block_ids), slot, lease))
+        self._sends.append(SendSpec(request.request_id, tuple(b for ids in remote_block_ids for b in ids), slot, lease))
         return True, out
 
     def shutdown(self) -> None:

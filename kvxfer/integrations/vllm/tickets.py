@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.integrations.vllm.specs import MAMBA, TransferGroup
 
 TICKET_FIELD = "kvxfer"
 TICKET_VERSION = 1
@@ -81,6 +82,8 @@ class Ticket:
     prompt_sha256: str
     backend: str
     raw: Mapping[str, Any]
+    #: a hybrid model's ids per transfer group (``block_ids`` is then the first group's); else empty
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def verify(self, key: bytes) -> None:
         """``PeerMetadataError`` unless the ticket was signed with ``key`` and is unchanged."""
@@ -139,12 +142,41 @@ def block_ids_of(value: Any, max_count: int = MAX_BLOCKS) -> tuple[int, ...]:
     return tuple(value)
 
 
-def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: Optional[int] = None) -> Ticket:
+def group_block_ids_of(value: Any, groups: Sequence[TransferGroup], num_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """A hybrid model's ``remote_block_ids``: one list per transfer group of this decode, each bounded
+    before its ids are read: an attention group by the blocks ``num_tokens`` fill in its block size
+    (+1), a Mamba group exactly its one running-state slot."""
+    if not isinstance(value, (list, tuple)) or len(value) != len(groups) \
+            or not all(isinstance(ids, (list, tuple)) for ids in value):
+        count = len(value) if isinstance(value, (list, tuple)) else "no"
+        raise PeerMetadataError(
+            f"kv_transfer_params 'remote_block_ids' has {count} KV cache groups; this decode's model has "
+            f"{len(groups)} ({', '.join(g.kind for g in groups)}): run the same model on both sides"
+        )
+    out = []
+    for index, (ids, group) in enumerate(zip(value, groups)):
+        if group.kind == MAMBA:
+            if len(ids) != 1:
+                raise PeerMetadataError(
+                    f"kv_transfer_params 'remote_block_ids' group {index} (Mamba state) lists {len(ids)} blocks; a "
+                    "Mamba group hands over exactly one, its running-state slot"
+                )
+            out.append(block_ids_of(list(ids), 1))
+        else:
+            out.append(block_ids_of(list(ids), min(-(-num_tokens // group.block_size) + 1, MAX_BLOCKS)))
+    return tuple(out)
+
+
+def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: Optional[int] = None,
+                 groups: Optional[Sequence[TransferGroup]] = None) -> Ticket:
     """Schema-check a decode request's ``kv_transfer_params``; ``PeerMetadataError`` names the field.
 
     ``remote_num_tokens`` is bounded by ``max_tokens`` (the decode's prompt, when known) and
     the block-id list by the blocks those tokens fill (``block_size``, plus the one the
-    producer may have allocated for the token it sampled), checked before the ids are read."""
+    producer may have allocated for the token it sampled), checked before the ids are read.
+    ``groups``: a hybrid model's transfer groups (``group_block_ids_of``); with a Mamba group the
+    ticket must hold fewer tokens than the prompt, since vLLM recomputes the last loaded prompt token
+    and a state that already holds it would advance twice."""
     if not isinstance(params, Mapping):
         raise PeerMetadataError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
     ticket = params.get(TICKET_FIELD)
@@ -160,14 +192,21 @@ def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: O
     if not isinstance(digest, str) or len(digest) != 64:
         raise PeerMetadataError("kv_transfer_params 'kvxfer.prompt' must be a SHA-256 hex digest")
     num_tokens = _int(params, "remote_num_tokens", 1, max_tokens if max_tokens else 1 << 40)
+    if groups and any(g.kind == MAMBA for g in groups) and max_tokens and num_tokens >= max_tokens:
+        raise PeerMetadataError(
+            f"kv_transfer_params 'remote_num_tokens' is {num_tokens} for a prompt of {max_tokens} tokens; with Mamba "
+            "state the prefill must stop one token short (KvxferConnector's producer does), since the decode "
+            "recomputes the last prompt token: run KvxferConnector on the prefill"
+        )
     max_blocks = -(-num_tokens // block_size) + 1 if block_size else num_tokens + 1
+    per_group = group_block_ids_of(params.get("remote_block_ids"), groups, num_tokens) if groups else ()
     return Ticket(
         engine_id=_str(params, "remote_engine_id"),
         request_id=_str(params, "remote_request_id"),
         host=_str(params, "remote_host"),
         port=_int(params, "remote_port", 1, 65535),
         tp_size=_int(params, "tp_size", 1, 1 << 16),
-        block_ids=block_ids_of(params.get("remote_block_ids"), min(max_blocks, MAX_BLOCKS)),
+        block_ids=per_group[0] if per_group else block_ids_of(params.get("remote_block_ids"), min(max_blocks, MAX_BLOCKS)),
         num_tokens=num_tokens,
         instance=_str(ticket, "instance"),
         slot=_int(ticket, "slot", 0, (1 << 24) - 1),
@@ -175,6 +214,7 @@ def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: O
         prompt_sha256=digest,
         backend=_str(ticket, "backend"),
         raw=params,
+        groups=per_group,
     )
 
 

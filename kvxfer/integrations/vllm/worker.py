@@ -23,7 +23,7 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.vllm.config import KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
-from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
+from kvxfer.integrations.vllm.kv_buffers import TensorPlacement, hma_pages_region, kv_regions, layout_signature
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer.integrations.vllm.receiver import Receiver
 from kvxfer.integrations.vllm.sender import Sender
@@ -36,10 +36,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
 
-def engine_model(vllm_config: "VllmConfig") -> dict[str, Any]:
-    """The model facts both sides must share for their KV bytes to mean the same."""
+def is_hybrid(kv_cache_config: "KVCacheConfig") -> bool:
+    """Several transfer groups (vLLM's hybrid KV cache manager): moved as pages (``hma_pages_region``)."""
+    return len(kv_cache_config.transfer_group_ids) > 1
+
+
+def kv_group_facts(kv_cache_config: "KVCacheConfig") -> list[dict[str, Any]]:
+    """Per transfer group, what decides the bytes of its pages, for the handshake to compare: the spec
+    kind, layers, block size and page size; for Mamba also the state shapes and dtypes, vLLM's
+    ``mamba_cache_mode`` and speculative slots, and the conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``:
+    SD and DS order the same conv state differently)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out = []
+    for group in kv_cache_config.transfer_groups:
+        spec = group.kv_cache_spec
+        facts: dict[str, Any] = {"spec": type(spec).__name__, "layers": len(group.layer_names),
+                                 "block_size": int(spec.block_size), "page_bytes": int(spec.page_size_bytes)}
+        if isinstance(spec, MambaSpec):
+            from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+            facts.update(shapes=[list(shape) for shape in spec.shapes],
+                         dtypes=[str(d).removeprefix("torch.") for d in spec.dtypes],
+                         mamba_cache_mode=spec.mamba_cache_mode, spec_blocks=int(spec.num_speculative_blocks),
+                         conv_layout=str(get_conv_state_layout()))
+        else:
+            facts["dtype"] = str(getattr(spec, "dtype", "")).removeprefix("torch.")
+        out.append(facts)
+    return out
+
+
+def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"] = None) -> dict[str, Any]:
+    """The model facts both sides must share for their KV bytes to mean the same (a hybrid model's
+    groups too: a mismatch is refused by ``check_compatible`` before any byte moves)."""
     mc = vllm_config.model_config
-    return {
+    facts = {
         "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
         "num_layers": mc.get_total_num_hidden_layers(),
         "num_kv_heads": mc.get_total_num_kv_heads(),
@@ -48,6 +79,9 @@ def engine_model(vllm_config: "VllmConfig") -> dict[str, Any]:
         "kv_dtype": str(vllm_config.cache_config.cache_dtype),
         "use_mla": bool(getattr(mc, "use_mla", False)),  # one latent cache per layer: read whole, any TP
     }
+    if kv_cache_config is not None and is_hybrid(kv_cache_config):
+        facts["kv_groups"] = kv_group_facts(kv_cache_config)
+    return facts
 
 
 class KvxferWorker:
@@ -81,9 +115,18 @@ class KvxferWorker:
     # --- start-up --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        regions = kv_regions(kv_caches, num_blocks)
+        if is_hybrid(self.kv_cache_config):
+            placements = [TensorPlacement(tuple(t.layers), t.size, t.offset, t.layer_stride, t.block_stride)
+                          for t in self.kv_cache_config.kv_cache_tensors]
+            regions = [hma_pages_region(kv_caches, placements, num_blocks)]
+            groups = kv_group_facts(self.kv_cache_config)
+            self.block_size = min(g["block_size"] for g in groups if "shapes" not in g)  # attention's, not Mamba's
+            logger.info("kvxfer vllm: hybrid model: KV cache groups %s registered as pages %s", groups,
+                        tuple(regions[0].layer_shape))
+        else:
+            regions = kv_regions(kv_caches, num_blocks)
         signature = layout_signature(regions, self.block_size)
-        self.layout = EngineLayout(model=engine_model(self.vllm_config), tp_size=self.tp_size,
+        self.layout = EngineLayout(model=engine_model(self.vllm_config, self.kv_cache_config), tp_size=self.tp_size,
                                    pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
                                    block_size=self.block_size, regions=tuple(signature["regions"]),
                                    num_blocks=num_blocks)
