@@ -63,7 +63,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                               kv_connector_extra_config=json.loads(args.extra))
     return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                block_size=args.block_size, max_model_len=args.max_model_len, num_gpu_blocks_override=args.blocks,
-               enable_prefix_caching=True, kv_transfer_config=kv, disable_log_stats=False, seed=0,
+               enable_prefix_caching=args.prefix_caching, kv_transfer_config=kv, disable_log_stats=False, seed=0,
                worker_extension_cls="kvxfer.integrations.vllm.extension.KvxferWorkerExtension")
 
 
@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=1024, help="num_gpu_blocks_override")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="enable_prefix_caching=False: a hybrid (Mamba) model then keeps one state slot per "
+                             "request (mamba_cache_mode 'none') instead of one per block ('align')")
     run(parser.parse_args())
 
 
