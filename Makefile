@@ -26,8 +26,9 @@ $(SGLANG_STAMP): pyproject.toml setup.py tools/bootstrap.sh
 loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes, on the default backend
 	$(VENV)/bin/kvxfer loopback
 
-# pytest-xdist workers; each test file runs whole in one worker (its module fixtures, a vLLM pair
-# for one, start once), two files at a time: most tests wait on peers, timeouts and engines
+# pytest-xdist workers, two files at a time (most tests wait on peers, timeouts and engines): each
+# file runs whole in one worker, so its module fixtures (a vLLM pair, say) start once, and the files
+# that start vLLM engines share one worker (tests/conftest.py, pytest_xdist_make_scheduler)
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV), SGLang's ranks in $(SGLANG_VENV))

@@ -15,7 +15,31 @@ import torch
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+#: Test files that start real vLLM engines (each several processes, minutes of CPU on 2 cores):
+#: under pytest-xdist they share one worker, so no two of them start engines at the same time.
+VLLM_ENGINE_FILES = frozenset({"test_vllm_connector.py", "test_vllm_http.py", "test_vllm_hybrid_engine.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` runs ``-n 2 --dist loadfile``: a file's tests stay in one worker (its module
+    fixtures start once), and here the files that start vLLM engines form one unit of work.
+    (xdist's ``loadgroup`` marks do not group under pytest 9: it renames node ids, which pytest 9
+    no longer lets a plugin do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm-engines" if path.rsplit("/", 1)[-1] in VLLM_ENGINE_FILES else path
+
+    return EnginesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the engine files first: under xdist their unit (minutes) then overlaps all the rest
+    items.sort(key=lambda item: item.path.name not in VLLM_ENGINE_FILES)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
