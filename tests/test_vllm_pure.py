@@ -254,3 +254,26 @@ def test_a_slab_as_long_as_the_slab_count_is_registered_and_read_byte_exact():
     finally:
         src.close()
         dst.close()
+
+
+def test_step_hold_counts_the_connector_calls_not_the_forward_between_them():
+    """``step_hold_max_s`` is what the connector's two calls of a step cost (start_load, then
+    transfer_results after the model's forward): a slow forward (a first one compiles) is not ours."""
+    import subprocess
+
+    from tests.vllm_support import require_vllm_python
+
+    script = """
+import time, types
+from kvxfer.integrations.vllm.worker import KvxferWorker
+worker = KvxferWorker.__new__(KvxferWorker)
+worker.sender = worker.receiver = None
+worker._step_spent_s = worker._step_hold_max_s = 0.0
+worker.start_load(types.SimpleNamespace(sends=[], loads=[]))
+time.sleep(0.5)  # the model's forward
+worker.transfer_results()
+print(worker._step_hold_max_s)
+"""
+    run = subprocess.run([require_vllm_python(), "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert 0.0 <= float(run.stdout.split()[-1]) < 0.25, run.stdout

@@ -33,6 +33,8 @@ TARGETS = {  # name -> (driver connector, kv_connector_extra_config, environment
     # a one-host deployment: NIXL's UCX without peer failure handling reads over CMA (docs/environment.md)
     "kvxfer-nixl-same-host": ("timed-kvxfer", {"backend": "nixl"}, {"KVXFER_NIXL_SAME_HOST": "1"}),
     "kvxfer-ucx": ("timed-kvxfer", {"backend": "ucx"}, {}),
+    # the same without polling reads in the engine step (completion_spin_us, default 200): does the spin pay?
+    "kvxfer-ucx-nospin": ("timed-kvxfer", {"backend": "ucx", "completion_spin_us": 0}, {}),
     "vllm-nixl": ("timed-nixl", {"backends": ["UCX"]}, {}),
 }
 #: KvxferConnector's handoff p50 must be at most this fraction of NixlConnector's (issue 20).

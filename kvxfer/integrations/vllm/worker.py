@@ -109,7 +109,7 @@ class KvxferWorker:
         self.layout: Optional[EngineLayout] = None
         self._handshake_payload: Optional[str] = None
         self._last_counters: dict[str, int] = {}
-        self._step_started: Optional[float] = None
+        self._step_spent_s = 0.0  # this step's time inside start_load so far
         self._step_hold_max_s = 0.0  # the longest engine step spent in this connector since the last stats()
 
     # --- start-up --------------------------------------------------------------------------
@@ -180,7 +180,13 @@ class KvxferWorker:
 
     # --- every step ------------------------------------------------------------------------
     def start_load(self, metadata: KvxferConnectorMetadata) -> None:
-        self._step_started = time.perf_counter()
+        began = time.perf_counter()
+        try:
+            self._start_load(metadata)
+        finally:
+            self._step_spent_s += time.perf_counter() - began
+
+    def _start_load(self, metadata: KvxferConnectorMetadata) -> None:
         for spec in metadata.sends:
             if self.sender is None:
                 logger.error("kvxfer vllm: asked to export request %s but this instance is not a kv producer",
@@ -199,10 +205,10 @@ class KvxferWorker:
         began = time.perf_counter()
         sent = self.sender.collect() if self.sender is not None else set()
         received, failed = self.receiver.collect() if self.receiver is not None else (set(), set())
-        ended = time.perf_counter()
-        # vLLM calls start_load then this, once per step: together, what the step spent here
-        held = ended - (self._step_started if self._step_started is not None else began)
-        self._step_started = None
+        # vLLM calls start_load, runs the model, then calls this, once per step: the step spent here
+        # the two calls' time, never the model's forward between them (a first forward compiles)
+        held = self._step_spent_s + time.perf_counter() - began
+        self._step_spent_s = 0.0
         self._step_hold_max_s = max(self._step_hold_max_s, held)
         return sent, received, failed
 
