@@ -32,7 +32,8 @@ loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)  ## the whole test suite (the vLLM tests run in $(VLLM_VENV), SGLang's ranks in $(SGLANG_VENV))
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(VENV)/bin/python -m pytest -m serial
 
 info: $(STAMP)
 	$(VENV)/bin/kvxfer info
