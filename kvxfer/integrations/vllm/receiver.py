@@ -114,18 +114,23 @@ class PreparedSources:
         return len(self._by_handshake)
 
 
+def _block_run(theirs: "Sequence[int]", first: int, mine: "Sequence[int]", where: str
+               ) -> "tuple[list[int], list[int]] | str":
+    """The producer's blocks ``first..`` paired with this decode's ``mine``, or why the ticket is short."""
+    picked = list(theirs[first: first + len(mine)])
+    if len(picked) < len(mine):
+        return (f"the ticket names {len(theirs)} blocks{where}, the request needs blocks "
+                f"{first}..{first + len(mine) - 1}")
+    return picked, list(mine)
+
+
 def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] | str":
     """The producer's and this decode's block ids, paired in order, or why they cannot be. One group:
     the ticket's blocks from ``first_block`` on. A hybrid model: every transfer group's pairs in one
     list (all groups' pages are one registered region): an attention group's from its first block,
     a Mamba group's one running slot to the decode's one."""
     if not spec.groups:
-        local = list(spec.local_block_ids)
-        remote = list(ticket.block_ids[spec.first_block: spec.first_block + len(local)])
-        if len(remote) < len(local):
-            return (f"the ticket names {len(ticket.block_ids)} blocks, the request needs blocks "
-                    f"{spec.first_block}..{spec.first_block + len(local) - 1}")
-        return remote, local
+        return _block_run(ticket.block_ids, spec.first_block, spec.local_block_ids, "")
     if len(ticket.groups) != len(spec.groups):
         return f"the ticket has {len(ticket.groups)} KV cache groups, this decode's model {len(spec.groups)}"
     remote, local = [], []
@@ -137,13 +142,11 @@ def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] 
             remote.append(theirs[0])
             local.append(load.local_block_ids[0])
             continue
-        mine = list(load.local_block_ids)
-        picked = list(theirs[load.first_block: load.first_block + len(mine)])
-        if len(picked) < len(mine):
-            return (f"the ticket names {len(theirs)} blocks of KV cache group {index}, the request needs blocks "
-                    f"{load.first_block}..{load.first_block + len(mine) - 1}")
-        remote += picked
-        local += mine
+        run = _block_run(theirs, load.first_block, load.local_block_ids, f" of KV cache group {index}")
+        if isinstance(run, str):
+            return run
+        remote += run[0]
+        local += run[1]
     return remote, local
 
 
