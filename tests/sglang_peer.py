@@ -47,6 +47,9 @@ def setup():
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # the real path: kvxfer's entry point in this environment's metadata
+    # SGLang's scheduler imports its queues at start, as here: not inside a step a test times
+    import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.disaggregation.prefill  # noqa: F401
     from sglang.srt.runtime_context import get_context
 
     get_context().override_server_args(
@@ -428,7 +431,7 @@ def serve_queued(cmd, backend, manager, pool, kv_args) -> dict:
     for req in reqs:
         queue.add(req, num_kv_heads=CFG["heads"])
     deadline = time.monotonic() + cmd.get("timeout", 60)
-    inflight, done, slots = [], {}, {}
+    inflight, done, slots, reasons = [], {}, {}, {}
     while (queue.queue or inflight) and time.monotonic() < deadline:
         for req in queue.pop_bootstrapped():
             assert not req.pending_bootstrap, f"{req.rid} popped before its bootstrap (optimistic prefill)"
@@ -449,12 +452,13 @@ def serve_queued(cmd, backend, manager, pool, kv_args) -> dict:
                 if poll in (KVPoll.Success, KVPoll.Failed):
                     if poll == KVPoll.Success:
                         req.disagg_kv_sender.get_transfer_metric()
+                    reasons[req.bootstrap_room] = reason_of(req.disagg_kv_sender, poll)
                     req.disagg_kv_sender.clear()
                     queue.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
                     done[req.bootstrap_room] = int(poll)
                     inflight.remove(req)
         time.sleep(0.001)
-    return {"rooms": {str(r): {"status": done.get(r), "reason": None} for r in plan},
+    return {"rooms": {str(r): {"status": done.get(r), "reason": reasons.get(r)} for r in plan},
             "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
                                  "aux": aux_digests(kv_args, slots[r]) if r in slots else []} for r in plan},
             "left": {"bootstrap": len(queue.queue), "inflight": len(inflight),

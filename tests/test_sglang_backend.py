@@ -74,11 +74,12 @@ def secret_env(tmp_path):
     return peer_env(KVXFER_SECRET_FILE=new_secret_file(str(tmp_path)))
 
 
-def _check_bytes(serve_rooms, prefill_reply, decode_reply) -> None:
+def _check_bytes(serve_rooms, prefill_reply, decode_reply, *peers: Peer) -> None:
+    logs = "".join(f"\n--- {p.role}'s log:\n{p.log()}" for p in peers)
     for r in serve_rooms:
         key = str(r["room"])
-        assert prefill_reply["rooms"][key] == {"status": SUCCESS, "reason": None}, prefill_reply["rooms"][key]
-        assert decode_reply["rooms"][key]["status"] == SUCCESS, decode_reply["rooms"][key]
+        assert prefill_reply["rooms"][key] == {"status": SUCCESS, "reason": None}, (prefill_reply["rooms"][key], logs)
+        assert decode_reply["rooms"][key]["status"] == SUCCESS, (decode_reply["rooms"][key], logs)
         src, dst = prefill_reply["digests"][key], decode_reply["digests"][key]
         for layer, (a, b) in enumerate(zip(src["pages"], dst["pages"])):
             assert a == b, f"room {key} buffer {layer}: pages differ"
@@ -147,10 +148,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
 
         serve, receive = rooms_plan(700, 3, pages_per_room=5, chunks=(2, 3), src_base=3, dst_base=50)
-        prefill.send(op="serve_queued", rooms=serve, timeout=30)  # through SGLang's own queues
-        queued = decode.ask(op="receive_queued", bootstrap=bootstrap, rooms=receive, timeout=30)
+        prefill.send(op="serve_queued", rooms=serve, timeout=60)  # through SGLang's own queues
+        queued = decode.ask(op="receive_queued", bootstrap=bootstrap, rooms=receive, timeout=60)
         served = prefill.read()
-        _check_bytes(serve, served, queued)
+        _check_bytes(serve, served, queued, prefill, decode)
         assert not any(served["left"].values()) and not any(queued["left"].values()), (served, queued)
         for r in serve:  # SGLang committed the first token from the aux row, after its bootstrap-room check
             assert queued["rooms"][str(r["room"])]["output_ids"] == [1000 + r["room"]], queued["rooms"]
