@@ -659,7 +659,8 @@ def main() -> None:
         backend, server, pool, kv_args, manager = setup()
         if CFG["role"] == "prefill":
             fill(pool, kv_args, CFG.get("seed", 1))
-        reply({"ready": True, "pid": os.getpid(), "layout": manager.kvxfer_layout})
+        reply({"ready": True, "pid": os.getpid(), "layout": manager.kvxfer_layout,
+               "endpoint": f"tcp://{manager.local_ip}:{manager.rank_port}"})
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
@@ -689,7 +690,8 @@ def main() -> None:
                 time.sleep(cmd.get("settle_s", 0.0))
                 reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,
                        "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
-                       "attn_tp_size": manager.attn_tp_size})
+                       "attn_tp_size": manager.attn_tp_size, "junk": manager.kvxfer_junk,
+                       "known_prefills": manager.kvxfer_puller.known_prefills if manager.kvxfer_puller else None})
             elif cmd["op"] == "exit":
                 reply({"bye": True})
                 break

@@ -10,6 +10,7 @@ it, the scheduler around them is stood in for as SGLang's own CPU unit tests do.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -23,6 +24,7 @@ from kvxfer.security.auth import new_secret_file
 FAILED, SUCCESS = 0, 4
 #: The prefill rank's KVXFER_TRANSFER_TIMEOUT_S (the decodes keep peer_env's 5 s).
 PREFILL_TIMEOUT_S = 3
+MAX_ROOMS = 8
 
 PLUGIN_CHECK = r"""
 import argparse, sglang
@@ -120,6 +122,8 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        and offered but unread): the prefill frees neither room before its bound (2 x its transfer
        timeout after the offer), revokes each lease before SGLang sees ``Failed``, stays up, and then
        serves the other decode the same room ids byte for byte, with nothing left in any table;
+    6b. a stranger sends both ranks junk on their SGLang sockets (``_junk_then_serve``): each is
+       dropped and counted, the tables stay bounded, and both ranks then hand off byte for byte;
     7. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
        within seconds (not SGLang's 300 s), with a reason.
     """
@@ -128,8 +132,9 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     # the prefill's bound for a silent decode is 2 x its transfer timeout: short here, to keep step 6 cheap
     # every rank also holds SGLang's Mamba request pool (8 rows): its conv and temporal state per layer
     # are KVArgs' state buffers (random bytes on the prefill, zeros on a decode)
-    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S)},
-                   mamba=8)
+    # KVXFER_SGLANG_MAX_ROOMS: lease slots, and metadata kept for rooms without a sender (step 6b)
+    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
+                                                  "KVXFER_SGLANG_MAX_ROOMS": str(MAX_ROOMS)}, mamba=8)
     decode = Peer("decode", backend, port, env=secret_env, mamba=8)
     other = Peer("decode", backend, port, env=secret_env, mamba=8, mismatch=mismatch,
                  tp2={"heads": 1, "attn_tp_size": 2})  # attention-TP rank 0 of 2: half the prefill's heads
@@ -219,6 +224,8 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         _check_bytes(serve, *_exchange(prefill, other, port, serve, receive))
         _assert_empty(prefill, other)
 
+        _junk_then_serve(prefill, other, port)
+
         serve, receive = rooms_plan(400, 2, chunks=(3, 4))
         prefill.send(op="serve", rooms=serve, timeout=30, die_after_chunks=1)
         died = other.ask(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30)
@@ -235,6 +242,50 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     finally:
         for peer in (prefill, decode, other):
             peer.close()
+
+
+def _junk_then_serve(prefill: Peer, decode: Peer, port: int) -> None:
+    """A stranger's frames on both ranks' SGLang sockets (kvxfer's tags, SGLang's socket, no secret):
+    malformed JSON, wrong types, a body past the size bound, 100,000-deep nesting, a lone frame, a
+    HELLO and a CHUNK from a prefill the decode never registered with (the chunk names a room the
+    next step uses), and metadata for 50 rooms the prefill has no sender for. None may stop a
+    listener, earn a reply or grow a table past its bound; the pair then hands off byte for byte."""
+    import zmq
+
+    stranger = "127.0.0.1:9"
+    chunk = {"room": 600, "prefill": stranger, "chunk": 0, "src": [1], "dst_start": 0, "dst_end": 1, "last": True,
+             "slot": 0, "lease": 1, "aux_index": None, "state": None}
+    junk = [[b"KVXFER_HELLO", b"{not json"], [b"KVXFER_CHUNK", b"[]"], [b"KVXFER_META", b'{"room": "x"}'],
+            [b"KVXFER_FAILED", b'{"room": true}'], [b"KVXFER_REG", b'{"endpoint": "a", "layout": ' + b"[" * 100_000],
+            [b"KVXFER_CHUNK", b" " * (9 << 20)], [b"KVXFER_CHUNK"], [b"KVXFER_META", b"{}", b"{}"], [b"not sglang's"]]
+    to_decode = junk + [[b"KVXFER_HELLO", json.dumps({"prefill": stranger, "refused": "a stranger says no"}).encode()],
+                        [b"KVXFER_CHUNK", json.dumps(chunk).encode()], [b"KVXFER_REG", b'{"endpoint": "x", "layout": {}}']]
+    to_prefill = junk + [[b"KVXFER_META", json.dumps({"room": 10_000 + i, "endpoint": stranger}).encode()]
+                         for i in range(50)] + [[b"KVXFER_HELLO", json.dumps({"prefill": stranger}).encode()]]
+    context = zmq.Context()
+    try:
+        for peer, frames in ((decode, to_decode), (prefill, to_prefill)):
+            sock = context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 5000)
+            sock.connect(peer.info["endpoint"])
+            for message in frames:
+                sock.send_multipart(message)
+            sock.close()
+    finally:
+        context.term()  # waits (LINGER) until every frame went out
+    time.sleep(0.5)
+    sizes_p, sizes_d = prefill.ask(op="sizes"), decode.ask(op="sizes")
+    # every junk frame, and the message meant for the other role, dropped and counted
+    assert sizes_p["junk"] == len(junk) + 1 and sizes_d["junk"] == len(junk) + 1, (sizes_p, sizes_d)
+    assert sizes_p["sizes"]["source_early"] == MAX_ROOMS, sizes_p  # 50 sent, MAX_ROOMS kept (until SGLang's timeout)
+    assert sizes_p["sizes"]["source_rooms"] == MAX_ROOMS and sizes_p["sizes"]["source_leases_in_use"] == 0, sizes_p
+    assert sizes_p["sizes"]["request_status"] == 0, sizes_p  # SGLang's table: no entry for a room without a sender
+    assert sizes_d["counters"]["strangers"] == 2 and sizes_d["known_prefills"] == 1, sizes_d  # no stranger kept
+    assert not any(sizes_d["sizes"].values()), sizes_d
+    serve, receive = rooms_plan(600, 2, chunks=(2, 5), src_base=40, dst_base=10)
+    _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive), prefill, decode)
+    after = decode.ask(op="sizes")
+    assert not any(after["sizes"].values()) and after["counters"]["stale_chunks"] == sizes_d["counters"]["stale_chunks"]
 
 
 def _assert_empty(prefill: Peer, decode: Peer) -> None:

@@ -76,13 +76,16 @@ class KvxferKVManager(CommonKVManager):
                                        tp_size=self.attn_tp_size, pp_size=self.pp_size)
         self.kvxfer_key = wire.peer_key(self.local_ip, self.rank_port)
         self._kvxfer_stop = threading.Event()
+        self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema
+        self._kvxfer_junk_logged_at = float("-inf")
         self.kvxfer_rooms: Optional[SourceRooms] = None
         self.kvxfer_puller: Optional[Puller] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._kvxfer_export = self.kvxfer_pool.export()
             self.kvxfer_rooms = SourceRooms(LeaseTable(self.kvxfer_pool.table), prefill_key=self.kvxfer_key,
                                             timeout_s=2 * self.kvxfer_timeout_s, send=self._kvxfer_push,
-                                            conclude=self._kvxfer_conclude)
+                                            conclude=self._kvxfer_conclude, max_early=slots,
+                                            early_s=float(self.bootstrap_timeout))
             self._kvxfer_threads(self._prefill_listen, self._prefill_service)
         else:
             self.kvxfer_puller = Puller(self.kvxfer_pool, self.kvxfer_layout, succeed=self._kvxfer_succeed,
@@ -116,36 +119,52 @@ class KvxferKVManager(CommonKVManager):
             return None
         return self.server_socket.recv_multipart()
 
-    # --- prefill -----------------------------------------------------------------------------
-    def _prefill_listen(self) -> None:
+    def _listen(self, handle: Any) -> None:
+        """Receive on this rank's socket until stopped, ``handle`` each message: a message that breaks
+        its schema (or the handler) is counted and dropped, never the end of the listener."""
         while not self._kvxfer_stop.is_set():
             msg = self._recv()
             if not msg:
                 continue
-            parsed = wire.decode(msg)
-            if parsed is None:
-                if msg[0] == b"ABORT":
-                    note = AbortNotification.from_zmq(msg)
-                    if note is not None:
-                        self.kvxfer_rooms.abort(note.room, "the decode aborted the request", tell_decode=False)
-                    continue
-                logger.warning("kvxfer sglang: prefill got an unexpected message %r", msg[0][:20])
-                continue
-            tag, body = parsed
-            if tag == wire.REG:
-                refused = describe_mismatch(self.kvxfer_layout, body.get("layout") or {})
-                if refused:
-                    logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", body.get("endpoint"),
-                                 refused)
-                self._kvxfer_push(body["endpoint"], wire.encode(wire.HELLO, {
-                    "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
-                    "refused": refused}))
-            elif tag == wire.META:
-                room = int(body["room"])
-                self.kvxfer_rooms.metadata(room, body)
+            try:
+                handle(msg)
+            except Exception as exc:  # a junk or hostile peer: this rank keeps serving the others
+                self.kvxfer_junk += 1
+                now = time.monotonic()
+                if now - self._kvxfer_junk_logged_at > 10.0:
+                    self._kvxfer_junk_logged_at = now
+                    logger.warning("kvxfer sglang: dropped a message that broke kvxfer's wire schema (%d so far): "
+                                   "%s: %s", self.kvxfer_junk, type(exc).__name__, exc)
+
+    # --- prefill -----------------------------------------------------------------------------
+    def _prefill_listen(self) -> None:
+        self._listen(self._prefill_message)
+
+    def _prefill_message(self, msg: list[bytes]) -> None:
+        parsed = wire.decode(msg)
+        if parsed is None:
+            if msg[0] == b"ABORT":
+                note = AbortNotification.from_zmq(msg)
+                if note is not None:
+                    self.kvxfer_rooms.abort(note.room, "the decode aborted the request", tell_decode=False)
+                return
+            raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
+        tag, body = parsed
+        if tag == wire.REG:
+            refused = describe_mismatch(self.kvxfer_layout, body["layout"])
+            if refused:
+                logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", body["endpoint"], refused)
+            self._kvxfer_push(body["endpoint"], wire.encode(wire.HELLO, {
+                "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
+                "refused": refused}))
+        elif tag == wire.META:
+            room = body["room"]
+            if self.kvxfer_rooms.metadata(room, body):  # a room SGLang has a sender for (else kept, bounded)
                 self.update_status(room, KVPoll.WaitingForInput)
-            elif tag == wire.FAILED:
-                self.kvxfer_rooms.decode_failed(int(body["room"]), body.get("lease"), str(body.get("reason")))
+        elif tag == wire.FAILED:
+            self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["reason"])
+        else:
+            raise wire.WireError(f"{tag.decode()} is a message for a decode, not a prefill")
 
     def _prefill_service(self) -> None:
         rooms, pool = self.kvxfer_rooms, self.kvxfer_pool
@@ -185,25 +204,24 @@ class KvxferKVManager(CommonKVManager):
 
     # --- decode ------------------------------------------------------------------------------
     def _decode_listen(self) -> None:
-        while not self._kvxfer_stop.is_set():
-            msg = self._recv()
-            if not msg:
-                continue
-            parsed = wire.decode(msg)
-            if parsed is not None:
-                tag, body = parsed
-                if tag == wire.HELLO:
-                    self.kvxfer_puller.post("hello", body)
-                elif tag == wire.CHUNK:
-                    self.kvxfer_puller.post("chunk", body)
-                continue
-            if msg[0] == ABORT_ACK_TAG:
-                continue
-            status = self.parse_kv_status_message(msg)
-            if status is not None:
-                room, code, prefill_rank, reason = status
-                self.apply_prefill_status(bootstrap_room=room, status=code, prefill_rank=prefill_rank,
-                                          failure_reason=reason)
+        self._listen(self._decode_message)
+
+    def _decode_message(self, msg: list[bytes]) -> None:
+        parsed = wire.decode(msg)
+        if parsed is not None:
+            tag, body = parsed
+            if tag in (wire.HELLO, wire.CHUNK):
+                self.kvxfer_puller.post("hello" if tag == wire.HELLO else "chunk", body)
+            else:
+                raise wire.WireError(f"{tag.decode()} is a message for a prefill, not a decode")
+            return
+        if msg[0] == ABORT_ACK_TAG:
+            return
+        status = self.parse_kv_status_message(msg)
+        if status is None:
+            raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
+        room, code, prefill_rank, reason = status
+        self.apply_prefill_status(bootstrap_room=room, status=code, prefill_rank=prefill_rank, failure_reason=reason)
 
     def _kvxfer_succeed(self, room: int) -> None:
         self.update_status(room, KVPoll.Success)
@@ -282,8 +300,10 @@ class KvxferKVSender(CommonKVSender):
 
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        mgr.kvxfer_rooms.open(bootstrap_room)
+        early = mgr.kvxfer_rooms.open(bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        if early and self.conclude_state is None:  # the decode's metadata came before this sender
+            mgr.update_status(bootstrap_room, KVPoll.WaitingForInput)
 
     def clear(self) -> None:
         super().clear()
@@ -297,6 +317,13 @@ class KvxferKVSender(CommonKVSender):
 
 class KvxferKVReceiver(CommonKVReceiver):
     """SGLang's receiver; its metadata names the destination pages the puller reads into."""
+
+    def _register_kv_args(self) -> bool:
+        """SGLang registers this decode with its prefill ranks: the puller then takes a HELLO from those
+        ranks only (one from anyone else is a stranger's)."""
+        for info in getattr(self, "bootstrap_infos", None) or []:
+            self.kv_mgr.kvxfer_puller.post("expect", wire.peer_key(info["rank_ip"], info["rank_port"]))
+        return super()._register_kv_args()
 
     def send_metadata(self, kv_indices: np.ndarray, aux_index: Optional[int] = None,
                       state_indices: Optional[list] = None, decode_prefix_len: Optional[int] = None,

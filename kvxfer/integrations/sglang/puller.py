@@ -37,6 +37,11 @@ from kvxfer.integrations.sglang.source import request_id
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
+#: Prefill ranks a decode keeps a HELLO for (those it registered with; the oldest idle one goes first).
+MAX_PREFILLS = 4096
+#: Chunks kept while their prefill's HELLO is on its way.
+MAX_PARKED = 16384
+
 
 @dataclass
 class _Chunk:
@@ -77,14 +82,16 @@ class Puller:
         self._succeed, self._fail, self._send = succeed, fail, send
         self._idle_s = idle_s
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-        self._hellos: dict[str, dict[str, Any]] = {}
+        # the prefill ranks this decode registered with (``expect``): their HELLO, None until it comes;
+        # a HELLO or CHUNK from any other sender is a stranger's and is dropped
+        self._hellos: dict[str, Optional[dict[str, Any]]] = {}
         self._rooms: dict[int, _RoomPull] = {}
         self._parked: list[dict[str, Any]] = []  # chunks whose prefill's HELLO has not come yet
         self._held: Quarantine[int, _RoomPull] = Quarantine()  # failed and retired rooms with reads that may land
         self._slots = ScratchSlots(pool.table)
         self._lock = threading.Lock()  # guards _held and the counters for readers on other threads
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
-                         "stale_chunks": 0}
+                         "stale_chunks": 0, "strangers": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-sglang-puller", daemon=True)
         self._thread.start()
@@ -100,6 +107,11 @@ class Puller:
     def active(self, room: int) -> bool:
         """The puller still has reads of ``room`` (read from another thread: a dict lookup)."""
         return room in self._rooms
+
+    @property
+    def known_prefills(self) -> int:
+        """Prefill ranks this decode registered with (bounded by ``MAX_PREFILLS``; kept across requests)."""
+        return len(self._hellos)
 
     def refusal(self, prefill: str) -> Optional[str]:
         hello = self._hellos.get(prefill)
@@ -136,7 +148,22 @@ class Puller:
             except Exception:
                 logger.exception("kvxfer sglang: handling %s failed", kind)
 
+    def _on_expect(self, prefill: str) -> None:
+        """This decode registers with ``prefill``: its HELLO will be taken (kept until evicted, oldest idle first)."""
+        if prefill in self._hellos:
+            return
+        self._hellos[prefill] = None
+        if len(self._hellos) > MAX_PREFILLS:
+            busy = {state.prefill for state in self._rooms.values()}
+            for old in [key for key in self._hellos if key not in busy][:len(self._hellos) - MAX_PREFILLS]:
+                del self._hellos[old]
+
     def _on_hello(self, body: dict[str, Any]) -> None:
+        if body["prefill"] not in self._hellos:
+            self.counters["strangers"] += 1  # not a prefill this decode registered with
+            return
+        if body.get("metas") is None and not body.get("refused"):
+            raise ValueError(f"HELLO from {body['prefill']} carries neither metas nor a refusal")
         refused = body.get("refused") or describe_mismatch(body.get("layout") or {}, self._layout)
         if refused:
             logger.error("kvxfer sglang: prefill %s cannot serve this decode: %s", body["prefill"], refused)
@@ -191,8 +218,14 @@ class Puller:
 
     def _on_chunk(self, body: dict[str, Any]) -> None:
         room, prefill = int(body["room"]), body["prefill"]
-        hello = self._hellos.get(prefill)
+        if prefill not in self._hellos:
+            self.counters["strangers"] += 1  # no reply: a stranger names whom it likes
+            return
+        hello = self._hellos[prefill]
         if hello is None:
+            if len(self._parked) >= MAX_PARKED:
+                self.counters["stale_chunks"] += 1
+                return
             self._parked.append(body)
             return
         state = self._rooms.get(room)

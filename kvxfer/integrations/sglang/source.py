@@ -65,6 +65,8 @@ class _Room:
     last_sent: bool = False
     pending: list[dict[str, Any]] = field(default_factory=list)  # chunks sent before the decode's metadata came
     concluded: bool = False
+    opened: bool = False  # SGLang made a sender for it (else only the decode's metadata came, so far)
+    since: float = field(default_factory=time.monotonic)
 
 
 class SourceRooms:
@@ -73,36 +75,64 @@ class SourceRooms:
 
     def __init__(self, leases: LeaseTable, *, prefill_key: str, timeout_s: float,
                  send: Callable[[str, list[bytes]], None],
-                 conclude: Callable[[int, bool, Optional[str], Optional[str]], None]) -> None:
+                 conclude: Callable[[int, bool, Optional[str], Optional[str]], None],
+                 max_early: int = 4096, early_s: float = 300.0) -> None:
         self._leases = leases
         self._prefill_key = prefill_key
         self._timeout_s = timeout_s
         self._send = send  # (endpoint "ip:port", frames)
         self._conclude = conclude  # (room, success, failure reason, endpoint to tell or None)
         self._rooms: dict[int, _Room] = {}
+        # the decode's metadata for rooms SGLang has no sender for yet: kept at most ``early_s`` (SGLang's
+        # bootstrap timeout), at most ``max_early`` of them (a peer cannot grow the table without bound)
+        self._max_early, self._early_s = max_early, early_s
+        self._early = 0
         self._lock = threading.Lock()
         self._outbox: list[tuple[int, bool, Optional[str], Optional[str]]] = []  # conclusions, told outside the lock
         self.counters = {"chunks_announced": 0, "chunks_read": 0, "rooms_succeeded": 0, "rooms_failed": 0,
                          "rooms_timed_out": 0, "stale_reports": 0}
 
     # --- from SGLang ----------------------------------------------------------------------
-    def open(self, room: int) -> None:
-        """A sender was made for ``room``. The decode's metadata may have come first (kept); a room id
+    def open(self, room: int) -> bool:
+        """A sender was made for ``room``; True if the decode's metadata came first (kept). A room id
         reused after its last request concluded starts afresh."""
         with self._lock:
             old = self._rooms.get(room)
             if old is None or old.concluded:
-                self._rooms[room] = _Room()
+                self._rooms[room] = _Room(opened=True)
+                return False
+            if not old.opened:
+                old.opened = True
+                self._early -= 1
+            return old.decode is not None
 
     def metadata(self, room: int, body: dict[str, Any]) -> bool:
-        """The decode's destination for ``room``; True when the room is now bootstrapped."""
+        """The decode's destination for ``room``; True when SGLang has a sender for it (the room is then
+        bootstrapped). Metadata for a room without a sender is kept for the sender to come, bounded."""
         with self._lock:
-            state = self._rooms.setdefault(room, _Room())
+            state = self._rooms.get(room)
+            if state is None:
+                self._expire_early_locked(time.monotonic())
+                if self._early >= self._max_early:
+                    logger.warning("kvxfer sglang: metadata for room %s dropped: %d rooms already wait for a sender "
+                                   "(KVXFER_SGLANG_MAX_ROOMS)", room, self._early)
+                    return False
+                state = self._rooms[room] = _Room()
+                self._early += 1
             state.decode = body
             pending, state.pending = state.pending, []
+            opened = state.opened
         for chunk in pending:
             self.add_chunk(room, **chunk)
-        return True
+        return opened
+
+    def _expire_early_locked(self, now: float) -> None:
+        if not self._early:
+            return
+        for room, state in list(self._rooms.items()):
+            if not state.opened and now - state.since > self._early_s:
+                del self._rooms[room]
+                self._early -= 1
 
     def add_chunk(self, room: int, pages: np.ndarray, start: int, end: int, last: bool,
                   aux_index: Optional[int], state_indices: Optional[list]) -> None:
@@ -138,6 +168,8 @@ class SourceRooms:
         """SGLang cleared the sender: forget the room (revoking its lease if it never concluded)."""
         with self._lock:
             state = self._rooms.pop(room, None)
+            if state is not None and not state.opened:
+                self._early -= 1
             if state is not None and state.lease is not None and not state.concluded:
                 self._leases.revoke(*state.lease)
 
@@ -178,9 +210,11 @@ class SourceRooms:
             self._finish_locked(room, state, False, f"decode: {reason}", tell=False)
 
     def expire(self, now: Optional[float] = None) -> None:
-        """Fail rooms with a chunk unread past the bound (twice the transfer timeout; lease revoked first)."""
+        """Fail rooms with a chunk unread past the bound (twice the transfer timeout; lease revoked first);
+        drop metadata that waited for a sender past SGLang's bootstrap timeout."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            self._expire_early_locked(now)
             for room, state in list(self._rooms.items()):
                 if state.concluded or not state.announced:
                     continue
@@ -211,7 +245,7 @@ class SourceRooms:
     # --- introspection ----------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"rooms": len(self._rooms), "leases_in_use": self._leases.in_use}
+            return {"rooms": len(self._rooms), "leases_in_use": self._leases.in_use, "early": self._early}
 
 
 def request_id(room: int, lease: int, chunk: int) -> str:

@@ -21,29 +21,91 @@ decode records their reason the way it does for its own backends.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
+
+import msgspec
 
 REG = b"KVXFER_REG"
 HELLO = b"KVXFER_HELLO"
 META = b"KVXFER_META"
 CHUNK = b"KVXFER_CHUNK"
 FAILED = b"KVXFER_FAILED"
-TAGS = (REG, HELLO, META, CHUNK, FAILED)
+
+#: The largest body accepted (a HELLO carries every registered buffer's meta; a CHUNK one id per page).
+MAX_BODY_BYTES = 8 << 20
+
+
+class WireError(ValueError):
+    """A frame with one of kvxfer's tags that does not follow its schema (junk or a stranger's)."""
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=False):
+    pass
+
+
+class Reg(_Body):
+    endpoint: str
+    layout: dict[str, Any]
+
+
+class Hello(_Body):
+    prefill: str
+    metas: Optional[dict[str, Any]] = None
+    layout: Optional[dict[str, Any]] = None
+    refused: Optional[str] = None
+
+
+class Meta(_Body):
+    room: int
+    endpoint: str
+
+
+class Chunk(_Body):
+    room: int
+    prefill: str
+    chunk: int
+    src: list[int]
+    dst_start: int
+    dst_end: int
+    last: bool
+    slot: int
+    lease: int
+    aux_index: Optional[int] = None
+    state: Optional[list[Optional[list[int]]]] = None
+
+
+class Failed(_Body):
+    room: int
+    lease: Optional[int] = None
+    reason: str = ""
+
+
+SCHEMAS: dict[bytes, type[_Body]] = {REG: Reg, HELLO: Hello, META: Meta, CHUNK: Chunk, FAILED: Failed}
+TAGS = tuple(SCHEMAS)
 
 
 def encode(tag: bytes, body: dict[str, Any]) -> list[bytes]:
-    return [tag, json.dumps(body, separators=(",", ":")).encode()]
+    return [tag, msgspec.json.encode(body)]
 
 
 def decode(frames: list[bytes]) -> Optional[tuple[bytes, dict[str, Any]]]:
-    """``(tag, body)`` for one of kvxfer's messages, None for anything else (SGLang's own)."""
-    if len(frames) != 2 or frames[0] not in TAGS:
+    """``(tag, body)`` for one of kvxfer's messages, None for anything else (SGLang's own).
+
+    The body is checked against its tag's schema before any field is used (sizes bounded, every
+    field typed); one that fails raises ``WireError``, which the listeners count and drop."""
+    if not frames or frames[0] not in SCHEMAS:
         return None
-    body = json.loads(frames[1])
-    if not isinstance(body, dict):
-        raise ValueError(f"{frames[0].decode()}: body is not an object")
-    return frames[0], body
+    tag = frames[0]
+    if len(frames) != 2:
+        raise WireError(f"{tag.decode()}: {len(frames)} frames, expected 2")
+    raw = frames[1]
+    if len(raw) > MAX_BODY_BYTES:
+        raise WireError(f"{tag.decode()}: body of {len(raw)} bytes, more than {MAX_BODY_BYTES}")
+    try:
+        body = msgspec.json.decode(raw, type=SCHEMAS[tag])
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        raise WireError(f"{tag.decode()}: {exc}") from None
+    return tag, msgspec.structs.asdict(body)
 
 
 def peer_key(ip: str, port: int) -> str:
