@@ -122,8 +122,9 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        and offered but unread): the prefill frees neither room before its bound (2 x its transfer
        timeout after the offer), revokes each lease before SGLang sees ``Failed``, stays up, and then
        serves the other decode the same room ids byte for byte, with nothing left in any table;
-    6b. a stranger sends both ranks junk on their SGLang sockets (``_junk_then_serve``): each is
-       dropped and counted, the tables stay bounded, and both ranks then hand off byte for byte;
+    6b. a stranger, then a peer holding the secret, sends both ranks junk on their SGLang sockets
+       (``_junk_then_serve``): each frame is dropped and counted (unsigned ones before they are
+       read), the tables stay bounded, and both ranks then hand off byte for byte;
     7. the prefill is SIGKILLed after its first chunk: the decode's rooms are ``KVPoll.Failed``
        within seconds (not SGLang's 300 s), with a reason.
     """
@@ -224,7 +225,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         _check_bytes(serve, *_exchange(prefill, other, port, serve, receive))
         _assert_empty(prefill, other)
 
-        _junk_then_serve(prefill, other, port)
+        _junk_then_serve(prefill, other, port, secret_env["KVXFER_SECRET_FILE"])
 
         serve, receive = rooms_plan(400, 2, chunks=(3, 4))
         prefill.send(op="serve", rooms=serve, timeout=30, die_after_chunks=1)
@@ -244,13 +245,18 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             peer.close()
 
 
-def _junk_then_serve(prefill: Peer, decode: Peer, port: int) -> None:
-    """A stranger's frames on both ranks' SGLang sockets (kvxfer's tags, SGLang's socket, no secret):
-    malformed JSON, wrong types, a body past the size bound, 100,000-deep nesting, a lone frame, a
-    HELLO and a CHUNK from a prefill the decode never registered with (the chunk names a room the
-    next step uses), and metadata for 50 rooms the prefill has no sender for. None may stop a
+def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -> None:
+    """Frames on both ranks' SGLang sockets from a stranger (no secret: kvxfer's tags unsigned) and
+    then from a peer holding the secret (signed): malformed JSON, wrong types, a body past the size
+    bound, 100,000-deep nesting, a lone frame, three frames, a HELLO and a CHUNK from a prefill the
+    decode never registered with (the chunk names a room the next step uses), metadata for 50 rooms
+    the prefill has no sender for. Unsigned, every one is dropped before it is read; signed, each
+    breaks the schema or the protocol and is dropped, or is kept within its bound. None may stop a
     listener, earn a reply or grow a table past its bound; the pair then hands off byte for byte."""
     import zmq
+
+    from kvxfer.integrations.sglang import wire
+    from kvxfer.security.auth import load_secret
 
     stranger = "127.0.0.1:9"
     chunk = {"room": 600, "prefill": stranger, "chunk": 0, "src": [1], "dst_start": 0, "dst_end": 1, "last": True,
@@ -262,21 +268,38 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int) -> None:
                         [b"KVXFER_CHUNK", json.dumps(chunk).encode()], [b"KVXFER_REG", b'{"endpoint": "x", "layout": {}}']]
     to_prefill = junk + [[b"KVXFER_META", json.dumps({"room": 10_000 + i, "endpoint": stranger}).encode()]
                          for i in range(50)] + [[b"KVXFER_HELLO", json.dumps({"prefill": stranger}).encode()]]
-    context = zmq.Context()
-    try:
-        for peer, frames in ((decode, to_decode), (prefill, to_prefill)):
+    key = wire.FrameKey(load_secret(secret_file=secret_file))
+
+    def send(peer: Peer, messages: list[list[bytes]]) -> None:
+        context = zmq.Context()
+        try:
             sock = context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
             sock.connect(peer.info["endpoint"])
-            for message in frames:
+            for message in messages:
                 sock.send_multipart(message)
             sock.close()
-    finally:
-        context.term()  # waits (LINGER) until every frame went out
-    time.sleep(0.5)
+        finally:
+            context.term()  # waits (LINGER) until every frame went out
+        time.sleep(0.5)
+
+    def signed(messages: list[list[bytes]]) -> list[list[bytes]]:
+        return [key.sign(m) if len(m) == 2 and m[0].startswith(b"KVXFER_") else m for m in messages]
+
+    send(decode, to_decode)  # the stranger's: every frame dropped before it is read
+    send(prefill, to_prefill)
+    sizes_p, sizes_d = prefill.ask(op="sizes"), decode.ask(op="sizes")
+    assert sizes_p["junk"] == len(to_prefill) and sizes_d["junk"] == len(to_decode), (sizes_p, sizes_d)
+    assert not any(sizes_p["sizes"].values()) and not any(sizes_d["sizes"].values()), (sizes_p, sizes_d)
+    assert sizes_d["counters"]["strangers"] == 0, sizes_d
+
+    send(decode, signed(to_decode))  # the same, signed with the cluster key
+    send(prefill, signed(to_prefill))
+    before_p, before_d = sizes_p["junk"], sizes_d["junk"]
     sizes_p, sizes_d = prefill.ask(op="sizes"), decode.ask(op="sizes")
     # every junk frame, and the message meant for the other role, dropped and counted
-    assert sizes_p["junk"] == len(junk) + 1 and sizes_d["junk"] == len(junk) + 1, (sizes_p, sizes_d)
+    assert sizes_p["junk"] - before_p == len(junk) + 1 and sizes_d["junk"] - before_d == len(junk) + 1, (sizes_p,
+                                                                                                      sizes_d)
     assert sizes_p["sizes"]["source_early"] == MAX_ROOMS, sizes_p  # 50 sent, MAX_ROOMS kept (until SGLang's timeout)
     assert sizes_p["sizes"]["source_rooms"] == MAX_ROOMS and sizes_p["sizes"]["source_leases_in_use"] == 0, sizes_p
     assert sizes_p["sizes"]["request_status"] == 0, sizes_p  # SGLang's table: no entry for a room without a sender

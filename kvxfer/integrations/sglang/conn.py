@@ -32,6 +32,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
 from kvxfer.backends.base import transfer_timeout_from_env
+from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
@@ -76,7 +77,8 @@ class KvxferKVManager(CommonKVManager):
                                        tp_size=self.attn_tp_size, pp_size=self.pp_size)
         self.kvxfer_key = wire.peer_key(self.local_ip, self.rank_port)
         self._kvxfer_stop = threading.Event()
-        self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema
+        self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema (or its signature)
+        self.kvxfer_frames = wire.FrameKey(meta_key_from_env())  # signs frames with the cluster key, if set
         self._kvxfer_junk_logged_at = float("-inf")
         self.kvxfer_rooms: Optional[SourceRooms] = None
         self.kvxfer_puller: Optional[Puller] = None
@@ -110,7 +112,7 @@ class KvxferKVManager(CommonKVManager):
     def _kvxfer_push(self, key: str, frames: list[bytes]) -> None:
         _, tcp, ipv6 = _endpoint(key)
         try:
-            self._send_multipart_locked(tcp, frames, is_ipv6=ipv6)
+            self._send_multipart_locked(tcp, self.kvxfer_frames.sign(frames), is_ipv6=ipv6)
         except Exception as exc:
             logger.warning("kvxfer sglang: sending %s to %s failed: %s", frames[0][:16], key, exc)
 
@@ -141,7 +143,7 @@ class KvxferKVManager(CommonKVManager):
         self._listen(self._prefill_message)
 
     def _prefill_message(self, msg: list[bytes]) -> None:
-        parsed = wire.decode(msg)
+        parsed = wire.decode(msg, self.kvxfer_frames)
         if parsed is None:
             if msg[0] == b"ABORT":
                 note = AbortNotification.from_zmq(msg)
@@ -207,7 +209,7 @@ class KvxferKVManager(CommonKVManager):
         self._listen(self._decode_message)
 
     def _decode_message(self, msg: list[bytes]) -> None:
-        parsed = wire.decode(msg)
+        parsed = wire.decode(msg, self.kvxfer_frames)
         if parsed is not None:
             tag, body = parsed
             if tag in (wire.HELLO, wire.CHUNK):
@@ -258,14 +260,16 @@ class KvxferKVManager(CommonKVManager):
         return True
 
     def build_receiver_registration_message(self) -> list[bytes]:
-        return wire.encode(wire.REG, {"endpoint": self.kvxfer_key, "layout": self.kvxfer_layout})
+        return self.kvxfer_frames.sign(wire.encode(wire.REG, {"endpoint": self.kvxfer_key,
+                                                              "layout": self.kvxfer_layout}))
 
     def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
                                         kv_indices: np.ndarray, aux_index: Optional[int],
                                         state_indices: Optional[list], decode_prefix_len: Optional[int],
                                         is_dummy: bool, device_kv_indices: Optional[np.ndarray] = None,
                                         ) -> list[bytes]:
-        return wire.encode(wire.META, {"room": int(bootstrap_room), "endpoint": self.kvxfer_key})
+        return self.kvxfer_frames.sign(wire.encode(wire.META, {"room": int(bootstrap_room),
+                                                               "endpoint": self.kvxfer_key}))
 
     # --- for tests and operators -------------------------------------------------------------
     def kvxfer_sizes(self) -> dict[str, int]:

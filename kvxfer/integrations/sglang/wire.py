@@ -17,10 +17,18 @@ tag                     direction        body (JSON)
 
 Terminal failures the prefill reports go through SGLang's own status message, so SGLang's
 decode records their reason the way it does for its own backends.
+
+SGLang's sockets carry no authentication. With the cluster key (``KVXFER_SECRET_FILE``) every
+kvxfer frame gets a third part, an HMAC-SHA256 over its tag and body under a key derived for
+these frames (``FrameKey``), checked before the body is parsed; without it frames go unsigned,
+as SGLang's own. Signed frames are not replay-proof: each names its room and (where it matters)
+its lease, so a replayed one is stale.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Any, Optional
 
 import msgspec
@@ -84,20 +92,62 @@ SCHEMAS: dict[bytes, type[_Body]] = {REG: Reg, HELLO: Hello, META: Meta, CHUNK: 
 TAGS = tuple(SCHEMAS)
 
 
+class FrameKey:
+    """Signs and checks kvxfer's frames with a key derived from the cluster key (None: unsigned)."""
+
+    def __init__(self, cluster_key: Optional[bytes]) -> None:
+        self._key = None if cluster_key is None else hmac.new(cluster_key, b"kvxfer/sglang-frame",
+                                                              hashlib.sha256).digest()
+
+    def __repr__(self) -> str:
+        return f"FrameKey(signed={self._key is not None})"
+
+    @property
+    def signs(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, tag: bytes, body: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, len(tag).to_bytes(2, "big") + tag + body, hashlib.sha256).digest()
+
+    def sign(self, frames: list[bytes]) -> list[bytes]:
+        """``frames`` (tag, body) as sent: with the signature appended when there is a key."""
+        return frames if self._key is None else [*frames, self._mac(frames[0], frames[1])]
+
+    def check(self, frames: list[bytes]) -> None:
+        """``WireError`` unless ``frames`` carry what this side expects: a valid signature with a key,
+        none without."""
+        tag = frames[0].decode(errors="replace")
+        if self._key is None:
+            if len(frames) != 2:
+                raise WireError(f"{tag}: {len(frames)} frames, expected 2 (a signed frame? this rank has no "
+                                "KVXFER_SECRET_FILE: set the same cluster secret on every rank)")
+            return
+        if len(frames) != 3 or not hmac.compare_digest(bytes(frames[2]), self._mac(frames[0], frames[1])):
+            raise WireError(f"{tag}: not signed with this cluster's key (a stranger, or a rank without "
+                            "KVXFER_SECRET_FILE or with another secret); dropped before it was read")
+
+
+UNSIGNED = FrameKey(None)
+
+
 def encode(tag: bytes, body: dict[str, Any]) -> list[bytes]:
+    """An unsigned frame (``FrameKey.sign`` signs it where it leaves the rank)."""
     return [tag, msgspec.json.encode(body)]
 
 
-def decode(frames: list[bytes]) -> Optional[tuple[bytes, dict[str, Any]]]:
+def decode(frames: list[bytes], key: FrameKey = UNSIGNED) -> Optional[tuple[bytes, dict[str, Any]]]:
     """``(tag, body)`` for one of kvxfer's messages, None for anything else (SGLang's own).
 
-    The body is checked against its tag's schema before any field is used (sizes bounded, every
-    field typed); one that fails raises ``WireError``, which the listeners count and drop."""
+    The signature (``key``) is checked first, then the body against its tag's schema, before any
+    field is used (sizes bounded, every field typed); a frame that fails raises ``WireError``,
+    which the listeners count and drop."""
     if not frames or frames[0] not in SCHEMAS:
         return None
     tag = frames[0]
-    if len(frames) != 2:
-        raise WireError(f"{tag.decode()}: {len(frames)} frames, expected 2")
+    if len(frames) < 2:
+        raise WireError(f"{tag.decode()}: {len(frames)} frames, expected 2 or 3")
+    key.check(frames)
     raw = frames[1]
     if len(raw) > MAX_BODY_BYTES:
         raise WireError(f"{tag.decode()}: body of {len(raw)} bytes, more than {MAX_BODY_BYTES}")
