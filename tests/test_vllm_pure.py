@@ -277,3 +277,59 @@ print(worker._step_hold_max_s)
     run = subprocess.run([require_vllm_python(), "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert 0.0 <= float(run.stdout.split()[-1]) < 0.25, run.stdout
+
+
+def test_a_fetch_that_cannot_resolve_or_parse_fails_alone_and_the_fetcher_serves_on():
+    """Peer input that broke the decode's handshake fetcher (review, 2026-12-05): a ticket's host
+    like "a..b" raised UnicodeError in the resolver (not an OSError), leaving its fetch pending for
+    good, and 32 of them refused every later fetch; a producer answering with JSON nested deeper
+    than the parser goes raised RecursionError on the fetcher's thread and ended it. Now each fails
+    its own fetch, in time, and the same fetcher then fetches a real handshake."""
+    import socket
+    import struct
+    import threading
+
+    from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
+
+    deep = b"[" * 200_000 + b"]" * 200_000
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_nested() -> None:  # a real producer's framing, a hostile body
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(struct.pack(">Q", len(deep)) + deep)
+
+    threading.Thread(target=answer_nested, daemon=True).start()
+    doc = json.dumps({"hello": 2}).encode()
+    listener = HandshakeListener("127.0.0.1", 0, lambda: doc, local_peers_only=True)
+    fetcher = HandshakeFetcher()
+    results: list = []
+    done = threading.Event()
+
+    def collect(document, error) -> None:
+        results.append((document, error))
+        if len(results) == MAX_FETCHES + 2:
+            done.set()
+
+    try:
+        for i in range(MAX_FETCHES):
+            fetcher.fetch(f"a..b{i}", 1, 5.0, collect)
+        assert done.wait(0) is False
+        deadline = time.monotonic() + 10
+        while fetcher.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fetcher.in_flight == 0  # none left pending
+        fetcher.fetch("127.0.0.1", port, 5.0, collect)
+        fetcher.fetch("127.0.0.1", listener.port, 5.0, collect)
+        assert done.wait(10)
+    finally:
+        fetcher.close()
+        listener.close()
+        server.close()
+    errors = [str(e) for d, e in results[:MAX_FETCHES]]
+    assert all("cannot resolve prefill host 'a..b" in e for e in errors), errors[:2]
+    assert {str(e) for d, e in results[MAX_FETCHES:] if e} == {f"the prefill instance at 127.0.0.1:{port} answered "
+                                                                "with a malformed handshake"}, results[MAX_FETCHES:]
+    assert [d for d, e in results[MAX_FETCHES:] if d] == [{"hello": 2}]

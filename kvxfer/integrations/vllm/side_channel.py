@@ -118,25 +118,35 @@ class HandshakeListener:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            timeout = None
-            if self._conns:
-                oldest = min(c.since for c in self._conns.values())
-                timeout = max(0.0, oldest + self._connection_s - time.monotonic())
-            for key, events in self._selector.select(timeout):
-                if key.fileobj is self._sock:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
+            try:
+                if self._serve_once():
                     return
-                else:
-                    conn = self._conns.get(key.fileobj)
-                    if conn is not None:
-                        try:
-                            self._on_ready(conn, events)
-                        except OSError:
-                            self._close(conn)
-            now = time.monotonic()
-            for conn in [c for c in self._conns.values() if now - c.since > self._connection_s]:
-                self._close(conn)
+            except Exception:  # a peer's surprise must not end the listener (every decode would then wait)
+                logger.exception("kvxfer vllm: handshake listener: unexpected error; going on")
+                time.sleep(0.01)
+
+    def _serve_once(self) -> bool:
+        """One round of select; True when woken to stop."""
+        timeout = None
+        if self._conns:
+            oldest = min(c.since for c in self._conns.values())
+            timeout = max(0.0, oldest + self._connection_s - time.monotonic())
+        for key, events in self._selector.select(timeout):
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                return True
+            else:
+                conn = self._conns.get(key.fileobj)
+                if conn is not None:
+                    try:
+                        self._on_ready(conn, events)
+                    except OSError:
+                        self._close(conn)
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if now - c.since > self._connection_s]:
+            self._close(conn)
+        return False
 
     def _accept(self) -> None:
         for _ in range(64):  # a burst of peers, without starving the open connections
@@ -155,10 +165,13 @@ class HandshakeListener:
             self._selector.register(sock, selectors.EVENT_READ)
             if self._local_only and not _is_loopback(conn.peer):
                 self.refused += 1
-                self._reply(conn, json.dumps({"error": f"peer {conn.peer} is not on this host: without "
-                                                       "KVXFER_SECRET_FILE this producer serves its metas to "
-                                                       "same-host decodes only; configure the cluster secret on "
-                                                       "both sides"}).encode())
+                try:
+                    self._reply(conn, json.dumps({"error": f"peer {conn.peer} is not on this host: without "
+                                                           "KVXFER_SECRET_FILE this producer serves its metas to "
+                                                           "same-host decodes only; configure the cluster secret "
+                                                           "on both sides"}).encode())
+                except OSError:  # it reset the connection already
+                    self._close(conn)
 
     def _on_ready(self, conn: _Conn, events: int) -> None:
         if conn.reply is not None:
@@ -245,7 +258,7 @@ def _is_loopback(address: str) -> bool:
 def _decode(raw: bytes, where: str) -> dict[str, Any]:
     try:
         document = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise PeerMetadataError(f"the prefill instance at {where} answered with a malformed handshake") from None
     if not isinstance(document, dict):
         raise PeerMetadataError(f"the prefill instance at {where} answered with a malformed handshake")
@@ -316,7 +329,7 @@ class HandshakeFetcher:
     def _resolve(self, job: _Fetch) -> None:
         try:
             address = socket.getaddrinfo(job.host, job.port, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError as exc:
+        except Exception as exc:  # OSError, and UnicodeError for a name like "a..b": never a fetch left pending
             return self._finish(job, None, PeerMetadataError(f"cannot resolve prefill host {job.host!r}: {exc}"))
         self._enqueue(job, address)
 
@@ -341,14 +354,27 @@ class HandshakeFetcher:
                     continue
                 job = self._active.get(key.fileobj)
                 if job is not None:
-                    self._progress(job, events)
+                    self._guarded(job, self._progress, job, events)
             while self._incoming:
-                self._start(self._incoming.popleft())
+                job = self._incoming.popleft()
+                self._guarded(job, self._start, job)
             now = time.monotonic()
             for job in [j for j in self._active.values() if now >= j.deadline]:
                 self._finish(job, None, PeerMetadataError(
                     f"no handshake from the prefill instance at {job.where} within {job.timeout_s}s (dead, "
                     "unreachable, or not a KvxferConnector producer)"))
+
+    def _guarded(self, job: _Fetch, step: Callable[..., None], *args: Any) -> None:
+        """Run one fetch's step; a surprise fails that fetch only, never the thread every fetch shares."""
+        try:
+            step(*args)
+        except Exception as exc:
+            logger.exception("kvxfer vllm: handshake fetch from %s: unexpected error", job.where)
+            try:
+                self._finish(job, None, PeerMetadataError(f"handshake with the prefill instance at {job.where} "
+                                                          f"failed: {type(exc).__name__}: {exc}"))
+            except Exception:
+                logger.exception("kvxfer vllm: handshake fetch from %s: could not be failed", job.where)
 
     def _start(self, job: _Fetch) -> None:
         address = job.address
