@@ -13,6 +13,7 @@ Real vLLM runs a tiny GraniteMoeHybrid through the connector in ``tests/test_vll
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -169,3 +170,26 @@ def test_attention_blocks_and_mamba_slot_move_byte_exact_over_ucx():
         want[:, d] = source[:, s]
     assert torch.equal(decode.buffer.view(HYBRID_SLOTS, dst_blocks, HYBRID_PAGE), want)  # nothing else written
     assert record["bytes"] == 4 * HYBRID_SLOTS * HYBRID_PAGE and record["blocks"] == 4
+
+
+def test_a_release_only_load_of_a_hybrid_model_tells_the_producer_without_reading_a_block():
+    """A request whose whole prompt the decode already holds (or that was aborted before it was
+    scheduled) only releases the producer's pin. For a hybrid model the ticket carries a block list
+    per group: the release-only spec now carries the groups too (it had none, so the ticket was
+    refused as malformed and the producer kept its blocks and lease slot until ``pin_grace_s``)."""
+    with ExitStack() as stack:
+        producer = Producer(stack, "ucx", blocks=24, hybrid=True)
+        decode = Decode(stack, "ucx", blocks=40, hybrid=True)
+        params = producer.ticket([], "req-r", num_tokens=3 * BLOCK - 1, groups=[[3, 7, 9], [12]])
+        decode.submit("req-r", params, [], awaiting=False, groups=[GroupLoad(g, ()) for g in GROUPS])
+        for _ in range(400):
+            decode.step()
+            if not decode.receiver.in_flight:
+                break
+            time.sleep(0.005)
+        assert decode.receiver.in_flight == 0 and decode.receiver.counters["refused"] == 0, decode.receiver.counters
+        deadline = time.monotonic() + 10
+        while "req-r" not in producer.source.ask("done")["read_done"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "req-r" in producer.source.ask("done")["read_done"]  # the producer may free the request now
+    assert not decode.buffer.any()  # and not a byte was read

@@ -268,10 +268,18 @@ def _source_main(backend_name: str, blocks: int, key_hex: str = "", kind: str = 
     print(_MARK + json.dumps({"pid": os.getpid(), "kv": [first.export_meta()], "lease": lease.export_meta(),
                       "layout": engine_layout(regions, blocks, hybrid).to_dict()}), flush=True)
     closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    read_done: list[str] = []  # every read-done this source was told of, in order ("done" prints them)
+
+    def commands() -> None:
+        for line in sys.stdin:
+            if line.strip() == "done":
+                print(_MARK + json.dumps({"read_done": [str(r) for r in list(read_done)]}), flush=True)
+        closed.set()
+
+    threading.Thread(target=commands, daemon=True).start()
     while not closed.is_set():
         for source in (first, lease):
-            source.drain_read_done()
+            read_done.extend(source.drain_read_done())
             source.drain_read_failed()
         _time.sleep(0.01)
     lease.close()

@@ -300,6 +300,8 @@ class Receiver:
             load.reads = RankReads((), notify_ranks(self._tp_rank, self._layout.tp_size, handshake.layout.tp_size))
             return self._start_read(load)  # a verified ticket: let the producer free its blocks now
         load.marks["checked"] = self._clock()
+        if not spec.local_block_ids:  # release only: no block to read, the lease read tells the producer
+            return self._start_read(load)
         paired = block_pairs(spec, ticket)
         if isinstance(paired, str):
             return self._refuse(load, paired)

@@ -148,7 +148,8 @@ class KvxferScheduler:
         local_computed = self._local_computed.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             # Nothing to load (the local prefix cache holds it all): let the producer free its pin now.
-            self._loads.append(LoadSpec(request.request_id, spec_params, (), 0, awaiting=False))
+            self._loads.append(LoadSpec(request.request_id, spec_params, (), 0, awaiting=False,
+                                        groups=self._release_groups()))
             return
         refusal = self._prompt_refusal(request, spec_params)
         if self.groups:
@@ -162,6 +163,11 @@ class KvxferScheduler:
         local_ids = tuple(blocks.get_block_ids()[0][first:last])
         self._loads.append(LoadSpec(request.request_id, spec_params, local_ids, first, awaiting=True,
                                     refusal=refusal))
+
+    def _release_groups(self) -> tuple[GroupLoad, ...]:
+        """A release-only load of a hybrid model: its transfer groups, no blocks (the worker parses the
+        ticket per group, as the producer made it, then only reads the lease)."""
+        return tuple(GroupLoad(group, ()) for group in self.groups)
 
     def _group_loads(self, blocks: "KVCacheBlocks", local_computed: int, num_external_tokens: int
                      ) -> tuple[GroupLoad, ...]:
@@ -244,7 +250,7 @@ class KvxferScheduler:
             params["do_remote_prefill"] = False
             self._local_computed.pop(request.request_id, None)
             self._loads.append(LoadSpec(request.request_id, dict(params, do_remote_prefill=True), (), 0,
-                                        awaiting=False))
+                                        awaiting=False, groups=self._release_groups()))
             return False, None
         if not params.get("do_remote_decode") or not self.is_producer:
             return False, None
