@@ -264,10 +264,17 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
     junk = [[b"KVXFER_HELLO", b"{not json"], [b"KVXFER_CHUNK", b"[]"], [b"KVXFER_META", b'{"room": "x"}'],
             [b"KVXFER_FAILED", b'{"room": true}'], [b"KVXFER_REG", b'{"endpoint": "a", "layout": ' + b"[" * 100_000],
             [b"KVXFER_CHUNK", b" " * (9 << 20)], [b"KVXFER_CHUNK"], [b"KVXFER_META", b"{}", b"{}"], [b"not sglang's"]]
-    to_decode = junk + [[b"KVXFER_HELLO", json.dumps({"prefill": stranger, "refused": "a stranger says no"}).encode()],
-                        [b"KVXFER_CHUNK", json.dumps(chunk).encode()], [b"KVXFER_REG", b'{"endpoint": "x", "layout": {}}']]
-    to_prefill = junk + [[b"KVXFER_META", json.dumps({"room": 10_000 + i, "endpoint": stranger}).encode()]
-                         for i in range(50)] + [[b"KVXFER_HELLO", json.dumps({"prefill": stranger}).encode()]]
+    # refused for what they say: a message for the other role, a prefill's "Success" (a kvxfer prefill
+    # reports only failures; the decode's reads say Success), an endpoint that is not host:port
+    wrong_decode = [[b"KVXFER_REG", b'{"endpoint": "127.0.0.1:9", "layout": {}}'],
+                    [b"KVXFER_STATUS", b"600", str(SUCCESS).encode(), b"0", b""]]
+    wrong_prefill = [[b"KVXFER_HELLO", json.dumps({"prefill": stranger}).encode()],
+                     [b"KVXFER_META", b'{"room": 10049, "endpoint": "garbage"}']]
+    to_decode = junk + wrong_decode + [
+        [b"KVXFER_HELLO", json.dumps({"prefill": stranger, "refused": "a stranger says no"}).encode()],
+        [b"KVXFER_CHUNK", json.dumps(chunk).encode()]]
+    to_prefill = junk + wrong_prefill + [[b"KVXFER_META", json.dumps({"room": 10_000 + i, "endpoint": stranger})
+                                          .encode()] for i in range(50)]
     key = wire.FrameKey(load_secret(secret_file=secret_file))
 
     def send(peer: Peer, messages: list[list[bytes]]) -> None:
@@ -284,7 +291,8 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
         time.sleep(0.5)
 
     def signed(messages: list[list[bytes]]) -> list[list[bytes]]:
-        return [key.sign(m) if len(m) == 2 and m[0].startswith(b"KVXFER_") else m for m in messages]
+        return [key.sign(m) if m[0] == b"KVXFER_STATUS" or (len(m) == 2 and m[0].startswith(b"KVXFER_")) else m
+                for m in messages]
 
     send(decode, to_decode)  # the stranger's: every frame dropped before it is read
     send(prefill, to_prefill)
@@ -297,9 +305,9 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
     send(prefill, signed(to_prefill))
     before_p, before_d = sizes_p["junk"], sizes_d["junk"]
     sizes_p, sizes_d = prefill.ask(op="sizes"), decode.ask(op="sizes")
-    # every junk frame, and the message meant for the other role, dropped and counted
-    assert sizes_p["junk"] - before_p == len(junk) + 1 and sizes_d["junk"] - before_d == len(junk) + 1, (sizes_p,
-                                                                                                      sizes_d)
+    # every junk frame, and each message refused for what it says, dropped and counted
+    assert sizes_p["junk"] - before_p == len(junk) + len(wrong_prefill), sizes_p
+    assert sizes_d["junk"] - before_d == len(junk) + len(wrong_decode), sizes_d
     assert sizes_p["sizes"]["source_early"] == MAX_ROOMS, sizes_p  # 50 sent, MAX_ROOMS kept (until SGLang's timeout)
     assert sizes_p["sizes"]["source_rooms"] == MAX_ROOMS and sizes_p["sizes"]["source_leases_in_use"] == 0, sizes_p
     assert sizes_p["sizes"]["request_status"] == 0, sizes_p  # SGLang's table: no entry for a room without a sender

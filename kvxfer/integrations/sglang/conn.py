@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
+import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_ACK_TAG,
@@ -64,6 +65,7 @@ class KvxferKVManager(CommonKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False) -> None:
+        self._kvxfer_status_lock = threading.Lock()  # before SGLang's init, which may set a status
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.kvxfer_timeout_s = transfer_timeout_from_env()
         slots = int(os.environ.get(MAX_ROOMS_ENV, "4096"))
@@ -96,6 +98,13 @@ class KvxferKVManager(CommonKVManager):
             self.heartbeat_interval = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
             self._start_heartbeat_checker_thread()
 
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
+        """SGLang's update (a read, then a ``max`` write) under one lock: kvxfer's threads conclude rooms
+        while SGLang's scheduler marks them Transferring, and a Failed overwritten by Transferring would
+        leave the room held for good."""
+        with self._kvxfer_status_lock:
+            super().update_status(bootstrap_room, status)
+
     # --- plumbing ----------------------------------------------------------------------------
     def _kvxfer_threads(self, *targets: Any) -> None:
         for target in targets:
@@ -110,11 +119,17 @@ class KvxferKVManager(CommonKVManager):
                 logger.exception("kvxfer sglang: %s died; this rank's transfers will fail by timeout", target.__name__)
 
     def _kvxfer_push(self, key: str, frames: list[bytes]) -> None:
-        _, tcp, ipv6 = _endpoint(key)
+        """Send ``frames`` (signed) to the rank at ``key`` without blocking: SGLang's scheduler thread and
+        kvxfer's service threads call this, and a dead peer (no connection to queue on) must cost them
+        nothing. A message that cannot be queued is dropped and logged; its room fails by its timeout."""
         try:
-            self._send_multipart_locked(tcp, self.kvxfer_frames.sign(frames), is_ipv6=ipv6)
-        except Exception as exc:
-            logger.warning("kvxfer sglang: sending %s to %s failed: %s", frames[0][:16], key, exc)
+            _, tcp, ipv6 = _endpoint(key)
+            sock = self._connect(tcp, is_ipv6=ipv6)
+            with self._socket_send_locks[tcp]:
+                sock.send_multipart(self.kvxfer_frames.sign(frames), flags=zmq.NOBLOCK)
+        except Exception as exc:  # zmq.Again (no live connection, or its queue is full), a bad address, ...
+            logger.warning("kvxfer sglang: sending %s to %s failed: %s", bytes(frames[0][:16]), key,
+                           f"{type(exc).__name__}: {exc}")
 
     def _recv(self) -> Optional[list[bytes]]:
         if not self.server_socket.poll(200):
@@ -189,12 +204,12 @@ class KvxferKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Success)
             return
         logger.warning("kvxfer sglang: room %s failed on the prefill: %s", room, reason)
-        self.record_failure(room, reason or "kvxfer transfer failed")
-        self.update_status(room, KVPoll.Failed)
-        if endpoint is not None:
-            ip, _, port = endpoint.rpartition(":")
-            self.send_kv_status_message(targets=[(ip, int(port))], bootstrap_room=room, status=KVPoll.Failed,
-                                        failure_reason=reason)
+        if room in self.request_status:  # a room with no sender (only the decode's metadata came) has no record
+            self.record_failure(room, reason or "kvxfer transfer failed")
+            self.update_status(room, KVPoll.Failed)
+        if endpoint is not None:  # SGLang's status message, signed and sent without blocking
+            self._kvxfer_push(endpoint, self._encode_kv_status_message(bootstrap_room=room, status=KVPoll.Failed,
+                                                                      failure_reason=reason))
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: np.ndarray, index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
@@ -219,10 +234,14 @@ class KvxferKVManager(CommonKVManager):
             return
         if msg[0] == ABORT_ACK_TAG:
             return
-        status = self.parse_kv_status_message(msg)
+        if msg[0] != self.kv_status_msg_tag:
+            raise wire.WireError(f"unexpected message {bytes(msg[0][:20])!r}")
+        status = self.parse_kv_status_message(self.kvxfer_frames.open(msg))
         if status is None:
-            raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
+            raise wire.WireError("a malformed status message")
         room, code, prefill_rank, reason = status
+        if code != KVPoll.Failed:  # kvxfer's prefill reports only failures: the decode's own reads say Success
+            raise wire.WireError(f"a status {code} for room {room}: a kvxfer prefill sends only Failed")
         self.apply_prefill_status(bootstrap_room=room, status=code, prefill_rank=prefill_rank, failure_reason=reason)
 
     def _kvxfer_succeed(self, room: int) -> None:
@@ -238,9 +257,8 @@ class KvxferKVManager(CommonKVManager):
         still land there, say Transferring (and have the puller abort the room's reads)."""
         status = self.request_status[bootstrap_room]
         puller = self.kvxfer_puller
-        if status == KVPoll.Failed and puller is not None and (puller.active(bootstrap_room)
-                                                               or puller.unsafe(bootstrap_room)):
-            puller.post("cancel", bootstrap_room)
+        if status == KVPoll.Failed and puller is not None and puller.holds(bootstrap_room):
+            puller.cancel(bootstrap_room)
             return KVPoll.Transferring
         return status
 
@@ -322,6 +340,18 @@ class KvxferKVSender(CommonKVSender):
 class KvxferKVReceiver(CommonKVReceiver):
     """SGLang's receiver; its metadata names the destination pages the puller reads into."""
 
+    def poll(self) -> KVPoll:
+        """SGLang's poll, except that it never answers Failed while a read of this room may still land:
+        SGLang frees the pages on Failed, and its own paths to Failed (``abort()``, its waiting timeout)
+        do not ask the manager. Until the puller has let go of the room, it is Transferring (and its
+        reads are cancelled)."""
+        status = super().poll()
+        puller = self.kv_mgr.kvxfer_puller
+        if status == KVPoll.Failed and puller.holds(self.bootstrap_room):
+            puller.cancel(self.bootstrap_room)
+            return KVPoll.Transferring
+        return status
+
     def _register_kv_args(self) -> bool:
         """SGLang registers this decode with its prefill ranks: the puller then takes a HELLO from those
         ranks only (one from anyone else is a stranger's)."""
@@ -339,14 +369,14 @@ class KvxferKVReceiver(CommonKVReceiver):
                     "aux_index": None if aux_index is None else int(aux_index),
                     "state_indices": None if not state_indices else
                     [None if s is None else [int(x) for x in np.asarray(s).reshape(-1)] for s in state_indices]}
-            self.kv_mgr.kvxfer_puller.post("meta", (self.bootstrap_room, wire.peer_key(info["rank_ip"],
-                                                                                       info["rank_port"]), meta))
+            self.kv_mgr.kvxfer_puller.post_meta(self.bootstrap_room, wire.peer_key(info["rank_ip"], info["rank_port"]),
+                                                meta)
         kwargs = {} if destination is None else {"destination": destination}
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
 
     def abort(self) -> None:
         super().abort()
-        self.kv_mgr.kvxfer_puller.post("cancel", self.bootstrap_room)
+        self.kv_mgr.kvxfer_puller.cancel(self.bootstrap_room)
 
     def clear(self) -> None:
         super().clear()

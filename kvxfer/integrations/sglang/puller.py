@@ -65,6 +65,7 @@ class _RoomPull:
     prefill: str  # the prefill rank's key
     lease: Optional[int] = None
     chunks: dict[int, _Chunk] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # chunk numbers taken (a repeat is dropped)
     last_done: bool = False
     failed: Optional[str] = None
     cancelled: bool = False
@@ -89,7 +90,9 @@ class Puller:
         self._parked: list[dict[str, Any]] = []  # chunks whose prefill's HELLO has not come yet
         self._held: Quarantine[int, _RoomPull] = Quarantine()  # failed and retired rooms with reads that may land
         self._slots = ScratchSlots(pool.table)
-        self._lock = threading.Lock()  # guards _held and the counters for readers on other threads
+        self._lock = threading.Lock()  # guards _held, _announced and the counters for readers on other threads
+        self._announced: dict[int, int] = {}  # rooms whose "meta" is posted but not yet taken (how many)
+        self._cancelling: set[int] = set()  # rooms with a "cancel" posted and not yet taken
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
                          "stale_chunks": 0, "strangers": 0}
         self._stop = threading.Event()
@@ -99,6 +102,27 @@ class Puller:
     # --- from other threads -----------------------------------------------------------------
     def post(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
+
+    def post_meta(self, room: int, prefill: str, meta: dict[str, Any]) -> None:
+        """SGLang published ``room``'s destination pages: from now on the room is held (``holds``) until
+        the puller lets go of it, even before this thread has taken the message."""
+        with self._lock:
+            self._announced[room] = self._announced.get(room, 0) + 1
+        self.post("meta", (room, prefill, meta))
+
+    def cancel(self, room: int) -> None:
+        """Abort ``room``'s reads (SGLang polls a held room every step: at most one cancel waits per room)."""
+        with self._lock:
+            if room in self._cancelling:
+                return
+            self._cancelling.add(room)
+        self.post("cancel", room)
+
+    def holds(self, room: int) -> bool:
+        """A read of ``room`` may be posted or still land: SGLang must not free its pages yet."""
+        with self._lock:
+            announced = room in self._announced
+        return announced or self.active(room) or self.unsafe(room)
 
     def unsafe(self, room: int) -> bool:
         with self._lock:
@@ -130,8 +154,12 @@ class Puller:
     # --- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self._drain_inbox()
-            busy |= self._advance()
+            try:
+                busy = self._drain_inbox()
+                busy |= self._advance()
+            except Exception:  # a bug must not end the thread every room of this rank depends on
+                logger.exception("kvxfer sglang: the puller hit an unexpected error; going on")
+                busy = False
             if not busy:
                 time.sleep(self._idle_s)
 
@@ -171,7 +199,10 @@ class Puller:
         self._hellos[body["prefill"]] = body
         parked, self._parked = self._parked, []
         for chunk in parked:
-            self._on_chunk(chunk)
+            try:
+                self._on_chunk(chunk)
+            except Exception:  # one bad chunk must not lose the others
+                logger.exception("kvxfer sglang: a parked chunk of room %s could not be taken", chunk.get("room"))
         if refused:
             for room, state in self._rooms.items():
                 if state.prefill == body["prefill"] and state.failed is None:
@@ -179,6 +210,15 @@ class Puller:
 
     def _on_meta(self, payload: tuple[int, str, dict[str, Any]]) -> None:
         room, prefill, meta = payload
+        try:
+            self._take_meta(room, prefill, meta)
+        finally:
+            with self._lock:  # taken: the room is in _rooms now (held while it is), so no gap for ``holds``
+                left = self._announced.pop(room, 0) - 1
+                if left > 0:
+                    self._announced[room] = left
+
+    def _take_meta(self, room: int, prefill: str, meta: dict[str, Any]) -> None:
         old = self._rooms.get(room)  # replaced below, once it is held: never out of both at once
         if old is not None:
             old.cancelled = True
@@ -193,7 +233,14 @@ class Puller:
         if refused:
             state.failed = f"kvxfer refused the prefill's layout: {refused}"
 
+    def _drop_parked(self, room: int) -> None:
+        if self._parked:
+            self._parked = [chunk for chunk in self._parked if int(chunk["room"]) != room]
+
     def _on_cancel(self, room: int) -> None:
+        with self._lock:
+            self._cancelling.discard(room)
+        self._drop_parked(room)
         state = self._rooms.get(room)
         if state is not None:
             state.cancelled = True
@@ -201,6 +248,7 @@ class Puller:
         self._cancel_held(room)
 
     def _on_clear(self, room: int) -> None:
+        self._drop_parked(room)
         state = self._rooms.get(room)
         if state is not None and not state.chunks:
             del self._rooms[room]
@@ -239,18 +287,23 @@ class Puller:
         elif state.lease != int(body["lease"]):
             self.counters["stale_chunks"] += 1
             return
-        chunk = _Chunk(room, body, request_id(room, state.lease, int(body["chunk"])))
-        state.chunks[int(body["chunk"])] = chunk
+        number = int(body["chunk"])
+        if number in state.seen:  # a repeat (replayed, or a confused peer) would hide the first one's reads
+            self.counters["stale_chunks"] += 1
+            return
+        state.seen.add(number)
+        chunk = _Chunk(room, body, request_id(room, state.lease, number))
+        state.chunks[number] = chunk  # from here its reads count for the room's safety
         if hello.get("refused"):
             chunk.error = f"kvxfer refused the prefill's layout: {hello['refused']}"
             return
         try:
             self._post_data(chunk, state, hello["metas"])
-        except (KVXferError, ValueError, KeyError, IndexError) as exc:
+            target = LeaseTarget(hello["metas"]["table"], int(body["slot"]), chunk.key)
+        except Exception as exc:  # KVXferError, or a prefill's metas of the wrong shape: this chunk fails alone
             chunk.error = f"{type(exc).__name__}: {exc}"
             abort_parts(chunk.data, chunk.error)
             return
-        target = LeaseTarget(hello["metas"]["table"], int(body["slot"]), chunk.key)
         chunk.lease = LeaseSlotGuard(self._slots, self._pool.table_backend, [target], int(body["lease"]),
                                      pinned_at_offer=True, explain=lambda _, seen: (
                                          f"the prefill gave the pages of chunk {body['chunk']} back before they were "
@@ -310,7 +363,10 @@ class Puller:
             abort_parts(chunk.handles, chunk.error)
             return False
         read = chunk.read
-        assert read is not None
+        if read is None:  # its construction failed without saying why: fail it, its posted reads aborted
+            chunk.error = "the chunk's reads could not be set up"
+            abort_parts(chunk.handles, chunk.error)
+            return True
         before = read.phase
         try:
             if not read.poll():

@@ -99,6 +99,8 @@ class SourceRooms:
         with self._lock:
             old = self._rooms.get(room)
             if old is None or old.concluded:
+                if old is not None and not old.opened:  # an early room that concluded (aborted) unopened
+                    self._early -= 1
                 self._rooms[room] = _Room(opened=True)
                 return False
             if not old.opened:
@@ -119,6 +121,10 @@ class SourceRooms:
                     return False
                 state = self._rooms[room] = _Room()
                 self._early += 1
+            elif state.decode is not None and state.decode.get("endpoint") != body.get("endpoint"):
+                logger.warning("kvxfer sglang: room %s: metadata from %s ignored, the room's decode is %s", room,
+                               body.get("endpoint"), state.decode.get("endpoint"))
+                return False
             state.decode = body
             pending, state.pending = state.pending, []
             opened = state.opened

@@ -19,16 +19,17 @@ Terminal failures the prefill reports go through SGLang's own status message, so
 decode records their reason the way it does for its own backends.
 
 SGLang's sockets carry no authentication. With the cluster key (``KVXFER_SECRET_FILE``) every
-kvxfer frame gets a third part, an HMAC-SHA256 over its tag and body under a key derived for
-these frames (``FrameKey``), checked before the body is parsed; without it frames go unsigned,
-as SGLang's own. Signed frames are not replay-proof: each names its room and (where it matters)
-its lease, so a replayed one is stale.
+kvxfer frame, and the prefill's status message, gets one more part: an HMAC-SHA256 over its
+parts under a key derived for these frames (``FrameKey``), checked before anything is parsed;
+without the key they go unsigned, as SGLang's own. Signed frames are not replay-proof: each
+names its room and (where it matters) its lease, so a replayed one is stale.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from typing import Any, Optional
 
 import msgspec
@@ -106,26 +107,32 @@ class FrameKey:
     def signs(self) -> bool:
         return self._key is not None
 
-    def _mac(self, tag: bytes, body: bytes) -> bytes:
+    def _mac(self, parts: list[bytes]) -> bytes:
         assert self._key is not None
-        return hmac.new(self._key, len(tag).to_bytes(2, "big") + tag + body, hashlib.sha256).digest()
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(len(part).to_bytes(8, "big"))
+            mac.update(part)
+        return mac.digest()
 
-    def sign(self, frames: list[bytes]) -> list[bytes]:
-        """``frames`` (tag, body) as sent: with the signature appended when there is a key."""
-        return frames if self._key is None else [*frames, self._mac(frames[0], frames[1])]
+    def sign(self, parts: list[bytes]) -> list[bytes]:
+        """``parts`` as sent: with the signature appended when there is a key."""
+        return parts if self._key is None else [*parts, self._mac(parts)]
 
-    def check(self, frames: list[bytes]) -> None:
-        """``WireError`` unless ``frames`` carry what this side expects: a valid signature with a key,
-        none without."""
-        tag = frames[0].decode(errors="replace")
+    def open(self, parts: list[bytes], expected: Optional[int] = None) -> list[bytes]:
+        """The parts a peer signed (the signature checked and taken off), or ``WireError``: with a key, a
+        missing or wrong signature; without, too many parts (``expected``: how many an unsigned message has)."""
+        tag = bytes(parts[0][:32]).decode(errors="replace")
         if self._key is None:
-            if len(frames) != 2:
-                raise WireError(f"{tag}: {len(frames)} frames, expected 2 (a signed frame? this rank has no "
+            if expected is not None and len(parts) != expected:
+                raise WireError(f"{tag}: {len(parts)} frames, expected {expected} (a signed frame? this rank has no "
                                 "KVXFER_SECRET_FILE: set the same cluster secret on every rank)")
-            return
-        if len(frames) != 3 or not hmac.compare_digest(bytes(frames[2]), self._mac(frames[0], frames[1])):
+            return parts
+        if ((expected is not None and len(parts) != expected + 1) or len(parts) < 2
+                or not hmac.compare_digest(bytes(parts[-1]), self._mac(parts[:-1]))):
             raise WireError(f"{tag}: not signed with this cluster's key (a stranger, or a rank without "
                             "KVXFER_SECRET_FILE or with another secret); dropped before it was read")
+        return parts[:-1]
 
 
 UNSIGNED = FrameKey(None)
@@ -147,15 +154,37 @@ def decode(frames: list[bytes], key: FrameKey = UNSIGNED) -> Optional[tuple[byte
     tag = frames[0]
     if len(frames) < 2:
         raise WireError(f"{tag.decode()}: {len(frames)} frames, expected 2 or 3")
-    key.check(frames)
-    raw = frames[1]
+    raw = key.open(frames, expected=2)[1]
     if len(raw) > MAX_BODY_BYTES:
         raise WireError(f"{tag.decode()}: body of {len(raw)} bytes, more than {MAX_BODY_BYTES}")
     try:
         body = msgspec.json.decode(raw, type=SCHEMAS[tag])
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         raise WireError(f"{tag.decode()}: {exc}") from None
+    for name in _ENDPOINTS[tag]:  # where this rank will send (or whom it will trust): a real ip:port
+        check_endpoint(getattr(body, name), f"{tag.decode()} {name}")
     return tag, msgspec.structs.asdict(body)
+
+
+#: The fields of each message that name a rank's ``ip:port``.
+_ENDPOINTS: dict[bytes, tuple[str, ...]] = {REG: ("endpoint",), HELLO: ("prefill",), META: ("endpoint",),
+                                            CHUNK: ("prefill",), FAILED: ()}
+
+
+def check_endpoint(text: str, what: str) -> None:
+    """``WireError`` unless ``text`` is ``host:port`` (an IP address or host name, a port 1-65535)."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    ok = bool(sep) and port.isdigit() and 0 < int(port) < 65536 and 0 < len(host) <= 253
+    if ok:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            labels = host.split(".")
+            ok = all(0 < len(label) <= 63 and label.replace("-", "").isalnum() and label.isascii()
+                     for label in labels)
+    if not ok:
+        raise WireError(f"{what} {text[:80]!r} is not a host:port")
 
 
 def peer_key(ip: str, port: int) -> str:
