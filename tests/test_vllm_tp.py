@@ -309,6 +309,9 @@ def test_reader_labels_carry_the_count_and_the_sender_waits_for_all():
     assert reader_label("r1", 0, 1) == "r1" and parse_reader_label("r1") == ("r1", 0, 1)
     assert parse_reader_label(reader_label("a#b", 1, 2)) == ("a#b", 1, 2)
     assert parse_reader_label("x#kvxfer-reader-2-of-2") == ("x#kvxfer-reader-2-of-2", 0, 1)  # not a reader of 2
+    # more readers than decode ranks can read one prefill rank: a peer's invention, not a reader of "x"
+    assert parse_reader_label("x#kvxfer-reader-0-of-129") == ("x#kvxfer-reader-0-of-129", 0, 1)
+    assert parse_reader_label("x#kvxfer-reader-127-of-128") == ("x", 127, 128)
     now = [0.0]
     source, table = _Reports(), torch.zeros(8, dtype=torch.int64)
     sender = Sender([source], table, grace_s=5.0, clock=lambda: now[0])

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from kvxfer.backends.base import RequestId, TransferHandle, TransferStartError, abort_parts
-from kvxfer.errors import KVXferError
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.plan.descriptors import IdList
 
@@ -269,7 +268,7 @@ class LeaseSlotGuard:
             try:
                 handle = self._backend.begin_pull_blocks(target.meta, [target.slot], [slot],
                                                          request_id=target.request_id)
-            except KVXferError as exc:
+            except Exception as exc:  # KVXferError by the backend contract; anything else must not leak the slot
                 if isinstance(exc, TransferStartError) and not exc.storage_safe:
                     self.slots.quarantine(slot, exc.cleanup_handles)  # back once those are safe
                 else:

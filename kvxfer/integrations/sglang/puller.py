@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kvxfer.backends.transfer import abort_parts
-from kvxfer.errors import KVXferError
 from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.sglang import wire
@@ -371,7 +370,7 @@ class Puller:
         try:
             if not read.poll():
                 return read.phase is not before  # the lease read was posted (or every scratch slot is busy)
-        except KVXferError as exc:
+        except Exception as exc:  # KVXferError from a read; anything else fails this chunk, not the thread
             chunk.error = f"{type(exc).__name__}: {exc}"
             return True
         if read.verdict is not None:

@@ -222,6 +222,8 @@ class Receiver:
         except Exception as exc:  # never let one request's surprise break the engine's step
             logger.exception("kvxfer vllm: request %s: unexpected failure", load.spec.request_id)
             safe = abort_parts(load.data, f"request {load.spec.request_id!r}: unexpected failure")
+            if load.lease is not None:  # its lease reads' scratch slots: back, or held until none can land
+                load.lease.drop(f"request {load.spec.request_id!r}: unexpected failure")
             self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe)
 
     @property

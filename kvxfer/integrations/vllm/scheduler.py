@@ -149,6 +149,7 @@ class KvxferScheduler:
         if num_external_tokens <= 0:
             # Nothing to load (the local prefix cache holds it all): let the producer free its pin now.
             self._loads.append(LoadSpec(request.request_id, spec_params, (), 0, awaiting=False,
+                                        refusal=self._prompt_refusal(request, spec_params),
                                         groups=self._release_groups()))
             return
         refusal = self._prompt_refusal(request, spec_params)
@@ -249,8 +250,10 @@ class KvxferScheduler:
             # Finished (aborted) before it was scheduled: release the producer's pin now.
             params["do_remote_prefill"] = False
             self._local_computed.pop(request.request_id, None)
-            self._loads.append(LoadSpec(request.request_id, dict(params, do_remote_prefill=True), (), 0,
-                                        awaiting=False, groups=self._release_groups()))
+            release = dict(params, do_remote_prefill=True)  # checked against the prompt, as a load's ticket is
+            self._loads.append(LoadSpec(request.request_id, release, (), 0, awaiting=False,
+                                        refusal=self._prompt_refusal(request, release),
+                                        groups=self._release_groups()))
             return False, None
         if not params.get("do_remote_decode") or not self.is_producer:
             return False, None

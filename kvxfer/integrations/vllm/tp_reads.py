@@ -30,6 +30,9 @@ from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
 from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
 
 _LABEL = re.compile(r"^(?P<id>.+)#kvxfer-reader-(?P<i>\d{1,4})-of-(?P<n>\d{1,4})$", re.S)
+#: The most decode ranks that read one prefill rank (decode TP / prefill TP): a label claiming more is a
+#: peer's invention (it would keep the request's blocks pinned until pin_grace_s, and grow its reports).
+MAX_READERS = 128
 
 
 def reader_label(request_id: str, reader: int, readers: int) -> str:
@@ -40,7 +43,7 @@ def reader_label(request_id: str, reader: int, readers: int) -> str:
 def parse_reader_label(label: str) -> tuple[str, int, int]:
     """``(request_id, reader, readers)`` of a label (``(label, 0, 1)`` for a bare id)."""
     m = _LABEL.match(label)
-    if m is None or not 0 <= int(m["i"]) < int(m["n"]):
+    if m is None or not 0 <= int(m["i"]) < int(m["n"]) <= MAX_READERS:
         return label, 0, 1
     return m["id"], int(m["i"]), int(m["n"])
 
