@@ -333,3 +333,25 @@ def test_a_fetch_that_cannot_resolve_or_parse_fails_alone_and_the_fetcher_serves
     assert {str(e) for d, e in results[MAX_FETCHES:] if e} == {f"the prefill instance at 127.0.0.1:{port} answered "
                                                                 "with a malformed handshake"}, results[MAX_FETCHES:]
     assert [d for d, e in results[MAX_FETCHES:] if d] == [{"hello": 2}]
+
+
+def test_a_ticket_naming_another_instance_refetches_a_handshake_only_once_it_is_not_fresh():
+    """Without a cluster key a ticket is checked only after the handshake, so a forged ticket naming a
+    made-up producer instance must not flush a real producer's fresh handshake (every real load would
+    then wait for a fetch): a refetch is asked only of a handshake older than REFETCH_AFTER_S (a
+    restarted vLLM takes far longer than that to come back)."""
+    from kvxfer.integrations.vllm.handshake_cache import REFETCH_AFTER_S, HandshakeCache, _Entry
+
+    now = [100.0]
+    cache = HandshakeCache(5.0, None, False, clock=lambda: now[0])
+    try:
+        cache._entries[("127.0.0.1", 9)] = _Entry(started=99.0, finished=100.0)
+        now[0] = 100.0 + REFETCH_AFTER_S / 2
+        assert cache.invalidate("127.0.0.1", 9) is False and ("127.0.0.1", 9) in cache._entries
+        now[0] = 100.0 + REFETCH_AFTER_S + 0.1
+        assert cache.invalidate("127.0.0.1", 9) is True and ("127.0.0.1", 9) not in cache._entries
+        cache._entries[("127.0.0.1", 9)] = _Entry(started=now[0])  # a fetch in flight is never dropped
+        now[0] += 60
+        assert cache.invalidate("127.0.0.1", 9) is False
+    finally:
+        cache.close()

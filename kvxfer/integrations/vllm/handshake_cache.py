@@ -43,6 +43,10 @@ FAILED_KEPT_S = 3.0
 MAX_ENTRIES = 64
 
 
+#: The youngest handshake a ticket naming another producer instance may have refetched (seconds).
+REFETCH_AFTER_S = 2.0
+
+
 @dataclass
 class _Entry:
     started: float
@@ -138,10 +142,17 @@ class HandshakeCache:
         entry.handshake, entry.error = handshake, error
         entry.finished = self._clock()
 
-    def invalidate(self, host: str, port: int) -> None:
+    def invalidate(self, host: str, port: int) -> bool:
+        """Forget the handshake of ``host:port`` so the next ``get`` fetches it again (a ticket names
+        another instance: the producer restarted); True if it was forgotten. Not within
+        ``REFETCH_AFTER_S`` of its fetch: a producer does not restart that fast, and without a cluster
+        key a ticket is checked only after the handshake, so forged tickets naming made-up instances
+        would otherwise make every real load to that producer wait for a fetch."""
         entry = self._entries.get((host, port))
-        if entry is not None and entry.finished is not None:
-            del self._entries[(host, port)]
+        if entry is None or entry.finished is None or self._clock() - entry.finished < REFETCH_AFTER_S:
+            return False
+        del self._entries[(host, port)]
+        return True
 
     def close(self) -> None:
         self._fetcher.close()

@@ -274,9 +274,9 @@ class Receiver:
                 return None
         handshake = load.handshake
         if ticket.instance != handshake.instance:
-            if not load.refetched:  # the producer restarted since we cached it: ask again once
+            # the producer restarted since we cached it: ask again once (unless just fetched)
+            if not load.refetched and self._handshakes.invalidate(ticket.host, ticket.port):
                 load.refetched, load.handshake = True, None
-                self._handshakes.invalidate(ticket.host, ticket.port)
                 return None
             return self._refuse(load, f"kv_transfer_params name prefill instance {ticket.instance!r} but "
                                       f"{ticket.host}:{ticket.port} now runs {handshake.instance!r} (restarted): "
