@@ -59,6 +59,14 @@ parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 args = parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "kvxfer_ucx"])
 assert args.disaggregation_transfer_backend == "kvxfer_ucx"
+from types import SimpleNamespace as NS
+from kvxfer.integrations.sglang.conn import unsupported_options  # refused when a manager is made, naming the flag
+assert unsupported_options(NS(disaggregation_decode_allocation_policy="early"), "decode") is None
+assert "--disaggregation-decode-allocation-policy" in unsupported_options(
+    NS(disaggregation_decode_allocation_policy="prefill_complete"), "prefill")
+radix = NS(disaggregation_decode_allocation_policy="early", disaggregation_decode_enable_radix_cache=True)
+assert unsupported_options(radix, "prefill") is None
+assert "--disaggregation-decode-enable-radix-cache" in unsupported_options(radix, "decode")
 print("PLUGIN-OK", sglang.__version__)
 """
 

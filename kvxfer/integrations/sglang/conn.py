@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_disagg
 from sglang.srt.utils.network import NetworkAddress
 
 from kvxfer.backends.base import transfer_timeout_from_env
@@ -46,6 +47,18 @@ logger = logging.getLogger("kvxfer.integrations.sglang")
 MAX_ROOMS_ENV = "KVXFER_SGLANG_MAX_ROOMS"
 #: Seconds between the decode's liveness checks of each prefill it pulls from (SGLang's own minimum is 2 s).
 HEARTBEAT_ENV = "KVXFER_SGLANG_HEARTBEAT_S"
+
+
+def unsupported_options(disagg: Any, role: str) -> Optional[str]:
+    """Why SGLang's disaggregation settings ``disagg`` (``get_disagg()``) need what kvxfer does not do,
+    naming the flag; None when kvxfer can serve them. Refused when the manager is made, before any request."""
+    if getattr(disagg, "disaggregation_decode_allocation_policy", "early") != "early":
+        return ("kvxfer's SGLang backend supports --disaggregation-decode-allocation-policy early only (got "
+                f"{disagg.disaggregation_decode_allocation_policy!r}): launch both roles with the default")
+    if role == "decode" and getattr(disagg, "disaggregation_decode_enable_radix_cache", False):
+        return ("kvxfer's SGLang backend does not read a decode-side prefix (decode_prefix_len): launch the decode "
+                "without --disaggregation-decode-enable-radix-cache")
+    return None
 
 
 def _endpoint(key: str) -> tuple[str, str, bool]:
@@ -66,6 +79,10 @@ class KvxferKVManager(CommonKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False) -> None:
         self._kvxfer_status_lock = threading.Lock()  # before SGLang's init, which may set a status
+        refused = unsupported_options(get_disagg(), "prefill" if disaggregation_mode == DisaggregationMode.PREFILL
+                                      else "decode")
+        if refused:
+            raise RuntimeError(refused)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.kvxfer_timeout_s = transfer_timeout_from_env()
         slots = int(os.environ.get(MAX_ROOMS_ENV, "4096"))
