@@ -22,6 +22,7 @@ it is never admitted. A source without counters is pulled unverified
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from engine_integration.descriptor import HandoffDescriptor, RequestId, split_tr
 from kvxfer.errors import KVXferError, TornReadError
 from kvxfer.handoff.poll import KVPoll
 from kvxfer.handoff.quarantine import Quarantine
+
+log = logging.getLogger("kvxfer.engine.sink")
 
 #: (source identity, meta index) -> that source's registered transfer meta, or None if not known yet.
 PeerMetaLookup = Callable[[str, int], Optional[Mapping[str, Any]]]
@@ -108,6 +111,11 @@ class HandoffSink:
 
     # --- inputs -----------------------------------------------------------------------
     def submit(self, descriptor: HandoffDescriptor, max_new_tokens: int) -> None:
+        request_id = descriptor.request_id
+        if (request_id in self._transferring or request_id in self._quarantine
+                or any(entry.descriptor.request_id == request_id for entry in self._queue)):
+            # a repeat (a retried StartDecode, two prefills): taking it would orphan the first one's blocks
+            raise ValueError(f"request {request_id!r} is already being handed off to this decode")
         if max_new_tokens < len(descriptor.resume_tokens):
             raise ValueError(f"request {descriptor.request_id!r}: max_new_tokens {max_new_tokens} < "
                              f"{len(descriptor.resume_tokens)} resume tokens")
@@ -188,16 +196,19 @@ class HandoffSink:
         entry.started_at = time.monotonic()
         if not src:  # the whole prompt was cached here: nothing to read
             return [self._complete(entry)]
-        kv_meta, generations_meta = split_transfer_meta(meta)
-        expected = d.generations[len(entry.cached):]  # the cached prefix is not read, so not checked
-        entry.verified = self.checker is not None and generations_meta is not None and bool(expected)
         try:
+            kv_meta, generations_meta = split_transfer_meta(meta)
+            expected = d.generations[len(entry.cached):]  # the cached prefix is not read, so not checked
+            entry.verified = self.checker is not None and generations_meta is not None and bool(expected)
             if entry.verified:
                 entry.handle = self.checker.begin_pull_verified(kv_meta, generations_meta, src, dst, expected,
                                                                 request_id=d.request_id)
             else:
                 entry.handle = self.backend.begin_pull_blocks(kv_meta, src, dst, request_id=d.request_id)
-        except KVXferError as exc:  # validated before anything was posted: nothing in flight
+        except Exception as exc:  # nothing in flight: once a part is posted, a backend reports through a handle or
+            # a TransferStartError(storage_safe=True) (``KVTransportBackend._post_pulls``); anything else came first
+            if not isinstance(exc, KVXferError):
+                log.exception("request %r: the pull could not start", d.request_id)
             self.adapter.free_blocks(entry.cached + entry.fresh)
             entry.state = KVPoll.Failed
             return [SinkEvent(d.request_id, KVPoll.Failed, True, reason=f"pull refused: {exc}")]
@@ -215,7 +226,7 @@ class HandoffSink:
                 del self._transferring[request_id]
                 events.append(self._fail(entry, f"torn read detected, KV discarded: {exc}", exc))
                 continue
-            except KVXferError as exc:
+            except Exception as exc:  # KVXferError; anything else fails this request, not the engine loop
                 del self._transferring[request_id]
                 events.append(self._fail(entry, f"pull failed: {exc}", exc))
                 continue
@@ -238,12 +249,12 @@ class HandoffSink:
             self.adapter.free_blocks(table)
             entry.state = KVPoll.Failed
             return SinkEvent(d.request_id, KVPoll.Failed, True, n_cached, pulled, reason=fenced)
-        n_full = len(d.block_hashes)
-        self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])
-        if entry.abort_reason:
+        if entry.abort_reason:  # before any hash is registered: an aborted read's bytes may not be this prompt's
             self.adapter.free_blocks(table)
             entry.state = KVPoll.Failed
             return SinkEvent(d.request_id, KVPoll.Failed, True, n_cached, pulled, reason=entry.abort_reason)
+        n_full = len(d.block_hashes)
+        self.adapter.register_block_hashes(table[n_cached:n_full], d.block_hashes[n_cached:n_full])
         self.adapter.admit_decode_request(ImportedRequest(
             d.request_id, d.prompt, d.resume_tokens, tuple(table), entry.max_new_tokens, n_cached, pulled))
         entry.state = KVPoll.Success

@@ -153,6 +153,33 @@ def test_failed_pull_quarantines_blocks_until_storage_safe():
     assert engine.context.allocator.num_free == 8 and engine.context.allocator.num_cached == 0
 
 
+class _DoneHandle:
+    storage_safe = True
+
+    def poll(self) -> bool:
+        return True
+
+
+def test_a_repeated_request_is_refused_and_an_aborted_pull_registers_no_prefix():
+    """From a review (2026-12-05): a second ``submit`` of a request id in flight overwrote the first
+    entry, orphaning its blocks and pins; and a pull aborted while it ran (its source gone, the bytes
+    perhaps another request's) registered its block hashes before the abort was seen, so a later prompt
+    with that prefix would have decoded from them."""
+    engine = build_reference_engine(MODEL, 8, engine_cls=StateHandoffDynamicInferenceEngine)
+    sink = HandoffSink(ReferenceEngineAdapter(engine), _StubBackend(_DoneHandle()), lambda src, i: {"stub": True})
+    d = HandoffDescriptor(9, "p0", 0, (0, 1, 2), tuple(block_hashes(list(range(9)), 4)), tuple(range(9)), (5,))
+    sink.submit(d, 4)
+    with pytest.raises(ValueError, match="already being handed off"):
+        sink.submit(d, 4)
+    sink.abort(9, "the source is gone")  # queued: dropped at once
+    sink.submit(d, 4)
+    sink._start_pull = (lambda start: (lambda entry, meta: (start(entry, meta), sink.abort(9, "source gone"))[0]))(
+        sink._start_pull)  # aborted right after its read was posted
+    [event] = sink.step()
+    assert event.state is KVPoll.Failed and "source gone" in event.reason
+    assert engine.context.allocator.num_free == 8 and engine.context.allocator.num_cached == 0  # no prefix kept
+
+
 def test_source_releases_on_read_done_or_safe_failure_once():
     engine = build_reference_engine(MODEL, 8, engine_cls=StateHandoffDynamicInferenceEngine)
     backend = _StubBackend()

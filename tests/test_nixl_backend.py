@@ -245,11 +245,12 @@ def test_garbage_notifications_counted_not_delivered(peer, decode):
     assert share.send("nixl-test-src", b"\xff garbage")
     assert share.send("nixl-test-src", notify.encode("done", "to-nobody", 999))  # names no registration
     assert share.send("nixl-test-src", b'{"v":2,"kind":"done","rid":1,"buf":1}')  # a future version
+    assert share.send("nixl-test-src", b"[" * 4000)  # nested past the JSON parser's depth (it raised, and lost the batch)
     deadline = time.monotonic() + 5
-    while peer.drain(0)[2] < before + 3 and time.monotonic() < deadline:
+    while peer.drain(0)[2] < before + 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     done, failed, garbage = drain_until(peer, 0, 0, timeout=0)
-    assert garbage == before + 3 and done == [] and failed == []
+    assert garbage == before + 4 and done == [] and failed == []
 
 
 def test_notification_format_roundtrip():
@@ -258,7 +259,7 @@ def test_notification_format_roundtrip():
         assert note is not None and note.request_id == rid and note.buffer_id == 3 and len(note.reason) == 512
         assert notify.decode(notify.encode("done", rid, 1)).kind == "done"
     for junk in (b"", b"[]", b'{"v":1,"kind":"done","rid":true,"buf":1}', b'{"v":1,"kind":"oops","rid":1,"buf":1}',
-                 b'{"v":1,"kind":"done","rid":1}', b"x" * 5000, b"\xff\xfe"):
+                 b'{"v":1,"kind":"done","rid":1}', b"x" * 5000, b"\xff\xfe", b"[" * 4000):
         assert notify.decode(junk) is None
 
 

@@ -126,6 +126,10 @@ def test_source_survives_reader_ended_while_source_stopped(backend, path, how, p
     _stall_and_end_reader(source, reader, how)
     time.sleep(1.0)  # the resumed source meets the dead reader's requests
     if (backend, path, how) == NIXL_TCP_ABORTS:  # the known limit, asserted: fails the day NIXL fixes it
+        try:  # within a bound that a loaded machine meets (the abort comes when its UCX next progresses)
+            source.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
         assert source.proc.poll() is not None, ("the nixl source survived its reader's death over tcp: NIXL fixed "
                                                 "it; assert survival here and update docs/nixl.md")
         return

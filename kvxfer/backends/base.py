@@ -300,7 +300,7 @@ class KVTransportBackend(ABC):
         try:
             for pull in pulls:
                 handles.append(CompletedHandle(request_id) if pull is None else self._start_pull(pull))
-        except KVXferError as exc:
+        except Exception as exc:  # a KVXferError by contract; anything else is handled alike once a part is posted
             posted = [h for h in handles if not isinstance(h, CompletedHandle)]
             if not posted and not isinstance(exc, TransferStartError):
                 raise  # nothing was posted: plainly safe

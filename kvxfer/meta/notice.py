@@ -60,7 +60,7 @@ def decode(message: bytes) -> Optional[Notification]:
         return None
     try:
         body = json.loads(message)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: b"[" * 4000 fits the size bound
         return None
     if not isinstance(body, dict) or body.get("v") != WIRE_VERSION or body.get("kind") not in _KINDS:
         return None

@@ -63,8 +63,8 @@ def _canonical(meta: Mapping[str, Any], keys: list[str]) -> bytes:
     body = {key: meta[key] for key in keys}
     try:
         return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise PeerMetadataError(f"peer meta is not JSON-serialisable: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested deeper than JSON goes
+        raise PeerMetadataError(f"peer meta is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
 
 
 def _signature(key: bytes, canonical: bytes) -> str:

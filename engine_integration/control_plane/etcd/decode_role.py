@@ -170,12 +170,13 @@ class DecodeRole(SharedState):
             client, client_lease = str(payload["client"]), int(payload["client_lease"])
             if descriptor.source != source or str(descriptor.request_id) != rid:
                 raise ValueError(f"descriptor names {descriptor.source}/{descriptor.request_id}")
-        except (KeyError, TypeError, ValueError) as exc:
+            prefill_s = float(payload.get("prefill_s", 0.0))
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:  # Infinity, null, a list...
             log.warning("decode %r: refused handoff %s/%s: %s", engine.identity, source, rid, exc)
             self._write_state(source, rid, HandoffState.FAILED, pub.owner_incarnation, f"refused: {exc}")
             return
         read = _Read(source, pub.owner_incarnation, client, client_lease, max_new_tokens,
-                     info={"prefill_s": float(payload.get("prefill_s", 0.0))})
+                     info={"prefill_s": prefill_s})
         try:   # acknowledged by etcd before any read can be posted, and only while the source key is the one seen
             if not store.set_reader_state(source, rid, HandoffState.PULLING, source_incarnation=pub.owner_incarnation,
                                           source_revision=pub.revision):

@@ -20,6 +20,7 @@ May import: ``control_plane.policy``, ``control_plane.base``, ``etcd.records``, 
 
 from __future__ import annotations
 
+from collections import deque
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -50,7 +51,7 @@ class SharedState:
     me: Optional[InstanceRecord]
     repair_grace_s: float
     repairs: int
-    detections: list[dict[str, Any]]
+    detections: "deque[dict[str, Any]]"
 
 
 class Membership(SharedState):

@@ -29,6 +29,7 @@ the engine, torch or zmq.
 
 from __future__ import annotations
 
+from collections import deque
 import logging
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -84,7 +85,7 @@ class EtcdPlane(Membership, PrefillRole, DecodeRole, ControlPlane):
         self._retry: list[tuple[str, Callable[[], None]]] = []        # ("state"/"result", write) etcd did not take yet
         self.repair_grace_s = float(store.config.ttl_s)               #: how long a missing source key is waited for
         self.repairs = 0                                              #: handoff keys of ours restored after a deletion
-        self.detections: list[dict[str, Any]] = []                    #: verdicts about dead peers, with times
+        self.detections: deque[dict[str, Any]] = deque(maxlen=1024)   #: the latest verdicts about dead peers, with times
         self._init_membership()
         self._init_prefill()
         self._init_decode()

@@ -63,6 +63,9 @@ _NOTICE_RETRY_MAX_S = 2.0     # ...up to this
 _NOTICE_STALL_S = 4.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
 _NOTICE_KEEP_S = 120.0  # a notice still undelivered after this is dropped (logged)
 _NOTICE_MAX_PENDING = 4096
+#: Peers' notices received and not yet drained: a source that never drains (or a flooding peer)
+#: costs at most this many headers of at most ``notice.MAX_NOTIFY_BYTES`` each.
+_MAX_RAW_NOTICES = 16384
 #: Pulls up to this size are progressed once by the posting thread: on shared memory or CMA they
 #: usually complete there, and waking the progress thread for them cost more than the read
 #: (measured in vLLM: the wake-up and the lock it then holds were a quarter of a handoff).
@@ -359,7 +362,7 @@ class UcxBackend(KVTransportBackend):
         self._confirm_wait = threading.local()  # confirm_peer's timeout, seen by _check_peer_source in its thread
         self._context = _ucp.Context()
         try:
-            self._worker = _ucp.Worker(self._context, AM_ID, self._notices.append)
+            self._worker = _ucp.Worker(self._context, AM_ID, self._on_notice)
             self._region = _ucp.MemoryRegion(self._context, self.geometry.buf_ptr, self.geometry.region_bytes,
                                              cuda=self.memory_buffer.is_cuda)
             self._read_token = _served.new_token()
@@ -655,6 +658,14 @@ class UcxBackend(KVTransportBackend):
             self._outbox_size -= len(queue)
             for notice in queue:
                 self._post_notice(address, notice)
+
+    def _on_notice(self, header: bytes) -> None:
+        """A peer's read-done / read-failed (worker lock held): kept raw until drained, bounded. A header
+        larger than any notice, or one past ``_MAX_RAW_NOTICES`` undrained, is dropped and counted."""
+        if len(header) > notify.MAX_NOTIFY_BYTES or len(self._notices) >= _MAX_RAW_NOTICES:
+            self._stats.notice_dropped()
+            return
+        self._notices.append(header)
 
     def _collect_notifications(self) -> None:
         self._worker.progress()

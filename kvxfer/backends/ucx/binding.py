@@ -146,14 +146,14 @@ def _install_callbacks(ffi: Any) -> None:
     @ffi.def_extern(onerror=_on_callback_error)
     def kvx_am_recv_py(arg, header, header_length, data, length, param):  # type: ignore[no-untyped-def]
         # Every kvxfer message is eager (its data valid during this call). A rendezvous descriptor
-        # is nobody's here: released, so it cannot pin the sender's request.
+        # (a peer's oversized message) is nobody's here: returning UCS_OK makes UCX drop it and
+        # complete the sender's request (ucp_def.h, ucp_am_recv_callback_t). It must not also be
+        # released here: UCX would then release it twice.
         entry = _AM_HANDLERS.get(int(ffi.cast("uintptr_t", arg)))
         if entry is None:
             return _lib.UCS_OK
         worker, handler = entry
         if param.recv_attr & _lib.UCP_AM_RECV_ATTR_FLAG_RNDV:
-            if worker.handle is not None:
-                _lib.ucp_am_data_release(worker.handle, data)
             return _lib.UCS_OK
         handler(bytes(ffi.buffer(header, header_length)), data, int(length), param)
         return _lib.UCS_OK

@@ -25,7 +25,6 @@ chunk on the reader (a 256 KiB chunk: tens of microseconds per ~100 us of tcp ti
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import struct
@@ -49,7 +48,6 @@ _REQUEST = struct.Struct("<16sQQ")   # token, batch id, first row index of this 
 _CHUNK = struct.Struct("<QQQ")       # batch id, row, offset in the row; kvx_served_hdr_t
 _REFUSED = struct.Struct("<QQQq")    # batch id, ~0, 0, a negative ucs status: the source refused
 _REFUSED_ROW = (1 << 64) - 1
-_BATCH_IDS = itertools.count(1)
 
 
 def needs_serving(transports: list[tuple[str, str]]) -> bool:
@@ -76,13 +74,16 @@ class Server:
             self.refused += 1
             return  # not one of ours: nobody to answer
         token, batch, first = _REQUEST.unpack(header)
-        rows = np.frombuffer(_ucp.data_bytes(data, length), dtype=np.uint64).reshape(-1, 2)
-        ends = rows[:, 0] + rows[:, 1]
-        outside = bool((ends < rows[:, 0]).any() or (ends > self.length).any())
+        if length // 16 > ROWS_PER_MESSAGE:  # every row is sent from this handler: a bounded number per message
+            outside, rows = True, None
+        else:
+            rows = np.frombuffer(_ucp.data_bytes(data, length), dtype=np.uint64).reshape(-1, 2)
+            ends = rows[:, 0] + rows[:, 1]
+            outside = bool((ends < rows[:, 0]).any() or (ends > self.length).any())
         if not secrets.compare_digest(token, self.token) or outside:
             self.refused += 1
-            logger.warning("ucx: refused a served read (%s)", "rows outside the registered pool" if outside
-                           else "wrong token")
+            logger.warning("ucx: refused a served read (%s)", "wrong token" if not secrets.compare_digest(
+                token, self.token) else "rows outside the registered pool, or too many rows")
             _ucp.answer(reply_ep, DATA_AM_ID, _REFUSED.pack(batch, _REFUSED_ROW, 0, -1))
             return
         failed = _ucp.serve_rows(reply_ep, DATA_AM_ID, batch, first, self.base, rows, CHUNK_BYTES)
@@ -102,7 +103,11 @@ class ServedBatch:
                  src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray) -> None:
         self.reads = reads
         self.worker = endpoint.worker
-        self.id = next(_BATCH_IDS)
+        # random: a chunk is taken only for the id its source was sent, and no other peer can guess it
+        self.id = secrets.randbits(64)
+        while self.id in reads.batches or self.id == 0:
+            self.id = secrets.randbits(64)
+        self._landed: set[tuple[int, int]] = set()  # (row, chunk index) written: each counts once
         self.dst = local_base + np.asarray(dst_offsets, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.left = int(self.lengths.sum())
@@ -128,10 +133,17 @@ class ServedBatch:
                 self._finish(exc.status)
 
     def on_chunk(self, row: int, offset: int, data: Any, length: int) -> None:
-        """Worker lock held (the DATA handler)."""
-        if row == _REFUSED_ROW or row >= self.lengths.size or offset + length > self.lengths[row]:
+        """Worker lock held (the DATA handler). The source sends each row in ``CHUNK_BYTES`` pieces from
+        offset 0 (``kvx_serve_rows``): anything else fails the batch; a piece seen before is not counted
+        again (the batch is done only when every piece of every row landed)."""
+        if (row == _REFUSED_ROW or row >= self.lengths.size or offset % CHUNK_BYTES or offset >= self.lengths[row]
+                or length != min(CHUNK_BYTES, int(self.lengths[row]) - offset)):
             self._finish(_ucp.code("UCS_ERR_INVALID_PARAM"))
             return
+        piece = (row, offset // CHUNK_BYTES)
+        if piece in self._landed:
+            return
+        self._landed.add(piece)
         _ucp.memmove(int(self.dst[row]) + offset, data, length)
         self.left -= length
         if self.left <= 0:
