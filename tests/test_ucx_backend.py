@@ -437,3 +437,20 @@ def test_cuda_pool_pull(monkeypatch: pytest.MonkeyPatch) -> None:
         while not done and time.monotonic() < deadline:
             done = src.drain_read_done()
         assert done == ["gpu"]
+
+
+def test_a_peers_rendezvous_active_messages_are_dropped_cleanly() -> None:
+    """Any peer with a worker's address can send it an active message too large for eager; UCX hands
+    those over as rendezvous descriptors. kvxfer's handler released the descriptor and returned UCS_OK,
+    so UCX released it again: its AM buffer pool kept objects it had lost track of (one per message,
+    reported at close). Now each is dropped once, the sender's request completes, and the backend
+    serves on. Run in a child process: UCX reports at the end of the process."""
+    import subprocess
+
+    probe = Path(__file__).with_name("ucx_rndv_probe.py")
+    out = subprocess.run([sys.executable, str(probe), "5"], capture_output=True, text=True, timeout=120,
+                         cwd=str(probe.parent.parent), env={**os.environ, "PYTHONPATH": str(probe.parent.parent)})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "PROBE-OK" in out.stdout, text[-3000:]
+    assert out.stdout.count("Success") == 5, text[-3000:]
+    assert "was not returned to mpool" not in text, text[-3000:]
