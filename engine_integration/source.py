@@ -103,11 +103,11 @@ class HandoffSource:
         if not 0 <= skip_blocks < len(blocks):
             raise ValueError(f"request {request_id!r}: cannot skip {skip_blocks} of its {len(blocks)} blocks")
         entry.pushed = True
-        metas = [split_transfer_meta(m)[0] for m in decode_metas]
         try:
+            metas = [split_transfer_meta(m)[0] for m in decode_metas]
             entry.push = self.backend.begin_push_blocks({"tp_metas": metas}, blocks[skip_blocks:],
                                                         request_id=request_id)
-        except KVXferError:
+        except Exception:  # a decode's meta of the wrong shape too: nothing was posted, the pins go now
             self.release(request_id, success=False)
             raise
         entry.state = KVPoll.Transferring
