@@ -686,6 +686,9 @@ def main() -> None:
                 reply(serve_queued(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive_queued":
                 reply(receive_queued(cmd, backend, manager, pool, kv_args))
+            elif cmd["op"] == "bound":  # the prefill's bound on an offered chunk's read-done (2 x its timeout)
+                manager.kvxfer_rooms.timeout_s = float(cmd["seconds"])
+                reply({"bound": manager.kvxfer_rooms.timeout_s})
             elif cmd["op"] == "sizes":
                 time.sleep(cmd.get("settle_s", 0.0))
                 reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,

@@ -22,8 +22,11 @@ from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
 from kvxfer.security.auth import new_secret_file
 
 FAILED, SUCCESS = 0, 4
-#: The prefill rank's KVXFER_TRANSFER_TIMEOUT_S (the decodes keep peer_env's 5 s).
+#: The prefill rank's transfer timeout in step 6 (the decodes keep peer_env's 5 s): its bound on a silent
+#: decode is twice that. Every other step runs with twice ``CALM_TIMEOUT_S``: on a loaded machine a read-done
+#: can be seconds late, and a hand-off that the prefill times out there fails a step that tests bytes.
 PREFILL_TIMEOUT_S = 3
+CALM_TIMEOUT_S = 15
 MAX_ROOMS = 8
 
 PLUGIN_CHECK = r"""
@@ -142,7 +145,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
     # every rank also holds SGLang's Mamba request pool (8 rows): its conv and temporal state per layer
     # are KVArgs' state buffers (random bytes on the prefill, zeros on a decode)
     # KVXFER_SGLANG_MAX_ROOMS: lease slots, and metadata kept for rooms without a sender (step 6b)
-    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
+    prefill = Peer("prefill", backend, port, env={**secret_env, "KVXFER_TRANSFER_TIMEOUT_S": str(CALM_TIMEOUT_S),
                                                   "KVXFER_SGLANG_MAX_ROOMS": str(MAX_ROOMS)}, mamba=8)
     decode = Peer("decode", backend, port, env=secret_env, mamba=8)
     other = Peer("decode", backend, port, env=secret_env, mamba=8, mismatch=mismatch,
@@ -154,12 +157,12 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             s.update(req_row=i, mamba_slot=1 + i)
             r.update(req_row=7 - i, mamba_slot=(7, 4, 5)[i])
         served, received = _exchange(prefill, decode, port, serve, receive)
-        _check_bytes(serve, served, received)
+        _check_bytes(serve, served, received, prefill, decode)
         assert all(served["digests"][str(r["room"])]["state"] for r in serve), served["digests"]
         assert received["state_written_slots"] == [4, 5, 7], received["state_written_slots"]  # no other slot
 
         serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=(1, 2, 3), src_base=30, dst_base=2)
-        _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive))
+        _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive), prefill, decode)
 
         serve, receive = rooms_plan(700, 3, pages_per_room=5, chunks=(2, 3), src_base=3, dst_base=50)
         prefill.send(op="serve_queued", rooms=serve, timeout=60)  # through SGLang's own queues
@@ -175,7 +178,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
                                 ref_pages=[40, 41, 42, 43, 44, 45, 46], aux_index=5, new_tokens=new_tokens)["tokens"]
         serve = [{"room": 800, "pages": [60, 61, 62, 63], "chunks": [2, 2], "aux_index": 5}]
         _check_bytes(serve, *_exchange(prefill, decode, port, serve, [{"room": 800, "pages": [23, 20, 22, 21],
-                                                                       "aux_index": 13}]))
+                                                                       "aux_index": 13}]), prefill, decode)
         moved = decode.ask(op="model_decode", pages=[23, 20, 22, 21, 30, 31, 32], prompt_len=len(prompt),
                            aux_index=13, new_tokens=new_tokens)["tokens"]
         assert moved == colocated and len(set(colocated)) > 2, (moved, colocated)
@@ -215,6 +218,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         _assert_empty(prefill, decode)
 
         serve, receive = rooms_plan(500, 2)  # the decode dies with its first read in flight
+        prefill.ask(op="bound", seconds=2 * PREFILL_TIMEOUT_S)
         prefill.send(op="serve", rooms=serve, timeout=4 * PREFILL_TIMEOUT_S + 20, timing=True)
         decode.send(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30, die_on_read=True)
         decode.proc.wait(timeout=30)
@@ -229,8 +233,9 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             assert bound <= room["at_s"] < bound + 4.0, f"room {key} freed {room['at_s']:.2f}s after its offer"
         print(f"{backend}: decode killed mid-read -> prefill pages freed after "
               f"{max(r['at_s'] for r in served['rooms'].values()):.2f}s (bound {bound}s): {served['rooms']['500']['reason']}")
+        prefill.ask(op="bound", seconds=2 * CALM_TIMEOUT_S)
         serve, receive = rooms_plan(500, 2, chunks=(2, 5), src_base=20, dst_base=3)  # same room ids, live decode
-        _check_bytes(serve, *_exchange(prefill, other, port, serve, receive))
+        _check_bytes(serve, *_exchange(prefill, other, port, serve, receive), prefill, other)
         _assert_empty(prefill, other)
 
         _junk_then_serve(prefill, other, port, secret_env["KVXFER_SECRET_FILE"])

@@ -79,7 +79,7 @@ class SourceRooms:
                  max_early: int = 4096, early_s: float = 300.0) -> None:
         self._leases = leases
         self._prefill_key = prefill_key
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s  #: the bound on an offered chunk's read-done (read at each expiry check)
         self._send = send  # (endpoint "ip:port", frames)
         self._conclude = conclude  # (room, success, failure reason, endpoint to tell or None)
         self._rooms: dict[int, _Room] = {}
@@ -225,11 +225,11 @@ class SourceRooms:
                 if state.concluded or not state.announced:
                     continue
                 oldest = min(state.announced.values())
-                if now - oldest > self._timeout_s:
+                if now - oldest > self.timeout_s:
                     self.counters["rooms_timed_out"] += 1
                     self._finish_locked(room, state, False,
                                         f"no read-done from the decode {now - oldest:.1f}s after chunk "
-                                        f"{min(state.announced)} was offered (the bound: {self._timeout_s}s, twice the transfer timeout); "
+                                        f"{min(state.announced)} was offered (the bound: {self.timeout_s}s, twice the transfer timeout); "
                                         "its lease is revoked, so a late read fails", tell=True)
 
     def _finish_locked(self, room: int, state: _Room, success: bool, reason: Optional[str], *, tell: bool) -> None:
