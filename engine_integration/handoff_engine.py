@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from engine_integration.adapter import ImportedRequest
@@ -37,6 +38,8 @@ from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
+#: Prefill instances whose transfer metas a decode keeps (each restart may be a new identity).
+MAX_PEER_METAS = 4096
 
 __all__ = ["DECODE", "PREFILL", "ROLES", "InferenceStateHandoffMixin", "StateHandoffDynamicInferenceEngine"]
 
@@ -88,7 +91,8 @@ class InferenceStateHandoffMixin:
         elif verify_reads:
             self._generation_checker = GenerationChecker(self._kv_backend)
         self._transfer_meta = [rank_transfer_meta(self._kv_backend.export_meta(), generations_meta)]
-        self._peer_metas: dict[str, list[dict[str, Any]]] = {}
+        # prefill instance -> its transfer metas, the most recently added last (bounded: MAX_PEER_METAS)
+        self._peer_metas: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._exported: dict[RequestId, HandoffDescriptor] = {}
         self.handoff_outbox: list[HandoffDescriptor] = []
         self.handoff_events: list[SinkEvent] = []
@@ -107,8 +111,13 @@ class InferenceStateHandoffMixin:
         return list(self._transfer_meta)
 
     def add_peer_transfer_meta(self, identity: str, metas: Sequence[dict[str, Any]]) -> None:
-        """Remember a prefill instance's static transfer meta (once per instance, not per request)."""
+        """Remember a prefill instance's static transfer meta (once per instance, not per request). Every
+        restart of a prefill may bring a new identity: beyond ``MAX_PEER_METAS`` the least recently added
+        are forgotten (a live one's is added again by the plane when it is seen anew)."""
+        self._peer_metas.pop(identity, None)
         self._peer_metas[identity] = list(metas)
+        while len(self._peer_metas) > MAX_PEER_METAS:
+            self._peer_metas.popitem(last=False)
 
     def _lookup_peer_meta(self, identity: str, index: int) -> Optional[dict[str, Any]]:
         metas = self._peer_metas.get(identity)

@@ -88,12 +88,13 @@ class HandoffSink:
     """Admits handed-off requests into one decode instance."""
 
     def __init__(self, adapter: HandoffEngineAdapter, backend: Any, peer_meta: PeerMetaLookup, *,
-                 queue_timeout_s: float = 120.0, checker: Any = None) -> None:
+                 queue_timeout_s: float = 120.0, checker: Any = None, max_queued: int = 4096) -> None:
         self.adapter = adapter
         self.backend = backend
         self.checker = checker
         self.peer_meta = peer_meta
         self.queue_timeout_s = queue_timeout_s
+        self.max_queued = max_queued  #: handoffs waiting for blocks at most (more are refused: prefills route them)
         self._queue: deque[_Import] = deque()
         self._transferring: dict[RequestId, _Import] = {}
         self._quarantine: Quarantine[RequestId, _Import] = Quarantine()
@@ -116,6 +117,9 @@ class HandoffSink:
                 or any(entry.descriptor.request_id == request_id for entry in self._queue)):
             # a repeat (a retried StartDecode, two prefills): taking it would orphan the first one's blocks
             raise ValueError(f"request {request_id!r} is already being handed off to this decode")
+        if len(self._queue) >= self.max_queued:
+            raise ValueError(f"request {request_id!r}: {len(self._queue)} handoffs already wait for blocks on this "
+                             f"decode (max_queued={self.max_queued})")
         if max_new_tokens < len(descriptor.resume_tokens):
             raise ValueError(f"request {descriptor.request_id!r}: max_new_tokens {max_new_tokens} < "
                              f"{len(descriptor.resume_tokens)} resume tokens")

@@ -171,6 +171,10 @@ def test_a_repeated_request_is_refused_and_an_aborted_pull_registers_no_prefix()
     sink.submit(d, 4)
     with pytest.raises(ValueError, match="already being handed off"):
         sink.submit(d, 4)
+    sink.max_queued = 1  # a bounded queue: one more handoff is refused, not kept
+    with pytest.raises(ValueError, match="max_queued=1"):
+        sink.submit(HandoffDescriptor(10, "p0", 0, (0,), (), tuple(range(3)), (5,)), 4)
+    sink.max_queued = 4096
     sink.abort(9, "the source is gone")  # queued: dropped at once
     sink.submit(d, 4)
     sink._start_pull = (lambda start: (lambda entry, meta: (start(entry, meta), sink.abort(9, "source gone"))[0]))(

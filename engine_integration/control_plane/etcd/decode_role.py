@@ -104,10 +104,12 @@ class DecodeRole(SharedState):
         me, engine = self.me, self.engine
         assert me is not None and engine is not None
         acted = 0
+        live = {}
         for inst in view.live(PREFILL):
             if self._peer_incarnations.get(inst.name) != inst.incarnation:
                 engine.add_peer_transfer_meta(inst.name, inst.transfer_meta)   # a new incarnation: fresh metas
-                self._peer_incarnations[inst.name] = inst.incarnation
+            live[inst.name] = inst.incarnation
+        self._peer_incarnations = live   # the live prefills only: one that comes back is added afresh
         missing: set[str] = set()
         for verdict in view.reader_verdicts(me.name, me.incarnation):
             rid, source = verdict.request_id, verdict.source
