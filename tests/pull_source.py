@@ -308,7 +308,10 @@ class SourceProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        """SIGSTOP the source and return once all its threads are stopped (``proc_state.stop``)."""
+        from proc_state import stop
+
+        stop(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
+from tests.proc_state import stop as stop_process
 from kvxfer.backends.base import TransferStartError
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.meta.geometry import LAYOUT_FIELDS, export_geometry_meta, kv_layout_from_meta
@@ -369,7 +370,7 @@ def test_refused_ssm_meta_refuses_the_kv_call_before_any_read_is_posted(mode, tc
             pool.zero_()
         ssm = kv_meta["ssm"]
         tampered = {**kv_meta, "ssm": {**ssm, "recurrent": {**ssm["recurrent"], "num_blocks": ssm["recurrent"]["num_blocks"] + 1}}}
-        os.kill(source.pid, signal.SIGSTOP)
+        stop_process(source.pid)
         before = rank.kv.stats()["transfers_started"]
         started = start_import(rank, TAMPER_CASE, tampered, src_ids)
         assert isinstance(started.start_error, PeerMetadataError), started.start_error

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pull_source import ForkedSources, ReaderProcess, SourceProcess, SourceSpec, global_kv, pool_digest, shard  # noqa: E402,E501
+from proc_state import stop as stop_process  # noqa: E402
 
 from netns_support import ip, require_namespaces  # noqa: E402
 
@@ -179,7 +180,7 @@ def test_connect_flood_on_the_confirmation_socket_fails_no_first_pull(monkeypatc
         started = [forks.start(spec) for spec in specs]
         readers = [_ucx_reader(f"flood-reader-{i}", 10.0) for i in range(12)]
         for pid, _ in started:
-            os.kill(pid, signal.SIGSTOP)
+            stop_process(pid)
         try:
             for _, meta in started:
                 flood += _fill_backlog(meta["ucx_confirm_socket"])
@@ -225,7 +226,7 @@ def test_unanswered_confirmation_is_remembered_so_next_pulls_fail_fast(monkeypat
         pid, meta = forks.start(spec)
         ids = list(range(CONFIRM_SHAPE[2]))
         with _ucx_reader("stalled-confirm-reader", 2.0) as dst:
-            os.kill(pid, signal.SIGSTOP)
+            stop_process(pid)
             try:
                 t0 = time.monotonic()
                 with pytest.raises(TransferError, match=r"gave up after 2\.\d\ds of the 2s allowed"):

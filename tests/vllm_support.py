@@ -337,8 +337,14 @@ class Child:
                 return json.loads(text[len(_MARK):])
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; SIGSTOP returns once every thread of the helper is stopped (``proc_state.stop``)."""
         import os
+        import signal as _signal
 
+        if sig == _signal.SIGSTOP:
+            from tests.proc_state import stop
+
+            return stop(self.proc.pid)
         os.kill(self.proc.pid, sig)
 
     def close(self) -> None:
