@@ -269,16 +269,6 @@ class KvxferKVManager(CommonKVManager):
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
-    def check_status(self, bootstrap_room: int) -> KVPoll:
-        """SGLang frees a room's destination pages once it sees Failed; while a read of the room may
-        still land there, say Transferring (and have the puller abort the room's reads)."""
-        status = self.request_status[bootstrap_room]
-        puller = self.kvxfer_puller
-        if status == KVPoll.Failed and puller is not None and puller.holds(bootstrap_room):
-            puller.cancel(bootstrap_room)
-            return KVPoll.Transferring
-        return status
-
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """SGLang's checks (page size, KV dtype, ...), then kvxfer's: pages are read whole, so both
         sides need one attention TP size and no PP (resharding is not offered here)."""

@@ -10,7 +10,7 @@ last chunk passed that check.
 
 A failed read fails its room only once no byte of any of the room's reads can still land
 (``storage_safe``): SGLang frees the destination pages as soon as it sees ``KVPoll.Failed``.
-Until then the room is quarantined (``unsafe``) and the manager reports it as still transferring.
+Until then the room is quarantined (``unsafe``) and the receiver's ``poll`` reports it as still transferring.
 
 The lifecycle is the library's (``kvxfer.handoff``): each chunk is one ``GuardedRead`` with a
 ``LeaseSlotGuard`` (the order of the two reads is kept there), and failed or retired rooms wait in
@@ -389,7 +389,7 @@ class Puller:
         for chunk in state.chunks.values():
             abort_parts(chunk.handles, chunk.error or state.failed or "cancelled")
         safe = all(h.storage_safe for c in state.chunks.values() for h in c.handles)
-        if not safe:  # held before it leaves the rooms: the manager always sees it active or unsafe
+        if not safe:  # held before it leaves the rooms: ``holds`` always sees it active or unsafe
             self._quarantine(room, state)
         del self._rooms[room]
         if safe:
