@@ -269,6 +269,9 @@ def test_handshake_takes_different_tp_on_lbhnc_and_refuses_the_rest_naming_both_
     assert plan.reads == (SlabRead(src_rank=1, src_first=2, dst_first=0, count=2, src_slabs=4, dst_slabs=2),)
     assert plan.notify == (Notify(rank=1, reader=1, readers=2),)
     assert plan.reads[0].ids([5], [9]) == ([5 * 4 + 2, 5 * 4 + 3], [9 * 2, 9 * 2 + 1])
+    many = list(range(3000, 0, -3))  # past the plain-Python path's 1024 blocks: numpy, the same ids
+    assert plan.reads[0].ids(many, many) == tuple(([b * n + f + i for b in many for i in range(2)])
+                                                  for n, f in ((4, 2), (2, 0)))
     plan = rank_reads(0, engine(1), engine(2))  # decode TP 1 reads both prefill ranks, each its only reader
     assert [(r.src_rank, r.src_first, r.dst_first, r.count) for r in plan.reads] == [(0, 0, 0, 4), (1, 0, 4, 4)]
     assert plan.notify == (Notify(0, 0, 1), Notify(1, 0, 1))

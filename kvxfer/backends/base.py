@@ -56,7 +56,8 @@ from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
 from kvxfer.plan.geometry import PeerGeometry, PoolSpec, dtype_name, pool_geometry, takes_pool_spec
 from kvxfer.meta.records import PreparedPeer, is_whole_request, plan_from_meta, transfer_peer_records
 from kvxfer.plan.pool import LocalPool
-from kvxfer.plan.request import RequestPlan, plan_pull
+from kvxfer.plan.prepared import BlockCopier
+from kvxfer.plan.request import RecordPlan, RequestPlan, plan_pull
 from kvxfer.meta.seal import (
     HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,
     unauthenticated_metas_allowed_by_env,
@@ -68,6 +69,7 @@ __all__ = ["CompletedHandle", "GroupHandle", "KVTransportBackend", "PullRequest"
            "TransferHandle", "TransferStartError", "TransferState", "abort_parts", "failure_for_caller"]
 
 DEFAULT_TIMEOUT_S = 30.0
+_MAX_COPIERS = 64  # prepared peers whose copier is kept (a vLLM decode: a few per prefill it reads from)
 TIMEOUT_ENV = "KVXFER_TRANSFER_TIMEOUT_S"
 
 
@@ -173,6 +175,8 @@ class KVTransportBackend(ABC):
         self._warned_unauthenticated = False
         self._stats = TransferStats()
         self._request_counter = itertools.count()
+        #: each prepared peer's copier (or None: the general planner's case), by identity, bounded
+        self._copiers: "OrderedDict[int, tuple[PreparedPeer, Optional[BlockCopier]]]" = OrderedDict()
         self._read_done: deque[RequestId] = deque()
         self._read_failed: deque[ReadFailure] = deque()
         self._register()
@@ -224,9 +228,11 @@ class KVTransportBackend(ABC):
             label = request_id
         if self._arena is not None and self._arena.quarantined:
             self._arena.reclaim()  # staging behind reads that have ended since comes back (and tells their sources)
-        self._check_request_ssm(peer_meta)
-        plan = plan_from_meta(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
-                            staging_chunk_bytes=self._staging_chunk_bytes())
+        plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids) if isinstance(peer_meta, PreparedPeer) else None
+        if plan is None:
+            self._check_request_ssm(peer_meta)
+            plan = plan_from_meta(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
+                                  staging_chunk_bytes=self._staging_chunk_bytes())
         self._check_plan(plan)
         pulls = [None if record is None else PullRequest.for_record(record, label, notify) for record in plan.records]
         total = plan.total_bytes
@@ -238,6 +244,24 @@ class KVTransportBackend(ABC):
             raise
         handle._count_in(self._stats, total, plan.num_descriptors)
         return handle
+
+    def _plan_prepared(self, prepared: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList
+                       ) -> Optional[RequestPlan]:
+        """A prepared peer's request planned by its ``BlockCopier`` (what holds for every request
+        between this pool and that source checked once), or None: the general planner's case."""
+        entry = self._copiers.get(id(prepared))
+        if entry is None or entry[0] is not prepared:
+            entry = self._copiers[id(prepared)] = (prepared, BlockCopier.for_pair(self.local_pool, prepared.peer))
+            while len(self._copiers) > _MAX_COPIERS:
+                self._copiers.popitem(last=False)
+        else:
+            self._copiers.move_to_end(id(prepared))
+        copier = entry[1]
+        if copier is None:
+            return None
+        src, dst, copy = copier.plan(src_block_ids, dst_block_ids)
+        record = RecordPlan(prepared.meta, prepared.peer, src, dst, copy) if copy.num_descriptors else None
+        return RequestPlan((record,))
 
     def _check_request_ssm(self, peer_meta: Any) -> None:
         """Megatron posts a request's KV pull before its SSM pulls, and the KV call's meta carries

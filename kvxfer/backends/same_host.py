@@ -52,6 +52,10 @@ class SourceWatch:
 
     def __init__(self, pid: int, fd: int) -> None:
         self.pid, self._fd = pid, fd
+        # poll, not select: select() refuses fds past 1024, and a busy process (an engine, or a
+        # process under a connect flood) holds that many. Made once: every read's progress asks.
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
 
     @classmethod
     def for_meta(cls, meta: Mapping[str, Any], pid_field: str = PID_FIELD,
@@ -74,13 +78,10 @@ class SourceWatch:
     def exited(self) -> bool:
         if self._fd < 0:
             return True
-        # poll, not select: select() refuses fds past 1024, and a busy process (an engine, or a
-        # process under a connect flood) holds that many.
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(self._poller.poll(0))
 
     def close(self) -> None:
         if self._fd >= 0:
+            self._poller.unregister(self._fd)
             os.close(self._fd)
             self._fd = -1

@@ -13,6 +13,7 @@ transport likes (rows, strided rows, prepared-list indices).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -44,8 +45,9 @@ class CopyPlan:
     def num_descriptors(self) -> int:
         return int(self.lengths.size)
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
+        """Summed once: a request's bookkeeping asks several times, and numpy's sum is costly on short rows."""
         return int(self.lengths.sum())
 
     @staticmethod
@@ -92,12 +94,23 @@ def validate_block_ids(src_ids: IdList, dst_ids: IdList, src_num_blocks: int, ds
 
 
 def _small_int_list(ids: IdList) -> bool:
-    return isinstance(ids, (list, tuple)) and len(ids) <= SMALL_IDS and all(type(x) is int for x in ids)
+    return int_id_list(ids, SMALL_IDS)
 
 
 def _validate_small(src: Sequence[int], dst: Sequence[int], src_num_blocks: int,
                     dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """``validate_block_ids`` for short lists of Python ints: the same checks and messages, in Python."""
+    check_int_ids(src, dst, src_num_blocks, dst_num_blocks)
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+def int_id_list(ids: IdList, limit: int) -> bool:
+    """``ids`` is a list or tuple of at most ``limit`` Python ints (what plain-Python planning takes)."""
+    return isinstance(ids, (list, tuple)) and len(ids) <= limit and all(type(x) is int for x in ids)
+
+
+def check_int_ids(src: Sequence[int], dst: Sequence[int], src_num_blocks: int, dst_num_blocks: int) -> None:
+    """``validate_block_ids``'s checks and messages for lists of Python ints, without building arrays."""
     if len(src) != len(dst):
         raise BlockIdError(f"{len(src)} source block ids but {len(dst)} destination block ids; pass one of each per block")
     for ids, side, limit in ((src, "source", src_num_blocks), (dst, "destination", dst_num_blocks)):
@@ -110,7 +123,6 @@ def _validate_small(src: Sequence[int], dst: Sequence[int], src_num_blocks: int,
             seen: set[int] = set()
             twice = {x for x in ids if x in seen or seen.add(x)}
             raise BlockIdError(f"{side} block id {min(twice)} appears more than once")
-    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
 
 
 def _distinct(arr: np.ndarray) -> bool:
@@ -176,11 +188,13 @@ def plan_checked_block_copies(src: BufferGeometry, dst: BufferGeometry, s: np.nd
     return plan
 
 
-def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: list[int], d: list[int]) -> CopyPlan | None:
-    """``plan_checked_block_copies`` in plain Python for a short request (None: too many rows for it).
+def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: Sequence[int], d: Sequence[int],
+                        max_rows: int = SMALL_ROWS, check_bounds: bool = True) -> CopyPlan | None:
+    """``plan_checked_block_copies`` in plain Python for a short request (None: more than ``max_rows``).
 
     Rows outer-major, runs consecutive on both sides, touching rows merged, every row inside both
-    regions: the numpy path's plan, row for row.
+    regions: the numpy path's plan, row for row. ``check_bounds=False`` only where every block of
+    both pools was proven inside its region once (``kvxfer.plan.prepared``).
     """
     runs: list[list[int]] = []  # [src block, dst block, blocks]
     for a, b in zip(s, d):
@@ -188,7 +202,7 @@ def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: list[int], 
             runs[-1][2] += 1
         else:
             runs.append([a, b, 1])
-    if src.num_outer * len(runs) > SMALL_ROWS:
+    if src.num_outer * len(runs) > max_rows:
         return None
     bps = src.bytes_per_slice
     src_off: list[int] = []
@@ -206,13 +220,15 @@ def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: list[int], 
                 lengths.append(n)
     if lengths and min(lengths) <= 0:
         raise PeerMetadataError("a planned copy has a non-positive length")
-    for offsets, geometry, side in ((src_off, src, "source"), (dst_off, dst, "destination")):
+    for offsets, geometry, side in ((src_off, src, "source"), (dst_off, dst, "destination")) if check_bounds else ():
         if any(o < 0 or o + n > geometry.region_bytes for o, n in zip(offsets, lengths)):
             raise PeerMetadataError(
                 f"a planned copy leaves the {side} region of {geometry.region_bytes} bytes; the peer meta is inconsistent"
             )
-    return CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
+    plan = CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
                     np.array(lengths, dtype=np.int64), raw_descriptors=len(s) * src.num_outer)
+    plan.__dict__["total_bytes"] = sum(lengths)  # seeds the cached property: summed here in Python, cheaper
+    return plan
 
 
 def check_plan_bounds(plan: CopyPlan, src: BufferGeometry, dst: BufferGeometry) -> None:

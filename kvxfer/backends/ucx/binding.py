@@ -509,7 +509,8 @@ class GetBatch:
         ffi, lib = _ffi, _lib
         self.worker = endpoint.worker
         n = int(lengths.size)
-        self._arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offsets, dst_offsets, lengths)]
+        self._arrays = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
+                        for a in (src_offsets, dst_offsets, lengths)]  # a plan's arrays are already both
         self.counter = ffi.new("kvx_counter_t *")
         self.requests = ffi.new("void *[]", max(n, 1))
         self.n = n

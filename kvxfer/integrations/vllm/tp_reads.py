@@ -62,6 +62,10 @@ class SlabRead:
 
     def ids(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> tuple[list[int], list[int]]:
         """Backend ids for vLLM blocks ``src_blocks`` -> ``dst_blocks``, in the same order."""
+        if len(src_blocks) <= 1024:  # a request's handful of blocks: plain Python beats numpy's per-call cost
+            span = range(self.count)
+            return ([b * self.src_slabs + self.src_first + i for b in src_blocks for i in span],
+                    [b * self.dst_slabs + self.dst_first + i for b in dst_blocks for i in span])
         span = np.arange(self.count, dtype=np.int64)
         src = (np.asarray(src_blocks, dtype=np.int64)[:, None] * self.src_slabs + self.src_first + span).ravel()
         dst = (np.asarray(dst_blocks, dtype=np.int64)[:, None] * self.dst_slabs + self.dst_first + span).ravel()
