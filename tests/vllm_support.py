@@ -156,7 +156,8 @@ def delta(after: dict[str, Any], before: dict[str, Any], name: str) -> float:
 #
 # ``python -m tests.vllm_support source BACKEND BLOCKS [KEY_HEX]`` registers a KV pool shaped like vLLM's CPU layout
 # (4 layers of [blocks, 2 heads, 32 tokens, 128]) and a lease table with a real kvxfer backend, prints
-# ``{"pid", "kv", "lease", "layout"}`` on one line, and drains read-dones until stdin closes.
+# ``{"pid", "kv", "lease", "layout"}`` on one line, and drains read-dones until stdin closes; ``done`` prints the
+# read-dones and read-faileds it heard, ``revoke SLOT LEASE`` ends a lease as a producer giving blocks back does.
 # ``python -m tests.vllm_support listener DOC_BYTES`` serves a document of that size with the connector's
 # HandshakeListener (logging to stderr) and answers ``stats`` lines on stdin with its counters, RSS and fds.
 
@@ -269,18 +270,24 @@ def _source_main(backend_name: str, blocks: int, key_hex: str = "", kind: str = 
                       "layout": engine_layout(regions, blocks, hybrid).to_dict()}), flush=True)
     closed = threading.Event()
     read_done: list[str] = []  # every read-done this source was told of, in order ("done" prints them)
+    read_failed: list[str] = []  # likewise, the read-failed
 
     def commands() -> None:
         for line in sys.stdin:
             if line.strip() == "done":
-                print(_MARK + json.dumps({"read_done": [str(r) for r in list(read_done)]}), flush=True)
+                print(_MARK + json.dumps({"read_done": [str(r) for r in list(read_done)],
+                                          "read_failed": list(read_failed)}), flush=True)
+            elif line.startswith("revoke "):  # the producer gives a request's blocks back: its lease is over
+                _, slot, token = line.split()
+                table[int(slot)] = -int(token)
+                print(_MARK + json.dumps({"revoked": int(slot)}), flush=True)
         closed.set()
 
     threading.Thread(target=commands, daemon=True).start()
     while not closed.is_set():
         for source in (first, lease):
             read_done.extend(source.drain_read_done())
-            source.drain_read_failed()
+            read_failed.extend(str(f.request_id) for f in source.drain_read_failed())
         _time.sleep(0.01)
     lease.close()
     first.close()
@@ -429,6 +436,7 @@ class Decode:
                     meta_key=cluster_key)
         scratch = torch.zeros(scratch_slots, dtype=torch.int64)
         self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch_slots)
+        self.region_backend = first
         stack.callback(first.close)
         stack.callback(self.scratch_backend.close)
 

@@ -39,6 +39,7 @@ from kvxfer.backends.staged import StagedHandle, StagingPort
 from kvxfer.backends.staging import StagingArena, staging_bytes_from_env
 from kvxfer.backends.stats import TransferStats
 from kvxfer.backends.transfer import (  # the handle and request types: importable from here, the contract, too
+    ChainedGuard,
     CompletedHandle,
     GroupHandle,
     PullRequest,
@@ -244,6 +245,18 @@ class KVTransportBackend(ABC):
             raise
         handle._count_in(self._stats, total, plan.num_descriptors)
         return handle
+
+    def begin_chained_pull(self, peer_meta: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList,
+                           guard: ChainedGuard, *, request_id: RequestId) -> Optional[TransferHandle]:
+        """A guarded read in one handle: ``begin_pull_blocks``'s data read (no read-done), then ``guard``
+        read by the transport itself strictly after every byte of the data landed (never if a data
+        read failed), then the read-done under ``request_id`` to the guard's source. The handle is
+        done when the guard read is; a failure of either read fails it, and ``storage_safe`` covers
+        both. Raises as ``begin_pull_blocks`` does, before anything is posted.
+
+        None where this transport (the default) or this pair cannot chain: the caller posts the two
+        reads itself, in that order (``kvxfer.handoff.guard.GuardedRead``)."""
+        return None
 
     def _plan_prepared(self, prepared: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList
                        ) -> Optional[RequestPlan]:

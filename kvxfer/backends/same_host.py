@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.ucx_tls import SHARED_MEMORY_TRANSPORTS, parse_ucx_tls
@@ -54,8 +55,10 @@ class SourceWatch:
         self.pid, self._fd = pid, fd
         # poll, not select: select() refuses fds past 1024, and a busy process (an engine, or a
         # process under a connect flood) holds that many. Made once: every read's progress asks.
+        # A poll object refuses two threads at once ("concurrent poll() invocation"), hence the lock.
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
+        self._lock = threading.Lock()
 
     @classmethod
     def for_meta(cls, meta: Mapping[str, Any], pid_field: str = PID_FIELD,
@@ -76,12 +79,14 @@ class SourceWatch:
         return cls(pid, fd)
 
     def exited(self) -> bool:
-        if self._fd < 0:
-            return True
-        return bool(self._poller.poll(0))
+        with self._lock:
+            if self._fd < 0:
+                return True
+            return bool(self._poller.poll(0))
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self._poller.unregister(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                self._poller.unregister(self._fd)
+                os.close(self._fd)
+                self._fd = -1

@@ -358,6 +358,17 @@ class PullRequest:
 
 
 @dataclass(frozen=True)
+class ChainedGuard:
+    """The guard read a transport chains behind a data read (``begin_chained_pull``): block ``block``
+    of a prepared source (``source``: a ``kvxfer.meta.records.PreparedPeer``; one slice) into this
+    process's host memory at ``address``, which holds that many bytes."""
+
+    source: Any
+    block: int
+    address: int
+
+
+@dataclass(frozen=True)
 class ReadFailure:
     """A read-failure report received by a source: the request and why it failed."""
 

@@ -11,8 +11,11 @@ reader presumed dead, a lease that ran out). So a reader never trusts its data r
 
 Because the producer hears "read done" only after the guard was read, it cannot free between
 the two reads unseen: a failed guard is always a real reuse, never a false alarm. The order is
-kept by ``GuardedRead`` and nowhere else; adapters post data reads only through
-``begin_data_read`` and guard reads only through a ``Guard`` that ``GuardedRead`` drives.
+kept by ``GuardedRead``; adapters post data reads only through ``begin_data_read`` and guard
+reads only through a ``Guard`` that ``GuardedRead`` drives. One exception, which keeps the same
+order in the transport: a backend that can chain (ucx: ``begin_chained_pull``) posts the guard
+read itself from the completion of the last data read, in C, never after a failed one, and
+sends the read-done after it; ``ChainedLeaseGuard`` then has nothing to post and only judges.
 
 Two flavours behind the one ``Guard`` interface:
 
@@ -21,7 +24,8 @@ Two flavours behind the one ``Guard`` interface:
 * ``LeaseSlotGuard``: one slot of a producer's lease table per request (the vLLM connector,
   SGLang's backend), taken from ``LeaseSlots``, pinned (``pin_lease``) and revoked
   (``revoke_lease``) before the blocks go back; the guard must show the lease held
-  (``lease_holds``). The reader's copies land in ``ScratchSlots``.
+  (``lease_holds``). The reader's copies land in ``ScratchSlots``. ``ChainedLeaseGuard`` is the
+  same check for one producer whose slot the transport read behind the data.
 """
 
 from __future__ import annotations
@@ -212,6 +216,13 @@ class ScratchSlots:
         """What the lease read left in ``slot``."""
         return int(self._values[slot])
 
+    def address(self, slot: int) -> Optional[int]:
+        """Where ``slot`` lies in this process's host memory (for a transport's chained read); None
+        when the scratch is device memory."""
+        if self.tensor.device.type != "cpu":
+            return None
+        return self.tensor.data_ptr() + slot * self.tensor.element_size()
+
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
 
@@ -305,3 +316,57 @@ class LeaseSlotGuard:
             else:
                 self.slots.quarantine(slot, [handle])
         self._posted = []
+
+
+class ChainedLeaseGuard:
+    """``LeaseSlotGuard`` for one producer whose lease slot the transport reads itself, chained
+    behind the data read (``KVTransportBackend.begin_chained_pull``: posted in the transport the
+    moment the data landed, never if it failed, and carrying the read-done). The order is then the
+    transport's to keep, so there is nothing left to post: ``GuardedRead`` finds the guard read when
+    the data handle completes, and judges it here. The scratch slot is taken before the data read is
+    posted (the transport writes it); ``drop`` holds it with that handle until no byte can land."""
+
+    def __init__(self, slots: ScratchSlots, slot: int, lease: int, name: Hashable, *, pinned_at_offer: bool,
+                 explain: Callable[[Hashable, int], str]) -> None:
+        self.slots = slots
+        self.slot = slot
+        self._lease = lease
+        self._name = name
+        self._pinned_at_offer = pinned_at_offer
+        self._explain = explain
+        self._handle: Optional[TransferHandle] = None
+        self._held = True
+
+    def attach(self, handle: TransferHandle) -> None:
+        """The chained read that writes the slot."""
+        self._handle = handle
+
+    def post(self) -> list[TransferHandle]:
+        return []  # read by the transport, behind the data
+
+    def judge(self) -> Optional[str]:
+        seen = self.slots.value(self.slot)
+        self._give_back()
+        if not lease_holds(seen, self._lease, pinned_at_offer=self._pinned_at_offer):
+            return self._explain(self._name, seen)
+        return None
+
+    def drop(self, reason: str) -> None:
+        """The slot back at once where no byte can land in it any more, else held with the chained
+        read (aborted if still in flight) until the transport proves it."""
+        if not self._held:
+            return
+        self._held = False
+        if self._handle is None:
+            self.slots.give_back(self.slot)
+            return
+        abort_parts([self._handle], reason)
+        if self._handle.storage_safe:
+            self.slots.give_back(self.slot)
+        else:
+            self.slots.quarantine(self.slot, [self._handle])
+
+    def _give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self.slots.give_back(self.slot)

@@ -46,8 +46,12 @@ from kvxfer.backends.ucx import binding as _ucp
 from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
 from kvxfer.backends.same_host import SourceWatch, own_identity, shared_memory_permitted
-from kvxfer.backends.base import KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState
+from kvxfer.backends.base import (
+    ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState,
+)
 from kvxfer.errors import PeerMetadataError, TransferError
+from kvxfer.meta.records import PreparedPeer
+from kvxfer.plan.descriptors import IdList, validate_block_ids
 from kvxfer.plan.geometry import PeerGeometry
 from kvxfer.meta import notice as notify
 from kvxfer.meta.records import transfer_peer_records
@@ -213,18 +217,30 @@ class _Send:
 
 
 class UcxHandle(TransferHandle):
-    """One pull: a batch of gets on one endpoint."""
+    """One pull: a batch of gets on one endpoint; with ``guard_peer``, the guard read chained behind it
+    on the endpoint to the guard's source (``begin_chained_pull``), which also hears the notices."""
 
     def __init__(self, request_id: RequestId, timeout_s: float, backend: "UcxBackend", peer: _Peer,
-                 batch: _ucp.GetBatch, notify: bool = True, report_failure: bool = True) -> None:
+                 batch: _ucp.GetBatch, notify: bool = True, report_failure: bool = True,
+                 guard_peer: Optional[_Peer] = None) -> None:
         super().__init__(request_id, timeout_s)
         self._notify_done = notify
         self._report_failure = report_failure
         self._backend = backend
         self._peer = peer
+        self._notice_peer = guard_peer or peer
+        #: every endpoint a get of this handle goes through (the guard's too)
+        self._peers = (peer,) if guard_peer is None or guard_peer is peer else (peer, guard_peer)
         self._batch = batch
         self._failure_reason: Optional[str] = None
         self._failure_sent = False
+
+    @property
+    def _cannot_land(self) -> bool:
+        return all(peer.gets_cannot_land for peer in self._peers)
+
+    def _release(self) -> None:
+        self._backend._release_batch(self._peers, self._batch)
 
     @property
     def path(self) -> str:
@@ -236,16 +252,20 @@ class UcxHandle(TransferHandle):
         if not batch.done:
             self._backend._worker.progress()
         if not batch.done:
-            if self._peer.source_exited:
-                raise TransferError(f"request {self.request_id!r}: the source process exited during the read")
-            if self._peer.endpoint.error is not None:
-                raise TransferError(f"request {self.request_id!r}: the endpoint to the source failed "
-                                    f"({_ucp.status_string(self._peer.endpoint.error)}) during the read")
+            for peer in self._peers:
+                if peer.source_exited:
+                    raise TransferError(f"request {self.request_id!r}: the source process exited during the read")
+                if peer.endpoint.error is not None:
+                    raise TransferError(f"request {self.request_id!r}: the endpoint to the source failed "
+                                        f"({_ucp.status_string(peer.endpoint.error)}) during the read")
             return False
         if not _ucp.is_ok(batch.status):
+            what = ("UCX get of the guard (chained behind the data read, which landed)"
+                    if batch.chain is not None and _ucp.is_ok(int(batch.counter.status)) else "UCX get")
             raise TransferError(
-                f"request {self.request_id!r}: UCX get failed: {_ucp.status_string(batch.status)}"
-                + ("; the source endpoint reported an error (the source process may have died)" if self._peer.failed else "")
+                f"request {self.request_id!r}: {what} failed: {_ucp.status_string(batch.status)}"
+                + ("; the source endpoint reported an error (the source process may have died)"
+                   if any(peer.failed for peer in self._peers) else "")
             )
         return True
 
@@ -255,20 +275,22 @@ class UcxHandle(TransferHandle):
             batch.cancel()
             self._wait_batch(_CANCEL_GRACE_S)
         if not batch.done:
-            # Not cancellable in time: force-close the endpoint, which completes every get on it.
-            self._backend._drop_peer(self._peer)
-            self._peer.endpoint.close()
+            # Not cancellable in time: force-close the endpoints, which completes every get on them
+            # (the guard endpoint's close first stops the chain: no guard read is posted after it).
+            for peer in self._peers:
+                self._backend._drop_peer(peer)
+                peer.endpoint.close()
             self._wait_batch(_CANCEL_GRACE_S)
         if batch.done:
-            self._backend._release_batch(self._peer, batch)
+            self._release()
             return True
-        return self._peer.gets_cannot_land or self._backend._worker_closed
+        return self._cannot_land or self._backend._worker_closed
 
     def _settle(self) -> bool:
         # batch done: every get completed or was cancelled (the progress thread releases it and
-        # tells the source); or the endpoint is closed and the source gone, or the whole worker
+        # tells the source); or the endpoints are closed and the source gone, or the whole worker
         # destroyed (close()): none can complete.
-        return self._batch.done or self._peer.gets_cannot_land or self._backend._worker_closed
+        return self._batch.done or self._cannot_land or self._backend._worker_closed
 
     def _wait_batch(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -277,10 +299,10 @@ class UcxHandle(TransferHandle):
             time.sleep(0.0005)
 
     def _on_done(self) -> None:
-        self._backend._release_batch(self._peer, self._batch)
+        self._release()
         self._backend._finish(self)
         if self._notify_done:
-            self._backend._notify(self._peer, "done", self.request_id)
+            self._backend._notify(self._notice_peer, "done", self.request_id)
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
@@ -296,7 +318,7 @@ class UcxHandle(TransferHandle):
         self._failure_sent = True
         # Sent even if the endpoint failed: a cut link looks like a dead source, and the
         # source must hear of it when the link returns (kept and retried, bounded).
-        self._backend._notify(self._peer, "failed", self.request_id, self._failure_reason or "")
+        self._backend._notify(self._notice_peer, "failed", self.request_id, self._failure_reason or "")
 
 
 class UcxBackend(KVTransportBackend):
@@ -469,6 +491,56 @@ class UcxBackend(KVTransportBackend):
             self._worker.signal(only_if_idle=True)  # else the progress thread need not wake for it
         return handle
 
+    def begin_chained_pull(self, peer_meta: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList,
+                           guard: ChainedGuard, *, request_id: RequestId) -> Optional[TransferHandle]:
+        """The data gets and the guard get on this worker, the guard posted by the data's last completion
+        in C (``_ucp.GetBatch`` with a ``GuardGet``); the read-done leaves once the guard read landed.
+
+        None (the caller chains in Python) where a side is not a prepared ucx source, the pair needs
+        the general planner, there is no byte to read, either source's reads are served (tcp), or the
+        pool is CUDA memory."""
+        self._check_open()
+        if not (isinstance(peer_meta, PreparedPeer) and isinstance(guard.source, PreparedPeer)) \
+                or peer_meta.backend != self.name or guard.source.backend != self.name:
+            return None
+        data_source, guard_source = peer_meta.peer.transport, guard.source.peer.transport
+        if not (isinstance(data_source, UcxSource) and isinstance(guard_source, UcxSource)) or self._region.cuda:
+            return None
+        if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
+            raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
+        table = guard.source.peer.geometry
+        if table.num_outer != 1:
+            return None
+        validate_block_ids([guard.block], [0], table.num_blocks, 1)  # the guard's slot, as a pull would check it
+        plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids)
+        if plan is None or plan.records[0] is None:
+            return None
+        rows = plan.records[0].copy
+        with self._worker.lock:
+            try:
+                guard_peer = self._peer_for(guard_source.address, guard.source.meta)
+                peer = self._peer_for(data_source.address, peer_meta.meta)  # second: never the one evicted
+                if peer.served or guard_peer.served or guard_peer.endpoint.handle is None:
+                    return None
+                rkey, guard_rkey = peer.rkey(data_source.rkey), guard_peer.rkey(guard_source.rkey)
+                guard_get = _ucp.GuardGet(guard_peer.endpoint, guard_rkey, guard.address,
+                                          table.buf_ptr + guard.block * table.bytes_per_slice, table.bytes_per_slice)
+                batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, peer_meta.peer.geometry.buf_ptr,
+                                      rows.src_offsets, rows.dst_offsets, rows.lengths, cuda=False, guard=guard_get)
+            except _ucp.UcpError as exc:
+                raise TransferError(f"request {request_id!r}: cannot reach the source: {exc}") from None
+            peer.batches.add(batch)
+            guard_peer.batches.add(batch)
+            handle = UcxHandle(request_id, self.timeout_s, self, peer, batch, notify=True, guard_peer=guard_peer)
+            self._live.add(handle)
+            if rows.total_bytes <= INLINE_PROGRESS_BYTES:
+                self._worker.progress()  # on shared memory or CMA both reads often complete right here
+        if not batch.done:
+            self._worker.signal(only_if_idle=True)
+        self._stats.started(rows.total_bytes, rows.num_descriptors)
+        handle._count_in(self._stats, rows.total_bytes, rows.num_descriptors)
+        return handle
+
     def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:
         """The cached endpoint to ``address`` (a failed one replaced); a new one to a source of
         this host is watched by pidfd and skips UCX's peer failure mode (see ``__init__``)."""
@@ -544,10 +616,11 @@ class UcxBackend(KVTransportBackend):
         if peer is not None and peer.endpoint is endpoint:
             self._drop_peer(peer)
 
-    def _release_batch(self, peer: _Peer, batch: _ucp.GetBatch) -> None:
+    def _release_batch(self, peers: tuple[_Peer, ...], batch: _ucp.GetBatch) -> None:
         with self._worker.lock:
             batch.release()
-            peer.batches.discard(batch)
+            for peer in peers:
+                peer.batches.discard(batch)
 
     def _finish(self, handle: UcxHandle) -> None:
         with self._worker.lock:
@@ -686,9 +759,9 @@ class UcxBackend(KVTransportBackend):
         waiting = []
         for handle in self._deferred:
             if handle._batch.done:
-                self._release_batch(handle._peer, handle._batch)
+                handle._release()
                 handle._send_failure()
-            elif not handle._peer.gets_cannot_land:  # else its source is gone: nobody to tell
+            elif not handle._cannot_land:  # else its source is gone: nobody to tell
                 waiting.append(handle)
         self._deferred = waiting
         if self._outbox:
@@ -751,7 +824,7 @@ class UcxBackend(KVTransportBackend):
             self._worker.progress()
             for handle in self._deferred:
                 if handle._batch.done:
-                    self._release_batch(handle._peer, handle._batch)
+                    handle._release()
             # Whatever gets are still pending (a source that never answered, or one gone for
             # good) are freed with the worker; their counters stay referenced until it is gone.
             leftovers = [peer for peer in self._retired if not peer.close() or peer.abandoned] + self._abandoned

@@ -30,6 +30,7 @@ import select
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -415,6 +416,9 @@ class Endpoint:
         self.on_error = on_error
         self.error: Optional[int] = None
         self.key = next(_KEYS)
+        #: batches whose chained guard read goes through this endpoint and may not be posted yet:
+        #: stopped before the endpoint closes, so a completion never posts on a closed endpoint
+        self.guarding: set["GetBatch"] = set()
         self._address_buf = ffi.new("char[]", peer_address)  # must outlive ucp_ep_create only
         params = ffi.new("ucp_ep_params_t *")
         params.field_mask = (lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -465,6 +469,8 @@ class Endpoint:
         params.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
         params.flags = lib.UCP_EP_CLOSE_FLAG_FORCE
         with self.worker.lock:
+            for batch in list(self.guarding):
+                batch.stop_chain()
             ptr = lib.ucp_ep_close_nbx(self.handle, params)
             self.handle = None
             _count("endpoint", -1)
@@ -496,30 +502,65 @@ class RemoteKey:
             _count("rkey", -1)
 
 
+@dataclass(frozen=True)
+class GuardGet:
+    """A guard read to chain behind a batch: ``length`` bytes at the peer's ``remote`` address, through
+    ``endpoint`` and ``rkey`` (on the batch's worker), into host memory at ``local``."""
+
+    endpoint: Endpoint
+    rkey: RemoteKey
+    local: int
+    remote: int
+    length: int
+
+
 class GetBatch:
     """Every row of one copy plan posted as ``ucp_get_nbx``; completion counted in C.
 
     ``done`` is True once every posted get has completed (or been cancelled);
     ``status`` is the first error seen (``UCS_OK`` if none). ``release()`` frees
     the requests and must run exactly once, after ``done``.
+
+    With a ``guard`` (``kvx_get_chain``), the completion callback of the batch's last get posts
+    the guard read, in C, only if every get succeeded: the guard is read strictly after the data
+    and as soon as it landed. ``done`` then also waits for the guard read, and ``status`` is the
+    batch's first error, else the guard's (``UCS_ERR_CANCELED`` when the chain was stopped before
+    the guard was posted: ``guard_read`` tells whether it was read).
     """
 
     def __init__(self, endpoint: Endpoint, rkey: RemoteKey, local_base: int, remote_base: int,
-                 src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray, cuda: bool) -> None:
+                 src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray, cuda: bool,
+                 guard: Optional[GuardGet] = None) -> None:
         ffi, lib = _ffi, _lib
         self.worker = endpoint.worker
+        self.chain: Any = None
+        self._guard_endpoint: Optional[Endpoint] = None
         n = int(lengths.size)
         self._arrays = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
                         for a in (src_offsets, dst_offsets, lengths)]  # a plan's arrays are already both
-        self.counter = ffi.new("kvx_counter_t *")
         self.requests = ffi.new("void *[]", max(n, 1))
         self.n = n
         self.released = False
         posted = ffi.new("size_t *")
         src, dst, lens = (ffi.cast("const int64_t *", a.ctypes.data) for a in self._arrays)
         with self.worker.lock:
-            status = lib.kvx_get_batch(endpoint.handle, rkey.handle, local_base, remote_base, src, dst, lens, n,
-                                       1 if cuda else 0, self.counter, self.requests, posted)
+            if guard is None:
+                self.counter = ffi.new("kvx_counter_t *")
+                status = lib.kvx_get_batch(endpoint.handle, rkey.handle, local_base, remote_base, src, dst, lens, n,
+                                           1 if cuda else 0, self.counter, self.requests, posted)
+            else:
+                if guard.endpoint.worker is not self.worker or guard.endpoint.handle is None:
+                    raise UcpError("chaining a guard read (its endpoint is closed or on another worker)",
+                                   int(lib.UCS_ERR_INVALID_PARAM))
+                chain = self.chain = ffi.new("kvx_chain_t *")
+                chain.guard_pending = 1
+                chain.ep, chain.rkey = guard.endpoint.handle, guard.rkey.handle
+                chain.local, chain.remote, chain.length = guard.local, guard.remote, guard.length
+                self.counter = chain.data
+                self._guard_endpoint = guard.endpoint
+                guard.endpoint.guarding.add(self)
+                status = lib.kvx_get_chain(endpoint.handle, rkey.handle, local_base, remote_base, src, dst, lens, n,
+                                           1 if cuda else 0, chain, self.requests, posted)
             self.outstanding = int(self.counter.pending)
             _count("request", self.outstanding)
             self.worker.inflight += 1
@@ -530,18 +571,44 @@ class GetBatch:
 
     @property
     def done(self) -> bool:
-        return self.counter.pending == 0
+        return self.counter.pending == 0 and (self.chain is None or self.chain.guard_pending == 0)
 
     @property
     def status(self) -> int:
-        return int(self.counter.status)
+        if self.chain is None or self.counter.status != _lib.UCS_OK:
+            return int(self.counter.status)
+        return int(self.chain.guard_status)
+
+    @property
+    def guard_read(self) -> bool:
+        """The chained guard read completed (with the status ``status`` reports)."""
+        return self.chain is not None and self.chain.guard_state == 2
+
+    def stop_chain(self) -> None:
+        """Never post the guard read from here on (worker lock held by the caller or taken here)."""
+        with self.worker.lock:
+            if self.chain is not None:
+                self.chain.stop = 1
 
     def cancel(self) -> int:
-        """Ask UCX to cancel what is still in flight; returns how many were asked."""
+        """Ask UCX to cancel what is still in flight (the guard read too: it is never posted after
+        this); returns how many were asked."""
         with self.worker.lock:
             if self.released:
                 return 0
+            if self.chain is not None:
+                return int(_lib.kvx_chain_cancel(self.worker.handle, self.chain, self.requests, self.n))
             return int(_lib.kvx_cancel_pending(self.worker.handle, self.requests, self.n))
+
+    def _free(self) -> int:
+        """Free the requests (worker lock held); the guard's was posted from C, so it is counted here."""
+        if self.chain is None:
+            return int(_lib.kvx_free_requests(self.requests, self.n))
+        if self.chain.request != _ffi.NULL:
+            _count("request", 1)
+        if self._guard_endpoint is not None:
+            self._guard_endpoint.guarding.discard(self)
+        return int(_lib.kvx_chain_free(self.chain, self.requests, self.n))
 
     def abandon(self) -> None:
         """Free the requests of gets that will never complete (the worker is about to be destroyed).
@@ -552,7 +619,9 @@ class GetBatch:
         with self.worker.lock:
             if self.released:
                 return
-            freed = int(_lib.kvx_free_requests(self.requests, self.n))
+            if self.chain is not None:
+                self.chain.stop = 1
+            freed = self._free()
             _count("request", -freed)
             self.released = True
             self.worker.inflight -= 1
@@ -561,8 +630,8 @@ class GetBatch:
         with self.worker.lock:
             if self.released:
                 return
-            assert self.counter.pending == 0, "release() before every get completed"
-            freed = int(_lib.kvx_free_requests(self.requests, self.n))
+            assert self.done, "release() before every get completed"
+            freed = self._free()
             _count("request", -freed)
             self.released = True
             self.worker.inflight -= 1

@@ -173,6 +173,15 @@ int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t re
                   int cuda, kvx_counter_t *counter, void **requests, size_t *posted);
 size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n);
 size_t kvx_free_requests(void **requests, size_t n);
+typedef struct {
+    kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
+    ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
+} kvx_chain_t;
+int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+                  const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
+                  int cuda, kvx_chain_t *chain, void **requests, size_t *posted);
+size_t kvx_chain_cancel(ucp_worker_h worker, kvx_chain_t *chain, void **requests, size_t n);
+size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n);
 size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
                       const uint64_t *rows, size_t n, size_t chunk);
 
@@ -200,19 +209,20 @@ static void kvx_counter_cb(void *request, ucs_status_t status, void *user_data)
     }
 }
 
-/* Post one get per row. Requests still in flight land in requests[i] (NULL when
- * the get completed at once); *posted says how many rows were posted. The
- * counter's pending is raised for every in-flight request before it can
- * complete (completion only happens inside ucp_worker_progress). */
-static int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+/* Post one get per row, each completing through cb(user_data). Requests still in flight land in
+ * requests[i] (NULL when the get completed at once); *posted says how many rows were posted. The
+ * counter's pending is raised for every in-flight request before it can complete (completion only
+ * happens inside ucp_worker_progress). Stops at the first row that fails to post: its status. */
+static int kvx_post_gets(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
                          const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
-                         int cuda, kvx_counter_t *counter, void **requests, size_t *posted)
+                         int cuda, ucp_send_nbx_callback_t cb, void *user_data, kvx_counter_t *counter,
+                         void **requests, size_t *posted)
 {
     ucp_request_param_t param;
     size_t i;
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = kvx_counter_cb;
-    param.user_data = counter;
+    param.cb.send = cb;
+    param.user_data = user_data;
     if (cuda) {
         param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         param.memory_type = UCS_MEMORY_TYPE_CUDA;
@@ -232,6 +242,15 @@ static int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint
         }
     }
     return (int)UCS_OK;
+}
+
+/* A batch of gets counted down on one counter (the caller keeps the first error). */
+static int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+                         const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
+                         int cuda, kvx_counter_t *counter, void **requests, size_t *posted)
+{
+    return kvx_post_gets(ep, rkey, local_base, remote_base, src_off, dst_off, lengths, n, cuda, kvx_counter_cb,
+                         counter, counter, requests, posted);
 }
 
 /* Ask UCX to cancel every request of a batch that is still in flight. */
@@ -286,6 +305,116 @@ static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64
         }
     }
     return failed;
+}
+
+/* A guard read chained behind a batch of gets (issue 27: the lease read strictly after the data
+ * read, posted by the transport the moment the data read completed, not by a later Python poll).
+ * guard_state: 0 waiting for the batch, 1 posted, 2 completed, -1 never posted (a get of the batch
+ * failed, or the chain was stopped: the guard must not be read then). guard_pending is 1 until the
+ * guard is over (completed, or known never to be posted), so the whole chain is over when
+ * data.pending == 0 and guard_pending == 0. Callbacks run inside ucp_worker_progress (the worker
+ * lock held by the caller), which is where the guard get is posted from. */
+typedef struct {
+    kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
+    ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
+} kvx_chain_t;
+
+static size_t kvx_free_requests(void **requests, size_t n);
+
+static void kvx_chain_guard_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvx_chain_t *chain = (kvx_chain_t *)user_data;
+    (void)request;
+    chain->guard_status = status;
+    chain->guard_state = 2;
+    chain->guard_pending = 0;
+}
+
+/* Post the guard get once every get of the batch completed, and only if all succeeded and the
+ * chain was not stopped. Host memory on the local side (no memory type): the scratch slot. */
+static void kvx_chain_post_guard(kvx_chain_t *chain)
+{
+    ucp_request_param_t param;
+    ucs_status_ptr_t ptr;
+    if (chain->guard_state != 0) {
+        return;
+    }
+    if (chain->data.status != UCS_OK || chain->stop) {
+        chain->guard_status = chain->data.status != UCS_OK ? chain->data.status : UCS_ERR_CANCELED;
+        chain->guard_state = -1;
+        chain->guard_pending = 0;
+        return;
+    }
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = kvx_chain_guard_cb;
+    param.user_data = chain;
+    ptr = ucp_get_nbx(chain->ep, (void *)(uintptr_t)chain->local, (size_t)chain->length, chain->remote,
+                      chain->rkey, &param);
+    if (UCS_PTR_IS_ERR(ptr)) {
+        chain->guard_status = UCS_PTR_STATUS(ptr);
+        chain->guard_state = -1;
+        chain->guard_pending = 0;
+    } else if (ptr == NULL) {
+        chain->guard_status = UCS_OK;
+        chain->guard_state = 2;
+        chain->guard_pending = 0;
+    } else {
+        chain->request = ptr;
+        chain->guard_state = 1;
+    }
+}
+
+static void kvx_chain_data_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvx_chain_t *chain = (kvx_chain_t *)user_data;
+    kvx_counter_cb(request, status, &chain->data);
+    if (chain->data.pending == 0) {
+        kvx_chain_post_guard(chain);
+    }
+}
+
+/* kvx_get_batch with a guard read chained behind it (chain->ep, rkey, local, remote, length set by
+ * the caller; guard_pending 1, guard_state 0). A row that fails to post stops the chain: the gets
+ * already posted still complete, and the guard is never read. */
+static int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
+                         const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
+                         int cuda, kvx_chain_t *chain, void **requests, size_t *posted)
+{
+    int status = kvx_post_gets(ep, rkey, local_base, remote_base, src_off, dst_off, lengths, n, cuda,
+                               kvx_chain_data_cb, chain, &chain->data, requests, posted);
+    if (status != (int)UCS_OK && chain->data.status == UCS_OK) {
+        chain->data.status = status;
+    }
+    if (chain->data.pending == 0) {
+        kvx_chain_post_guard(chain);  /* every get completed at once (or none was posted) */
+    }
+    return status;
+}
+
+/* Stop a chain: its guard is not posted any more, and every request still in flight (the batch's
+ * and the guard's) is asked to cancel. Returns how many were asked. */
+static size_t kvx_chain_cancel(ucp_worker_h worker, kvx_chain_t *chain, void **requests, size_t n)
+{
+    size_t cancelled;
+    chain->stop = 1;
+    cancelled = kvx_cancel_pending(worker, requests, n);
+    if (chain->request != NULL && ucp_request_check_status(chain->request) == UCS_INPROGRESS) {
+        ucp_request_cancel(worker, chain->request);
+        ++cancelled;
+    }
+    return cancelled;
+}
+
+/* Free a chain's requests (the batch's and the guard's); returns how many were freed. */
+static size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n)
+{
+    size_t freed = kvx_free_requests(requests, n);
+    if (chain->request != NULL) {
+        ucp_request_free(chain->request);
+        chain->request = NULL;
+        ++freed;
+    }
+    return freed;
 }
 
 /* Free a completed batch's requests; returns how many were freed. */

@@ -40,10 +40,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvxfer.backends.base import TransferHandle, TransferStartError, abort_parts
+from kvxfer.backends.base import ChainedGuard, TransferHandle, TransferStartError, abort_parts
 from kvxfer.errors import KVXferError, TransferError
 from kvxfer.handoff.poll import KVPoll
-from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
+from kvxfer.handoff.guard import (
+    ChainedLeaseGuard, GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read,
+)
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
@@ -65,7 +67,7 @@ class _Load:
     refetched: bool = False
     data: list[TransferHandle] = field(default_factory=list)
     read: Optional[GuardedRead] = None  # the data reads (once all are posted), then the lease reads
-    lease: Optional[LeaseSlotGuard] = None  # the lease reads of ``read``: one per prefill rank notified
+    lease: "LeaseSlotGuard | ChainedLeaseGuard | None" = None  # the lease reads of ``read``: one per rank notified
     reads: Optional[RankReads] = None  # this rank's slab reads and whom it tells "done"
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
     verified: bool = False  # the ticket's signature checked (before the handshake, with a cluster key)
@@ -319,6 +321,8 @@ class Receiver:
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None
         assert load.reads is not None
+        if self._post_chained(load, remote, local):
+            return
         labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
         for read in load.reads.reads:  # one per prefill rank read from (one with equal TP)
             src_ids, dst_ids = read.ids(remote, local)
@@ -339,6 +343,62 @@ class Receiver:
         load.marks["data_posted"] = self._clock()
         self._start_read(load)
 
+    def _post_chained(self, load: _Load, remote: list[int], local: list[int]) -> bool:
+        """One region read from one prefill rank that is also the one rank told "done" (equal TP):
+        the transport reads the lease itself, chained behind the data read (``begin_chained_pull``),
+        so the lease read leaves the moment the data landed, with no trip through this step. False
+        (nothing taken) where it cannot: the reads are then posted one after the other, as always."""
+        ticket, handshake, reads = load.ticket, load.handshake, load.reads
+        assert ticket is not None and handshake is not None and reads is not None
+        if len(self._regions) != 1 or len(reads.reads) != 1 or len(reads.notify) != 1:
+            return False
+        read, notice = reads.reads[0], reads.notify[0]
+        if notice.rank != read.src_rank or notice.readers != 1:
+            return False
+        backend = self._regions[0]
+        source = self._prepared.get(handshake, ("kv", read.src_rank, 0), backend, handshake.rank_kv_metas[read.src_rank][0])
+        lease = self._prepared.get(handshake, ("lease", notice.rank), self._scratch_backend,
+                                   handshake.rank_lease_metas[notice.rank])
+        slot = self.slots.take()
+        if slot is None:
+            return False
+        address = self.slots.address(slot)
+        src_ids, dst_ids = read.ids(remote, local)
+        try:
+            handle = None if address is None else backend.begin_chained_pull(
+                source, src_ids, dst_ids, ChainedGuard(lease, ticket.slot, address), request_id=ticket.request_id)
+        except KVXferError as exc:
+            if isinstance(exc, TransferStartError) and not exc.storage_safe:
+                self.slots.quarantine(slot, exc.cleanup_handles)
+            else:
+                self.slots.give_back(slot)
+            if not isinstance(exc, TransferStartError):
+                self._refuse(load, f"{exc}")
+            else:
+                self._fail_or_quarantine(load, f"starting the pull failed: {exc}", exc.storage_safe)
+            return True
+        if handle is None:
+            self.slots.give_back(slot)
+            return False
+        load.bytes += handle.bytes_requested
+        load.descriptors += handle.descriptors_posted
+        load.data.append(handle)
+        load.marks["data_posted"] = self._clock()
+        guard = ChainedLeaseGuard(self.slots, slot, ticket.lease, notice.rank, pinned_at_offer=False,
+                                  explain=self._lease_explainer(ticket))
+        guard.attach(handle)
+        load.lease = guard
+        load.read = GuardedRead(load.data, guard)
+        self._advance_read(load)
+        return True
+
+    @staticmethod
+    def _lease_explainer(ticket: Ticket) -> Callable[[Any, int], str]:
+        return lambda rank, seen: (
+            f"prefill rank {rank} released request {ticket.request_id!r}'s blocks before the read completed "
+            f"(lease {ticket.lease}, slot now {seen}: pin_grace_s passed, or a restart); the pulled bytes are "
+            "discarded")
+
     def _start_read(self, load: _Load) -> None:
         """The data reads are posted (or there are none): after them, one 8-byte lease read per prefill
         rank this rank notifies, which carries the read-done (``kvxfer.handoff.guard`` keeps the order)."""
@@ -351,10 +411,7 @@ class Receiver:
                                reader_label(ticket.request_id, n.reader, n.readers), n.rank, n.rank in read_from)
                    for n in load.reads.notify]
         load.lease = LeaseSlotGuard(self.slots, self._scratch_backend, targets, ticket.lease, pinned_at_offer=False,
-                                    explain=lambda rank, seen: (
-                                        f"prefill rank {rank} released request {ticket.request_id!r}'s blocks before "
-                                        f"the read completed (lease {ticket.lease}, slot now {seen}: pin_grace_s "
-                                        "passed, or a restart); the pulled bytes are discarded"))
+                                    explain=self._lease_explainer(ticket))
         load.read = GuardedRead(load.data, load.lease)
         self._advance_read(load)
 
@@ -367,6 +424,7 @@ class Receiver:
         except KVXferError as exc:
             if read.phase is Phase.DATA and isinstance(exc, TransferError):
                 safe = abort_parts(load.data, f"request {request_id!r}: a sibling region failed")
+                lease.drop(f"request {request_id!r}: the data read failed")  # a chained guard's slot
                 return self._fail_or_quarantine(load, str(exc), safe)
             if read.phase is Phase.WAITING:  # its siblings already posted were dropped by the guard
                 return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
