@@ -109,6 +109,7 @@ def test_chained_guard_is_read_after_the_data_and_carries_the_read_done(pair):
         done += table.drain_read_done()
         time.sleep(0.01)
     assert done == ["r1"] and src.drain_read_done() == []  # told once, by the lease table's worker
+    assert int(handle._batch.chain.notice_state) in (1, 2)  # ... and sent by the binding, behind the guard read
     assert ucp.live_objects().get("request", 0) == requests_before  # the guard's request (posted in C) freed
     with pytest.raises(BlockIdError, match="outside the pool"):  # the guard's slot is checked like any block id
         dst.begin_chained_pull(data, [1], [1], ChainedGuard(lease, 16, scratch.data_ptr()), request_id="r2")

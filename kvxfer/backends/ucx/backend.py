@@ -229,6 +229,7 @@ class UcxHandle(TransferHandle):
         self._backend = backend
         self._peer = peer
         self._notice_peer = guard_peer or peer
+        self._chained = guard_peer is not None  # a GetBatch with a GuardGet (``begin_chained_pull``)
         #: every endpoint a get of this handle goes through (the guard's too)
         self._peers = (peer,) if guard_peer is None or guard_peer is peer else (peer, guard_peer)
         self._batch = batch
@@ -261,7 +262,7 @@ class UcxHandle(TransferHandle):
             return False
         if not _ucp.is_ok(batch.status):
             what = ("UCX get of the guard (chained behind the data read, which landed)"
-                    if batch.chain is not None and _ucp.is_ok(int(batch.counter.status)) else "UCX get")
+                    if self._chained and _ucp.is_ok(int(batch.counter.status)) else "UCX get")
             raise TransferError(
                 f"request {self.request_id!r}: {what} failed: {_ucp.status_string(batch.status)}"
                 + ("; the source endpoint reported an error (the source process may have died)"
@@ -299,10 +300,15 @@ class UcxHandle(TransferHandle):
             time.sleep(0.0005)
 
     def _on_done(self) -> None:
+        state, request = self._batch.take_notice() if self._notify_done and self._chained else (0, None)
         self._release()
         self._backend._finish(self)
-        if self._notify_done:
-            self._backend._notify(self._notice_peer, "done", self.request_id)
+        if not self._notify_done or state == 2:  # none wanted, or sent from the chain already
+            return
+        if request is not None:  # sent from the chain, still leaving: tracked (and retried) as ours are
+            self._backend._adopt_notice(self._notice_peer, request, "done", self.request_id)
+            return
+        self._backend._notify(self._notice_peer, "done", self.request_id)
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
@@ -494,7 +500,8 @@ class UcxBackend(KVTransportBackend):
     def begin_chained_pull(self, peer_meta: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList,
                            guard: ChainedGuard, *, request_id: RequestId) -> Optional[TransferHandle]:
         """The data gets and the guard get on this worker, the guard posted by the data's last completion
-        in C (``_ucp.GetBatch`` with a ``GuardGet``); the read-done leaves once the guard read landed.
+        in C (``_ucp.GetBatch`` with a ``GuardGet``), and the read-done sent by the guard's completion,
+        in C too (a send still leaving is adopted by the handle: tracked and retried as ours are).
 
         None (the caller chains in Python) where a side is not a prepared ucx source, the pair needs
         the general planner, there is no byte to read, either source's reads are served (tcp), or the
@@ -516,6 +523,10 @@ class UcxBackend(KVTransportBackend):
         if plan is None or plan.records[0] is None:
             return None
         rows = plan.records[0].copy
+        try:
+            notice = notify.encode("done", request_id, 0)  # the read-done the binding sends after the guard
+        except ValueError:
+            notice = b""  # too long for a notice: left to the handle, which says so as any read does
         with self._worker.lock:
             try:
                 guard_peer = self._peer_for(guard_source.address, guard.source.meta)
@@ -524,7 +535,8 @@ class UcxBackend(KVTransportBackend):
                     return None
                 rkey, guard_rkey = peer.rkey(data_source.rkey), guard_peer.rkey(guard_source.rkey)
                 guard_get = _ucp.GuardGet(guard_peer.endpoint, guard_rkey, guard.address,
-                                          table.buf_ptr + guard.block * table.bytes_per_slice, table.bytes_per_slice)
+                                          table.buf_ptr + guard.block * table.bytes_per_slice, table.bytes_per_slice,
+                                          notice=notice, am_id=AM_ID)
                 batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, peer_meta.peer.geometry.buf_ptr,
                                       rows.src_offsets, rows.dst_offsets, rows.lengths, cuda=False, guard=guard_get)
             except _ucp.UcpError as exc:
@@ -644,6 +656,15 @@ class UcxBackend(KVTransportBackend):
         notice = _Notice(payload, f"read-{kind} of request {request_id!r}", time.monotonic())
         with self._worker.lock:
             self._post_notice(address, notice, peer)
+
+    def _adopt_notice(self, peer: _Peer, request: Any, kind: notify.Kind, request_id: RequestId) -> None:
+        """A notice the binding posted (a chained read-done) still in flight: tracked like ours."""
+        notice = _Notice(notify.encode(kind, request_id, 0), f"read-{kind} of request {request_id!r}",
+                         time.monotonic(), attempts=1)
+        with self._worker.lock:
+            self._sends.append(_Send(peer, request, notice, time.monotonic()))
+            self._worker.inflight += 1
+        self._worker.signal(only_if_idle=True)
 
     def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
                        failure: Optional[str] = None) -> None:

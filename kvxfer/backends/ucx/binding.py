@@ -512,6 +512,9 @@ class GuardGet:
     local: int
     remote: int
     length: int
+    #: sent as active message ``am_id`` (header only) on ``endpoint`` once the guard read landed
+    notice: bytes = b""
+    am_id: int = 0
 
 
 class GetBatch:
@@ -534,6 +537,7 @@ class GetBatch:
         ffi, lib = _ffi, _lib
         self.worker = endpoint.worker
         self.chain: Any = None
+        self._notice: Any = None
         self._guard_endpoint: Optional[Endpoint] = None
         n = int(lengths.size)
         self._arrays = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
@@ -556,6 +560,9 @@ class GetBatch:
                 chain.guard_pending = 1
                 chain.ep, chain.rkey = guard.endpoint.handle, guard.rkey.handle
                 chain.local, chain.remote, chain.length = guard.local, guard.remote, guard.length
+                if guard.notice:
+                    self._notice = ffi.new("char[]", guard.notice)  # read by UCX inside the send only
+                    chain.am_id, chain.notice, chain.notice_length = guard.am_id, self._notice, len(guard.notice)
                 self.counter = chain.data
                 self._guard_endpoint = guard.endpoint
                 guard.endpoint.guarding.add(self)
@@ -584,6 +591,22 @@ class GetBatch:
         """The chained guard read completed (with the status ``status`` reports)."""
         return self.chain is not None and self.chain.guard_state == 2
 
+    def take_notice(self) -> tuple[int, Any]:
+        """The chained read-done once the guard read landed: ``(2, None)`` sent; ``(1, request)`` in
+        flight, the request handed to the caller (who checks, frees and uncounts it like its own
+        sends: ``request_status``); ``(-1, None)`` it failed to post and ``(0, None)`` none was
+        sent: the caller sends it itself."""
+        with self.worker.lock:
+            chain = self.chain
+            if chain is None:
+                return 0, None
+            state = int(chain.notice_state)
+            if state == 1 and chain.notice_request != _ffi.NULL:
+                request, chain.notice_request = chain.notice_request, _ffi.NULL
+                _count("request", 1)
+                return 1, request
+            return (state if state in (2, -1) else 0), None
+
     def stop_chain(self) -> None:
         """Never post the guard read from here on (worker lock held by the caller or taken here)."""
         with self.worker.lock:
@@ -606,6 +629,9 @@ class GetBatch:
             return int(_lib.kvx_free_requests(self.requests, self.n))
         if self.chain.request != _ffi.NULL:
             _count("request", 1)
+        if self.chain.notice_request != _ffi.NULL:  # a read-done nobody took: UCX frees it when it completes
+            _lib.ucp_request_free(self.chain.notice_request)
+            self.chain.notice_request = _ffi.NULL
         if self._guard_endpoint is not None:
             self._guard_endpoint.guarding.discard(self)
         return int(_lib.kvx_chain_free(self.chain, self.requests, self.n))

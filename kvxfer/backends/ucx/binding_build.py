@@ -176,6 +176,8 @@ size_t kvx_free_requests(void **requests, size_t n);
 typedef struct {
     kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
     ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
+    unsigned am_id; const void *notice; uint64_t notice_length; int notice_state; int notice_status;
+    void *notice_request;
 } kvx_chain_t;
 int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
                   const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
@@ -317,9 +319,36 @@ static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64
 typedef struct {
     kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
     ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
+    unsigned am_id; const void *notice; uint64_t notice_length; int notice_state; int notice_status;
+    void *notice_request;
 } kvx_chain_t;
 
 static size_t kvx_free_requests(void **requests, size_t n);
+
+/* The read-done, sent once the guard read landed (notice_length 0: the caller sends it). Header only,
+ * copied by UCX. notice_state: 0 not sent, 2 sent, 1 in flight (notice_request: the caller adopts it
+ * and tracks it as it tracks its own notices), -1 failed to post (notice_status: the caller sends it). */
+static void kvx_chain_notify(kvx_chain_t *chain)
+{
+    ucp_request_param_t param;
+    ucs_status_ptr_t ptr;
+    if (chain->notice_length == 0 || chain->notice_state != 0 || chain->stop) {
+        return;
+    }
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_COPY_HEADER;
+    ptr = ucp_am_send_nbx(chain->ep, chain->am_id, chain->notice, (size_t)chain->notice_length, NULL, 0, &param);
+    if (UCS_PTR_IS_ERR(ptr)) {
+        chain->notice_status = UCS_PTR_STATUS(ptr);
+        chain->notice_state = -1;
+    } else if (ptr == NULL) {
+        chain->notice_status = UCS_OK;
+        chain->notice_state = 2;
+    } else {
+        chain->notice_request = ptr;
+        chain->notice_state = 1;
+    }
+}
 
 static void kvx_chain_guard_cb(void *request, ucs_status_t status, void *user_data)
 {
@@ -328,6 +357,9 @@ static void kvx_chain_guard_cb(void *request, ucs_status_t status, void *user_da
     chain->guard_status = status;
     chain->guard_state = 2;
     chain->guard_pending = 0;
+    if (status == UCS_OK) {
+        kvx_chain_notify(chain);
+    }
 }
 
 /* Post the guard get once every get of the batch completed, and only if all succeeded and the
@@ -358,6 +390,7 @@ static void kvx_chain_post_guard(kvx_chain_t *chain)
         chain->guard_status = UCS_OK;
         chain->guard_state = 2;
         chain->guard_pending = 0;
+        kvx_chain_notify(chain);
     } else {
         chain->request = ptr;
         chain->guard_state = 1;

@@ -85,18 +85,18 @@ class _Load:
 
 
 class PreparedSources:
-    """The metas of each handshake, verified and parsed once (``prepare_peer``) and reused by every
-    load from that producer: a load's reads skip the seal check and the parse of what the handshake
-    already checked. Bounded like the handshake cache; a handshake fetched again is prepared again."""
+    """What each handshake decides for every load from that producer, worked out once and reused:
+    its metas verified and parsed (``prepare_peer``), so a load's reads skip the seal check and the
+    parse of what the handshake already checked, and this rank's verdict on its layout with the
+    reads it then makes (``reads``). Bounded like the handshake cache; a handshake fetched again is
+    prepared again."""
 
     LIMIT = 64
 
     def __init__(self) -> None:
         self._by_handshake: "OrderedDict[int, tuple[Handshake, dict[tuple, Any]]]" = OrderedDict()
 
-    def get(self, handshake: Handshake, key: tuple, backend: Any, meta: dict[str, Any]) -> Any:
-        """The prepared form of ``meta`` for ``backend``; the meta itself if it cannot be prepared
-        (then the read refuses it where it always did, with its own error)."""
+    def _entry(self, handshake: Handshake) -> dict[tuple, Any]:
         entry = self._by_handshake.get(id(handshake))
         if entry is None or entry[0] is not handshake:
             entry = self._by_handshake[id(handshake)] = (handshake, {})
@@ -104,10 +104,29 @@ class PreparedSources:
                 self._by_handshake.popitem(last=False)
         else:
             self._by_handshake.move_to_end(id(handshake))
-        prepared = entry[1].get(key)
+        return entry[1]
+
+    def reads(self, handshake: Handshake, decide: Callable[[], RankReads]) -> "RankReads | KVXferError":
+        """``decide()`` (``check_compatible`` then ``rank_reads``) for this handshake: its reads, or
+        the ``KVXferError`` it raised, remembered either way."""
+        entry = self._entry(handshake)
+        verdict = entry.get(("reads",))
+        if verdict is None:
+            try:
+                verdict = decide()
+            except KVXferError as exc:
+                verdict = exc
+            entry[("reads",)] = verdict
+        return verdict
+
+    def get(self, handshake: Handshake, key: tuple, backend: Any, meta: dict[str, Any]) -> Any:
+        """The prepared form of ``meta`` for ``backend``; the meta itself if it cannot be prepared
+        (then the read refuses it where it always did, with its own error)."""
+        entry = self._entry(handshake)
+        prepared = entry.get(key)
         if prepared is None:
             try:
-                prepared = entry[1][key] = backend.prepare_peer(meta)
+                prepared = entry[key] = backend.prepare_peer(meta)
             except KVXferError:
                 return meta
         return prepared
@@ -295,14 +314,13 @@ class Receiver:
                                   f"{self._backend_name!r}")
         except KVXferError as exc:
             return self._refuse(load, str(exc))
-        try:
-            check_compatible(self._layout, self._backend_name, handshake)
-            load.reads = rank_reads(self._tp_rank, self._layout, handshake.layout)
-        except KVXferError as exc:
-            load.failing = str(exc)
+        verdict = self._prepared.reads(handshake, lambda: self._decide_reads(handshake))
+        if isinstance(verdict, KVXferError):
+            load.failing = str(verdict)
             self.counters["refused"] += 1
             load.reads = RankReads((), notify_ranks(self._tp_rank, self._layout.tp_size, handshake.layout.tp_size))
             return self._start_read(load)  # a verified ticket: let the producer free its blocks now
+        load.reads = verdict
         load.marks["checked"] = self._clock()
         if not spec.local_block_ids:  # release only: no block to read, the lease read tells the producer
             return self._start_read(load)
@@ -316,6 +334,10 @@ class Receiver:
         if not local:
             return self._start_read(load)
         self._post_data(load, remote, local)
+
+    def _decide_reads(self, handshake: Handshake) -> RankReads:
+        check_compatible(self._layout, self._backend_name, handshake)
+        return rank_reads(self._tp_rank, self._layout, handshake.layout)
 
     def _post_data(self, load: _Load, remote: list[int], local: list[int]) -> None:
         ticket, handshake = load.ticket, load.handshake
