@@ -97,7 +97,7 @@ def test_chained_guard_is_read_after_the_data_and_carries_the_read_done(pair):
     data, lease = dst.prepare_peer(src.export_meta()), dst.prepare_peer(table.export_meta())
     scratch = torch.full((2,), UNREAD, dtype=torch.int64)
     requests_before = ucp.live_objects().get("request", 0)
-    handle = dst.begin_chained_pull(data, [5, 6, 0], [1, 2, 3], ChainedGuard(lease, 3, scratch.data_ptr() + 8),
+    handle = dst.begin_chained_pull(data, [5, 6, 0], [1, 2, 3], ChainedGuard(lease, 3, scratch.data_ptr() + 8, 8),
                                     request_id="r1")
     assert handle is not None
     handle.wait()
@@ -112,8 +112,11 @@ def test_chained_guard_is_read_after_the_data_and_carries_the_read_done(pair):
     assert int(handle._batch.chain.notice_state) in (1, 2)  # ... and sent by the binding, behind the guard read
     assert ucp.live_objects().get("request", 0) == requests_before  # the guard's request (posted in C) freed
     with pytest.raises(BlockIdError, match="outside the pool"):  # the guard's slot is checked like any block id
-        dst.begin_chained_pull(data, [1], [1], ChainedGuard(lease, 16, scratch.data_ptr()), request_id="r2")
-    assert dst.begin_chained_pull(data, [], [], ChainedGuard(lease, 3, scratch.data_ptr()), request_id="r3") is None
+        dst.begin_chained_pull(data, [1], [1], ChainedGuard(lease, 16, scratch.data_ptr(), 8), request_id="r2")
+    assert dst.begin_chained_pull(data, [], [], ChainedGuard(lease, 3, scratch.data_ptr(), 8), request_id="r3") is None
+    # a lease table whose slot is not the 8 bytes the reader's memory holds is never chained (the
+    # guard would write past them); the reader's own lease read then refuses it as any read does
+    assert dst.begin_chained_pull(data, [1], [1], ChainedGuard(lease, 3, scratch.data_ptr(), 4), request_id="r4") is None
 
 
 def test_a_failed_data_get_never_reads_the_guard(pair):

@@ -360,12 +360,14 @@ class PullRequest:
 @dataclass(frozen=True)
 class ChainedGuard:
     """The guard read a transport chains behind a data read (``begin_chained_pull``): block ``block``
-    of a prepared source (``source``: a ``kvxfer.meta.records.PreparedPeer``; one slice) into this
-    process's host memory at ``address``, which holds that many bytes."""
+    of a prepared source (``source``: a ``kvxfer.meta.records.PreparedPeer``) into this process's
+    host memory at ``address``, which holds ``nbytes``: a source whose block is of another size is
+    not chained (the caller's own guard read then refuses it as any read would)."""
 
     source: Any
     block: int
     address: int
+    nbytes: int
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
 from kvxfer.backends.same_host import SourceWatch, own_identity, shared_memory_permitted
 from kvxfer.backends.base import (
-    ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferState,
+    ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferStartError, TransferState,
 )
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.meta.records import PreparedPeer
@@ -184,15 +184,19 @@ class _Peer:
             self.rkeys.clear()
         return True
 
-    def abandon(self) -> None:
+    def abandon(self) -> list[_ucp.GetBatch]:
         """Worker closing: free what pending gets still hold (UCX releases a request freed before it
-        completed when it does) and the rkeys, before the worker is destroyed."""
-        for batch in self.batches:
+        completed when it does) and the rkeys, before the worker is destroyed. Returns the batches:
+        the caller keeps them until the worker is gone (its teardown may still run their callbacks,
+        which write their counters)."""
+        batches = list(self.batches)
+        for batch in batches:
             batch.abandon()
         self.batches.clear()
         for key in self.rkeys.values():
             key.close()
         self.rkeys.clear()
+        return batches
 
 
 @dataclass
@@ -230,6 +234,7 @@ class UcxHandle(TransferHandle):
         self._peer = peer
         self._notice_peer = guard_peer or peer
         self._chained = guard_peer is not None  # a GetBatch with a GuardGet (``begin_chained_pull``)
+        self._done_told = False  # the binding sent the read-done (a chained read whose guard landed)
         #: every endpoint a get of this handle goes through (the guard's too)
         self._peers = (peer,) if guard_peer is None or guard_peer is peer else (peer, guard_peer)
         self._batch = batch
@@ -237,10 +242,24 @@ class UcxHandle(TransferHandle):
         self._failure_sent = False
 
     @property
+    def _in_flight_peers(self) -> tuple[_Peer, ...]:
+        """The endpoints a get of this handle may still be on: the guard's only once it was posted."""
+        if len(self._peers) == 1 or self._batch.guard_in_flight:
+            return self._peers
+        return self._peers[:1]
+
+    @property
     def _cannot_land(self) -> bool:
-        return all(peer.gets_cannot_land for peer in self._peers)
+        return all(peer.gets_cannot_land for peer in self._in_flight_peers)
 
     def _release(self) -> None:
+        """Release the batch. A chained read-done the binding sent is remembered (no "failed" follows
+        it); one still leaving is handed to the backend, which tracks it like its own notices."""
+        if self._chained:
+            state, request = self._batch.take_notice()
+            if request is not None:
+                self._backend._adopt_notice(self._notice_peer, request, "done", self.request_id)
+            self._done_told = state == 2 or request is not None
         self._backend._release_batch(self._peers, self._batch)
 
     @property
@@ -277,8 +296,9 @@ class UcxHandle(TransferHandle):
             self._wait_batch(_CANCEL_GRACE_S)
         if not batch.done:
             # Not cancellable in time: force-close the endpoints, which completes every get on them
-            # (the guard endpoint's close first stops the chain: no guard read is posted after it).
-            for peer in self._peers:
+            # (the guard endpoint, shared by every chained read from that source, only while this
+            # guard read is on it: ``cancel`` already stopped the chain from posting one).
+            for peer in self._in_flight_peers:
                 self._backend._drop_peer(peer)
                 peer.endpoint.close()
             self._wait_batch(_CANCEL_GRACE_S)
@@ -300,15 +320,10 @@ class UcxHandle(TransferHandle):
             time.sleep(0.0005)
 
     def _on_done(self) -> None:
-        state, request = self._batch.take_notice() if self._notify_done and self._chained else (0, None)
         self._release()
         self._backend._finish(self)
-        if not self._notify_done or state == 2:  # none wanted, or sent from the chain already
-            return
-        if request is not None:  # sent from the chain, still leaving: tracked (and retried) as ours are
-            self._backend._adopt_notice(self._notice_peer, request, "done", self.request_id)
-            return
-        self._backend._notify(self._notice_peer, "done", self.request_id)
+        if self._notify_done and not self._done_told:  # a chained read's went from the binding already
+            self._backend._notify(self._notice_peer, "done", self.request_id)
 
     def _on_failed(self, error: TransferError) -> None:
         self._failure_reason = str(error)
@@ -319,8 +334,8 @@ class UcxHandle(TransferHandle):
             self._backend._defer(self)  # sent by the progress thread once every get has completed
 
     def _send_failure(self) -> None:
-        if self._failure_sent or not self._report_failure:
-            return
+        if self._failure_sent or not self._report_failure or self._done_told:
+            return  # (told "done" already: the guard landed and the binding said so before this failure)
         self._failure_sent = True
         # Sent even if the endpoint failed: a cut link looks like a dead source, and the
         # source must hear of it when the link returns (kept and retried, bounded).
@@ -516,8 +531,8 @@ class UcxBackend(KVTransportBackend):
         if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
             raise PeerMetadataError(f"request_id must be an int or a str, got {request_id!r}")
         table = guard.source.peer.geometry
-        if table.num_outer != 1:
-            return None
+        if table.num_outer != 1 or table.bytes_per_slice != guard.nbytes:
+            return None  # the guard's slot is not what the caller's memory holds: its own read refuses it
         validate_block_ids([guard.block], [0], table.num_blocks, 1)  # the guard's slot, as a pull would check it
         plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids)
         if plan is None or plan.records[0] is None:
@@ -530,8 +545,10 @@ class UcxBackend(KVTransportBackend):
         with self._worker.lock:
             try:
                 guard_peer = self._peer_for(guard_source.address, guard.source.meta)
-                peer = self._peer_for(data_source.address, peer_meta.meta)  # second: never the one evicted
-                if peer.served or guard_peer.served or guard_peer.endpoint.handle is None:
+                peer = self._peer_for(data_source.address, peer_meta.meta)
+                if self._peers.get(guard_source.address) is not guard_peer or guard_peer.endpoint.handle is None:
+                    return None  # the data peer's arrival evicted it (a full table): the caller chains in Python
+                if peer.served or guard_peer.served:
                     return None
                 rkey, guard_rkey = peer.rkey(data_source.rkey), guard_peer.rkey(guard_source.rkey)
                 guard_get = _ucp.GuardGet(guard_peer.endpoint, guard_rkey, guard.address,
@@ -545,12 +562,19 @@ class UcxBackend(KVTransportBackend):
             guard_peer.batches.add(batch)
             handle = UcxHandle(request_id, self.timeout_s, self, peer, batch, notify=True, guard_peer=guard_peer)
             self._live.add(handle)
-            if rows.total_bytes <= INLINE_PROGRESS_BYTES:
-                self._worker.progress()  # on shared memory or CMA both reads often complete right here
-        if not batch.done:
-            self._worker.signal(only_if_idle=True)
         self._stats.started(rows.total_bytes, rows.num_descriptors)
         handle._count_in(self._stats, rows.total_bytes, rows.num_descriptors)
+        try:
+            if rows.total_bytes <= INLINE_PROGRESS_BYTES:
+                self._worker.progress()  # on shared memory or CMA both reads often complete right here
+            if not batch.done:
+                self._worker.signal(only_if_idle=True)
+        except Exception as exc:  # posted: the caller gets the handle's outcome, never a bare error
+            with handle._lock:
+                if handle.state is TransferState.PROC:
+                    handle._fail(TransferError(f"request {request_id!r}: progressing the read failed: {exc}"))
+            raise TransferStartError(f"request {request_id!r}: progressing the read failed: {exc}",
+                                     storage_safe=handle.storage_safe, cleanup_handles=[handle]) from exc
         return handle
 
     def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:
@@ -848,9 +872,10 @@ class UcxBackend(KVTransportBackend):
                     handle._release()
             # Whatever gets are still pending (a source that never answered, or one gone for
             # good) are freed with the worker; their counters stay referenced until it is gone.
-            leftovers = [peer for peer in self._retired if not peer.close() or peer.abandoned] + self._abandoned
-            for peer in leftovers:
-                peer.abandon()
+            leftovers: list[Any] = [peer for peer in self._retired if not peer.close() or peer.abandoned] + \
+                self._abandoned
+            for peer in list(leftovers):
+                leftovers += peer.abandon()
             self._retired.clear()
             self._abandoned = []
         self._region.close()

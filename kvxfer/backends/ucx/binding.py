@@ -563,7 +563,7 @@ class GetBatch:
                 if guard.notice:
                     self._notice = ffi.new("char[]", guard.notice)  # read by UCX inside the send only
                     chain.am_id, chain.notice, chain.notice_length = guard.am_id, self._notice, len(guard.notice)
-                self.counter = chain.data
+                self.counter = _ffi.addressof(chain, "data")
                 self._guard_endpoint = guard.endpoint
                 guard.endpoint.guarding.add(self)
                 status = lib.kvx_get_chain(endpoint.handle, rkey.handle, local_base, remote_base, src, dst, lens, n,
@@ -572,19 +572,23 @@ class GetBatch:
             _count("request", self.outstanding)
             self.worker.inflight += 1
         self.posted = int(posted[0])
-        self.post_status = int(status)
-        if status != lib.UCS_OK and self.counter.status == lib.UCS_OK:
-            self.counter.status = status
+        self.post_status = int(status)  # a row that failed to post: also the counter's status (set in C)
 
     @property
     def done(self) -> bool:
-        return self.counter.pending == 0 and (self.chain is None or self.chain.guard_pending == 0)
+        """Read with acquire order in C: once True, ``status`` (written before) is final on this thread too."""
+        return bool(_lib.kvx_batch_done(self.counter, self.chain if self.chain is not None else _ffi.NULL))
 
     @property
     def status(self) -> int:
         if self.chain is None or self.counter.status != _lib.UCS_OK:
             return int(self.counter.status)
         return int(self.chain.guard_status)
+
+    @property
+    def guard_in_flight(self) -> bool:
+        """The chained guard read was posted and has not completed."""
+        return self.chain is not None and self.chain.guard_state == 1
 
     @property
     def guard_read(self) -> bool:

@@ -183,6 +183,7 @@ int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t re
                   const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
                   int cuda, kvx_chain_t *chain, void **requests, size_t *posted);
 size_t kvx_chain_cancel(ucp_worker_h worker, kvx_chain_t *chain, void **requests, size_t n);
+int kvx_batch_done(kvx_counter_t *counter, kvx_chain_t *chain);
 size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n);
 size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
                       const uint64_t *rows, size_t n, size_t chunk);
@@ -205,10 +206,12 @@ static void kvx_counter_cb(void *request, ucs_status_t status, void *user_data)
 {
     kvx_counter_t *counter = (kvx_counter_t *)user_data;
     (void)request;
-    counter->pending--;
     if (status != UCS_OK && counter->status == UCS_OK) {
         counter->status = status;
     }
+    /* last, with release order: a thread that sees pending reach 0 (kvx_batch_done's acquire load)
+     * also sees the status stored above */
+    __atomic_sub_fetch(&counter->pending, 1, __ATOMIC_RELEASE);
 }
 
 /* Post one get per row, each completing through cb(user_data). Requests still in flight land in
@@ -246,13 +249,18 @@ static int kvx_post_gets(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint
     return (int)UCS_OK;
 }
 
-/* A batch of gets counted down on one counter (the caller keeps the first error). */
+/* A batch of gets counted down on one counter, which keeps the first error (a row that failed to
+ * post included: stored before any completion can run, so a reader that sees it done sees it). */
 static int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
                          const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
                          int cuda, kvx_counter_t *counter, void **requests, size_t *posted)
 {
-    return kvx_post_gets(ep, rkey, local_base, remote_base, src_off, dst_off, lengths, n, cuda, kvx_counter_cb,
-                         counter, counter, requests, posted);
+    int status = kvx_post_gets(ep, rkey, local_base, remote_base, src_off, dst_off, lengths, n, cuda,
+                               kvx_counter_cb, counter, counter, requests, posted);
+    if (status != (int)UCS_OK && counter->status == UCS_OK) {
+        counter->status = status;
+    }
+    return status;
 }
 
 /* Ask UCX to cancel every request of a batch that is still in flight. */
@@ -356,10 +364,10 @@ static void kvx_chain_guard_cb(void *request, ucs_status_t status, void *user_da
     (void)request;
     chain->guard_status = status;
     chain->guard_state = 2;
-    chain->guard_pending = 0;
     if (status == UCS_OK) {
         kvx_chain_notify(chain);
     }
+    __atomic_store_n(&chain->guard_pending, 0, __ATOMIC_RELEASE);
 }
 
 /* Post the guard get once every get of the batch completed, and only if all succeeded and the
@@ -374,7 +382,7 @@ static void kvx_chain_post_guard(kvx_chain_t *chain)
     if (chain->data.status != UCS_OK || chain->stop) {
         chain->guard_status = chain->data.status != UCS_OK ? chain->data.status : UCS_ERR_CANCELED;
         chain->guard_state = -1;
-        chain->guard_pending = 0;
+        __atomic_store_n(&chain->guard_pending, 0, __ATOMIC_RELEASE);
         return;
     }
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -385,12 +393,12 @@ static void kvx_chain_post_guard(kvx_chain_t *chain)
     if (UCS_PTR_IS_ERR(ptr)) {
         chain->guard_status = UCS_PTR_STATUS(ptr);
         chain->guard_state = -1;
-        chain->guard_pending = 0;
+        __atomic_store_n(&chain->guard_pending, 0, __ATOMIC_RELEASE);
     } else if (ptr == NULL) {
         chain->guard_status = UCS_OK;
         chain->guard_state = 2;
-        chain->guard_pending = 0;
         kvx_chain_notify(chain);
+        __atomic_store_n(&chain->guard_pending, 0, __ATOMIC_RELEASE);
     } else {
         chain->request = ptr;
         chain->guard_state = 1;
@@ -448,6 +456,16 @@ static size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n)
         ++freed;
     }
     return freed;
+}
+
+/* Whether a batch (and its chained guard, if any) is over, read with acquire order: once it says so,
+ * the statuses (and the guard's notice fields) written before are the ones this thread reads. */
+static int kvx_batch_done(kvx_counter_t *counter, kvx_chain_t *chain)
+{
+    if (__atomic_load_n(&counter->pending, __ATOMIC_ACQUIRE) != 0) {
+        return 0;
+    }
+    return chain == NULL || __atomic_load_n(&chain->guard_pending, __ATOMIC_ACQUIRE) == 0;
 }
 
 /* Free a completed batch's requests; returns how many were freed. */

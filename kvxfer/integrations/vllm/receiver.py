@@ -385,10 +385,11 @@ class Receiver:
         if slot is None:
             return False
         address = self.slots.address(slot)
-        src_ids, dst_ids = read.ids(remote, local)
         try:
-            handle = None if address is None else backend.begin_chained_pull(
-                source, src_ids, dst_ids, ChainedGuard(lease, ticket.slot, address), request_id=ticket.request_id)
+            src_ids, dst_ids = read.ids(remote, local)
+            guard = ChainedGuard(lease, ticket.slot, address, self.slots.tensor.element_size()) if address else None
+            handle = None if guard is None else backend.begin_chained_pull(source, src_ids, dst_ids, guard,
+                                                                           request_id=ticket.request_id)
         except KVXferError as exc:
             if isinstance(exc, TransferStartError) and not exc.storage_safe:
                 self.slots.quarantine(slot, exc.cleanup_handles)
@@ -399,6 +400,9 @@ class Receiver:
             else:
                 self._fail_or_quarantine(load, f"starting the pull failed: {exc}", exc.storage_safe)
             return True
+        except Exception:  # outside the contract: whether a get was posted is unknown, so the slot is never reused
+            self.slots.quarantine(slot, [])
+            raise
         if handle is None:
             self.slots.give_back(slot)
             return False
