@@ -105,6 +105,8 @@ class KVTransportBackend(ABC):
     supports_staging: ClassVar[bool] = False
     #: A peer meta can point this transport at another process's memory (so metas need authenticating).
     reads_other_processes: ClassVar[bool] = True
+    #: ``begin_chained_pull`` may post the guard read itself (else it always answers None).
+    chains_guard_reads: ClassVar[bool] = False
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -323,30 +323,27 @@ class ChainedLeaseGuard:
     behind the data read (``KVTransportBackend.begin_chained_pull``: posted in the transport the
     moment the data landed, never if it failed, and carrying the read-done). The order is then the
     transport's to keep, so there is nothing left to post: ``GuardedRead`` finds the guard read when
-    the data handle completes, and judges it here. The scratch slot is taken before the data read is
-    posted (the transport writes it); ``drop`` holds it with that handle until no byte can land."""
+    the data handle completes, and judges it here. The scratch slot was taken before the data read
+    was posted (``handle`` writes it); ``drop`` holds it with that handle until no byte can land."""
 
-    def __init__(self, slots: ScratchSlots, slot: int, lease: int, name: Hashable, *, pinned_at_offer: bool,
-                 explain: Callable[[Hashable, int], str]) -> None:
+    def __init__(self, slots: ScratchSlots, slot: int, handle: TransferHandle, lease: int, name: Hashable, *,
+                 pinned_at_offer: bool, explain: Callable[[Hashable, int], str]) -> None:
         self.slots = slots
-        self.slot = slot
+        self.slot: Optional[int] = slot  # None once given back or quarantined
+        self._handle = handle
         self._lease = lease
         self._name = name
         self._pinned_at_offer = pinned_at_offer
         self._explain = explain
-        self._handle: Optional[TransferHandle] = None
-        self._held = True
-
-    def attach(self, handle: TransferHandle) -> None:
-        """The chained read that writes the slot."""
-        self._handle = handle
 
     def post(self) -> list[TransferHandle]:
         return []  # read by the transport, behind the data
 
     def judge(self) -> Optional[str]:
+        assert self.slot is not None
         seen = self.slots.value(self.slot)
-        self._give_back()
+        self.slots.give_back(self.slot)
+        self.slot = None
         if not lease_holds(seen, self._lease, pinned_at_offer=self._pinned_at_offer):
             return self._explain(self._name, seen)
         return None
@@ -354,19 +351,10 @@ class ChainedLeaseGuard:
     def drop(self, reason: str) -> None:
         """The slot back at once where no byte can land in it any more, else held with the chained
         read (aborted if still in flight) until the transport proves it."""
-        if not self._held:
+        if self.slot is None:
             return
-        self._held = False
-        if self._handle is None:
-            self.slots.give_back(self.slot)
-            return
-        abort_parts([self._handle], reason)
-        if self._handle.storage_safe:
+        if abort_parts([self._handle], reason):
             self.slots.give_back(self.slot)
         else:
             self.slots.quarantine(self.slot, [self._handle])
-
-    def _give_back(self) -> None:
-        if self._held:
-            self._held = False
-            self.slots.give_back(self.slot)
+        self.slot = None

@@ -347,6 +347,7 @@ class UcxBackend(KVTransportBackend):
 
     name = "ucx"
     supports_staging = True
+    chains_guard_reads = True
     is_push = False
 
     def __init__(self, *args: Any, peer_error_handling: Optional[bool] = None, **kwargs: Any) -> None:

@@ -28,6 +28,16 @@ from cffi import FFI
 
 MODULE_NAME = "kvxfer.backends.ucx._ucp_cffi"
 
+#: The helper structs, written once: cffi's declarations (``CDEF``) and the C source must agree field
+#: for field, so both take them from here.
+KVX_COUNTER_T = "typedef struct { int64_t pending; int status; } kvx_counter_t;"
+KVX_CHAIN_T = """typedef struct {
+    kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
+    ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
+    unsigned am_id; const void *notice; uint64_t notice_length; int notice_state; int notice_status;
+    void *notice_request;
+} kvx_chain_t;"""
+
 CDEF = r"""
 typedef int... ucs_status_t;
 typedef int... ucs_memory_type_t;
@@ -165,7 +175,7 @@ void ucp_request_cancel(ucp_worker_h worker, void *request);
 void ucp_request_free(void *request);
 
 /* kvxfer helpers (defined in the source below) */
-typedef struct { int64_t pending; int status; } kvx_counter_t;
+@KVX_COUNTER_T@
 int kvx_ptr_status(void *ptr);
 void kvx_counter_cb(void *request, ucs_status_t status, void *user_data);
 int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
@@ -173,12 +183,7 @@ int kvx_get_batch(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t re
                   int cuda, kvx_counter_t *counter, void **requests, size_t *posted);
 size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n);
 size_t kvx_free_requests(void **requests, size_t n);
-typedef struct {
-    kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
-    ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
-    unsigned am_id; const void *notice; uint64_t notice_length; int notice_state; int notice_status;
-    void *notice_request;
-} kvx_chain_t;
+@KVX_CHAIN_T@
 int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t remote_base,
                   const int64_t *src_off, const int64_t *dst_off, const int64_t *lengths, size_t n,
                   int cuda, kvx_chain_t *chain, void **requests, size_t *posted);
@@ -196,7 +201,7 @@ extern "Python" void kvx_ep_error_py(void *arg, ucp_ep_h ep, ucs_status_t status
 SOURCE = r"""
 #include <ucp/api/ucp.h>
 
-typedef struct { int64_t pending; int status; } kvx_counter_t;
+@KVX_COUNTER_T@
 
 /* UCS_PTR_STATUS is a macro: NULL -> UCS_OK, error pointer -> its status, request -> UCS_INPROGRESS. */
 static int kvx_ptr_status(void *ptr) { return (int)UCS_PTR_STATUS(ptr); }
@@ -324,12 +329,7 @@ static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64
  * guard is over (completed, or known never to be posted), so the whole chain is over when
  * data.pending == 0 and guard_pending == 0. Callbacks run inside ucp_worker_progress (the worker
  * lock held by the caller), which is where the guard get is posted from. */
-typedef struct {
-    kvx_counter_t data; int64_t guard_pending; int guard_status; int guard_state; int stop;
-    ucp_ep_h ep; ucp_rkey_h rkey; uint64_t local; uint64_t remote; uint64_t length; void *request;
-    unsigned am_id; const void *notice; uint64_t notice_length; int notice_state; int notice_status;
-    void *notice_request;
-} kvx_chain_t;
+@KVX_CHAIN_T@
 
 static size_t kvx_free_requests(void **requests, size_t n);
 
@@ -482,6 +482,10 @@ static size_t kvx_free_requests(void **requests, size_t n)
     return freed;
 }
 """
+
+
+CDEF, SOURCE = (text.replace("@KVX_COUNTER_T@", KVX_COUNTER_T).replace("@KVX_CHAIN_T@", KVX_CHAIN_T)
+                for text in (CDEF, SOURCE))
 
 
 def libucx_prefix() -> Path:

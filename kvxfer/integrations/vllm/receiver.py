@@ -372,12 +372,13 @@ class Receiver:
         (nothing taken) where it cannot: the reads are then posted one after the other, as always."""
         ticket, handshake, reads = load.ticket, load.handshake, load.reads
         assert ticket is not None and handshake is not None and reads is not None
-        if len(self._regions) != 1 or len(reads.reads) != 1 or len(reads.notify) != 1:
+        backend = self._regions[0]
+        if not backend.chains_guard_reads or len(self._regions) != 1 or len(reads.reads) != 1 \
+                or len(reads.notify) != 1:
             return False
         read, notice = reads.reads[0], reads.notify[0]
         if notice.rank != read.src_rank or notice.readers != 1:
             return False
-        backend = self._regions[0]
         source = self._prepared.get(handshake, ("kv", read.src_rank, 0), backend, handshake.rank_kv_metas[read.src_rank][0])
         lease = self._prepared.get(handshake, ("lease", notice.rank), self._scratch_backend,
                                    handshake.rank_lease_metas[notice.rank])
@@ -410,11 +411,9 @@ class Receiver:
         load.descriptors += handle.descriptors_posted
         load.data.append(handle)
         load.marks["data_posted"] = self._clock()
-        guard = ChainedLeaseGuard(self.slots, slot, ticket.lease, notice.rank, pinned_at_offer=False,
-                                  explain=self._lease_explainer(ticket))
-        guard.attach(handle)
-        load.lease = guard
-        load.read = GuardedRead(load.data, guard)
+        load.lease = ChainedLeaseGuard(self.slots, slot, handle, ticket.lease, notice.rank, pinned_at_offer=False,
+                                       explain=self._lease_explainer(ticket))
+        load.read = GuardedRead(load.data, load.lease)
         self._advance_read(load)
         return True
 
