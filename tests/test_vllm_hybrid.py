@@ -103,7 +103,7 @@ def hybrid_handshake(layout) -> Handshake:
     return Handshake("p1", "i1", "ucx", layout, ((),), ({},), None)
 
 
-def test_check_compatible_refuses_other_mamba_facts_and_other_tp():
+def test_check_compatible_refuses_other_mamba_facts_and_tp_without_layout_facts():
     _, _, _, region = hybrid_pool(16, fill=False)
     local = engine_layout([region], 16, hybrid=True)
     check_compatible(local, "ucx", hybrid_handshake(local))
@@ -118,8 +118,9 @@ def test_check_compatible_refuses_other_mamba_facts_and_other_tp():
     tp2 = replace(local, tp_size=2)
     with pytest.raises(LayoutError) as info:
         check_compatible(local, "ucx", hybrid_handshake(tp2))
-    assert ("tensor parallelism with a hybrid attention+Mamba model: KvxferConnector reads its pages whole, with "
-            "equal TP only (prefill TP 2, layout HMA-pages; decode TP 1, layout HMA-pages)") in str(info.value)
+    # a peer whose facts lack the attention layout (and the Mamba type): never read by parts (tests/test_vllm_hybrid_tp.py)
+    assert ("tensor parallelism with a hybrid attention+Mamba model (prefill: attention layout ['None']; a head range "
+            "is one byte range only on LBHNC; prefill TP 2, decode TP 1)") in str(info.value)
     single = engine_layout([region], 16)  # a peer running the model with one attention group
     with pytest.raises(LayoutError, match="different model"):
         check_compatible(local, "ucx", hybrid_handshake(single))

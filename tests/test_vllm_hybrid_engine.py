@@ -25,6 +25,8 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.bench.vllm_control import VllmInstance
+from kvxfer.integrations.vllm.handshake import EngineLayout
+from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
 from tests.vllm_support import counters, decode_requests, delta, make_hybrid_model, prompt
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -68,6 +70,12 @@ def check_hybrid_handoff(model: str, backend: str, prefix_caching: bool = False,
     assert delta(after, before, "prompt_local_compute") == len(prompts)  # the last prompt token, each
     recent = after["recent"][-len(prompts):]
     assert [(r["blocks"], r["bytes"]) for r in recent] == [(n + 1, (n + 1) * PAGE) for n in attention_blocks]
+    # what a read across TP sizes needs, as real vLLM reports it: the attention page order, the Mamba type
+    # and group count, and shapes that decompose into x + B + C and an SSM state that fit the page
+    layout = EngineLayout.from_dict(after["layout"])
+    mamba, attention = layout.model["kv_groups"]
+    assert (attention["kv_layout"], mamba["mamba_type"], layout.model["mamba_ngroups"]) == ("LBHNC", "MAMBA2", 1)
+    assert hybrid_tp_problem(layout, layout) is None, hybrid_tp_problem(layout, layout)
 
 
 def test_hybrid_model_in_real_vllm_is_token_exact_through_the_connector(hybrid_model: str) -> None:

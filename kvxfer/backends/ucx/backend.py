@@ -473,7 +473,7 @@ class UcxBackend(KVTransportBackend):
             for record, _ in transfer_peer_records(peer_meta, []):
                 self.parse_peer_meta(record)
         except TransferError as exc:
-            logger.info("ucx %r: a source could not confirm its meta ahead of the pull: %s", self.agent_name, exc)
+            logger.warning("ucx %r: a source could not confirm its meta ahead of the pull: %s", self.agent_name, exc)
             return False
         finally:
             self._confirm_wait.seconds = None

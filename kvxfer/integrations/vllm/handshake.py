@@ -7,7 +7,8 @@ field (``parse_handshake``), and compared with the decode's own layout
 per-block layout, and equal tensor
 parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); MLA models
 (``model["use_mla"]``: one latent cache per layer, the same on every TP rank) with any TP sizes
-that divide one another, each decode rank reading whole blocks from one prefill rank; else a
+that divide one another, each decode rank reading whole blocks from one prefill rank; hybrid
+attention+Mamba2 models with different TP read by parts of their pages (``hybrid_tp``); else a
 refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason when
 it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
+from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
 from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
@@ -173,9 +175,7 @@ def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
     reason when it refuses the pair too (``tp_mapping.check_tp_pair``), and any layout but ``LBHNC``
     on both sides, the one where a block's heads are contiguous slabs (``kv_buffers``)."""
     if prefill.is_hybrid or decode.is_hybrid:
-        return (f"tensor parallelism with a hybrid attention+Mamba model: KvxferConnector reads its pages whole, "
-                f"with equal TP only (prefill TP {prefill.tp_size}, layout {layout_name(prefill)}; decode TP "
-                f"{decode.tp_size}, layout {layout_name(decode)}): run both with the same tensor_parallel_size")
+        return hybrid_tp_problem(prefill, decode)  # parts of its pages (``hybrid_tp``)
     if prefill.is_mla or decode.is_mla:
         return _mla_tp_problem(prefill, decode)
     heads = prefill.model.get("num_kv_heads")
@@ -220,6 +220,14 @@ def _mla_tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str
     return None
 
 
+def _same_hybrid_model(prefill: EngineLayout, decode: EngineLayout) -> bool:
+    """Both hybrid with different TP sizes, the same model but for the KV cache groups, whose per-rank
+    shares differ with the TP size and are compared by ``hybrid_tp_problem``."""
+    drop = lambda model: {k: v for k, v in model.items() if k != "kv_groups"}  # noqa: E731
+    return (prefill.is_hybrid and decode.is_hybrid and prefill.tp_size != decode.tp_size
+            and drop(prefill.model) == drop(decode.model))
+
+
 def _masked(layout: EngineLayout) -> list[dict]:
     """The regions' signatures without the heads per rank, which differ with the TP size."""
     out = []
@@ -236,7 +244,7 @@ def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake)
                           f"decode with {local_backend!r}: set the same kv_connector_extra_config 'backend' on both")
     theirs = remote.layout
     problems = []
-    if theirs.model != local.model:
+    if theirs.model != local.model and not _same_hybrid_model(theirs, local):
         problems.append("model")
     if theirs.pp_size != local.pp_size:
         problems.append("pipeline parallelism")

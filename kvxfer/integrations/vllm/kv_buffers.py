@@ -226,6 +226,14 @@ def hma_pages_region(kv_caches: Mapping[str, torch.Tensor], placements: Sequence
     return KVRegion(layers, view, (slots, num_blocks, page), 1, (0, 1, 2), 1, pages=True)
 
 
+def page_layout(view: torch.Tensor) -> str:
+    """A hybrid model's attention view ``[blocks, heads, tokens, bytes]`` (padded pages, so not dense):
+    ``LBHNC`` when a block's heads are outermost (a head's tokens contiguous), else ``LBNHC``."""
+    if view.dim() != 4:
+        return f"{view.dim()}-D"
+    return "LBHNC" if view.shape[1] == 1 or view.stride(1) >= view.stride(2) * view.shape[2] else "LBNHC"
+
+
 def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:
     """What both sides must agree on for whole-block reads to be byte-exact (``layer_shape``
     has ``None`` on the blocks axis), and this side's ``num_blocks``, which they need not."""

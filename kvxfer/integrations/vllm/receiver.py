@@ -36,7 +36,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -51,7 +51,9 @@ from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_co
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
 from kvxfer.integrations.vllm.specs import MAMBA, LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
-from kvxfer.integrations.vllm.tp_reads import RankReads, notify_ranks, rank_reads, reader_label
+from kvxfer.integrations.vllm.hybrid_tp import PageRead
+from kvxfer.integrations.vllm.tp_reads import RankReads, SlabRead, notify_ranks, rank_reads, reader_label
+from kvxfer.plan.parts import SlicePart
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -145,30 +147,37 @@ def _block_run(theirs: "Sequence[int]", first: int, mine: "Sequence[int]", where
     return picked, list(mine)
 
 
-def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] | str":
-    """The producer's and this decode's block ids, paired in order, or why they cannot be. One group:
-    the ticket's blocks from ``first_block`` on. A hybrid model: every transfer group's pairs in one
-    list (all groups' pages are one registered region): an attention group's from its first block,
-    a Mamba group's one running slot to the decode's one."""
-    if not spec.groups:
-        return _block_run(ticket.block_ids, spec.first_block, spec.local_block_ids, "")
+def group_pairs(spec: LoadSpec, ticket: Ticket) -> "list[tuple[str, list[int], list[int]]] | str":
+    """Per KV cache group of a hybrid model, its kind and the producer's and this decode's block ids,
+    paired in order (an attention group's from its first block, a Mamba group's one running slot to
+    the decode's one), or why they cannot be."""
     if len(ticket.groups) != len(spec.groups):
         return f"the ticket has {len(ticket.groups)} KV cache groups, this decode's model {len(spec.groups)}"
-    remote, local = [], []
+    out = []
     for index, (load, theirs) in enumerate(zip(spec.groups, ticket.groups)):
         if load.group.kind == MAMBA:
             if len(load.local_block_ids) != 1 or len(theirs) != 1:
                 return (f"KV cache group {index} (Mamba state) pairs {len(theirs)} prefill slot(s) with "
                         f"{len(load.local_block_ids)} decode slot(s); a Mamba state is one slot on each side")
-            remote.append(theirs[0])
-            local.append(load.local_block_ids[0])
+            out.append((MAMBA, [theirs[0]], [load.local_block_ids[0]]))
             continue
         run = _block_run(theirs, load.first_block, load.local_block_ids, f" of KV cache group {index}")
         if isinstance(run, str):
             return run
-        remote += run[0]
-        local += run[1]
-    return remote, local
+        out.append((load.group.kind, *run))
+    return out
+
+
+def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] | str":
+    """The producer's and this decode's block ids, paired in order, or why they cannot be. One group:
+    the ticket's blocks from ``first_block`` on. A hybrid model: every transfer group's pairs
+    (``group_pairs``) in one list (all groups' pages are one registered region)."""
+    if not spec.groups:
+        return _block_run(ticket.block_ids, spec.first_block, spec.local_block_ids, "")
+    groups = group_pairs(spec, ticket)
+    if isinstance(groups, str):
+        return groups
+    return [b for _, remote, _ in groups for b in remote], [b for _, _, local in groups for b in local]
 
 
 class Receiver:
@@ -346,24 +355,42 @@ class Receiver:
         if self._post_chained(load, remote, local):
             return
         labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
-        for read in load.reads.reads:  # one per prefill rank read from (one with equal TP)
-            src_ids, dst_ids = read.ids(remote, local)
-            for region, (backend, meta) in enumerate(zip(self._regions, handshake.rank_kv_metas[read.src_rank])):
-                try:
-                    source = self._prepared.get(handshake, ("kv", read.src_rank, region), backend, meta)
-                    handle = begin_data_read(backend, source, src_ids, dst_ids,
-                                             request_id=labels.get(read.src_rank, ticket.request_id))
-                except KVXferError as exc:
-                    posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
-                    safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
-                    if not load.data and not isinstance(exc, TransferStartError):
-                        return self._refuse(load, f"{exc}")
-                    return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
-                load.bytes += handle.bytes_requested
-                load.descriptors += handle.descriptors_posted
-                load.data.append(handle)
+        for read, region, src_ids, dst_ids, parts in self._data_reads(load, remote, local):
+            backend, meta = self._regions[region], handshake.rank_kv_metas[read.src_rank][region]
+            try:
+                source = self._prepared.get(handshake, ("kv", read.src_rank, region), backend, meta)
+                handle = begin_data_read(backend, source, src_ids, dst_ids, parts=parts,
+                                         request_id=labels.get(read.src_rank, ticket.request_id))
+            except KVXferError as exc:
+                posted_safe = abort_parts(load.data, f"request {ticket.request_id!r}: another region failed to start")
+                safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
+                if not load.data and not isinstance(exc, TransferStartError):
+                    return self._refuse(load, f"{exc}")
+                return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
+            load.bytes += handle.bytes_requested
+            load.descriptors += handle.descriptors_posted
+            load.data.append(handle)
         load.marks["data_posted"] = self._clock()
         self._start_read(load)
+
+    def _data_reads(self, load: _Load, remote: list[int], local: list[int]) -> Iterator[
+            tuple[Any, int, list[int], list[int], Optional[tuple[SlicePart, ...]]]]:
+        """Each data read to post: ``(read, region, src ids, dst ids, parts)``. A slab read (one per
+        prefill rank read from, one with equal TP) reads its slabs of every region; a page read (a
+        hybrid model with different TP) reads its parts of each group's pages."""
+        assert load.reads is not None and load.ticket is not None
+        for read in load.reads.reads:
+            if isinstance(read, PageRead):
+                groups = group_pairs(load.spec, load.ticket)
+                assert not isinstance(groups, str)  # block_pairs accepted the same pairs
+                for kind, src_ids, dst_ids in groups:
+                    parts = read.parts_for(kind)
+                    if parts and dst_ids:
+                        yield read, 0, src_ids, dst_ids, parts
+                continue
+            src_ids, dst_ids = read.ids(remote, local)
+            for region in range(len(self._regions)):
+                yield read, region, src_ids, dst_ids, None
 
     def _post_chained(self, load: _Load, remote: list[int], local: list[int]) -> bool:
         """One region read from one prefill rank that is also the one rank told "done" (equal TP):
@@ -377,7 +404,7 @@ class Receiver:
                 or len(reads.notify) != 1:
             return False
         read, notice = reads.reads[0], reads.notify[0]
-        if notice.rank != read.src_rank or notice.readers != 1:
+        if not isinstance(read, SlabRead) or notice.rank != read.src_rank or notice.readers != 1:
             return False
         source = self._prepared.get(handshake, ("kv", read.src_rank, 0), backend, handshake.rank_kv_metas[read.src_rank][0])
         lease = self._prepared.get(handshake, ("lease", notice.rank), self._scratch_backend,

@@ -9,7 +9,9 @@ byte-exact, with each side using its own ``H``. Only ``LBHNC`` has a head's byte
 a block; the handshake refuses different TP on other layouts (``handshake.tp_problem``).
 MLA has no heads to split: every rank holds the same latent cache, so a decode rank reads its
 whole blocks from one prefill rank (``tp_mapping.mla_source_rank``) and still tells every
-prefill rank it maps to that it is done, as NixlConnector does.
+prefill rank it maps to that it is done, as NixlConnector does. A hybrid attention+Mamba2 model's
+pages hold a different share of each state on each TP size: its reads are ``hybrid_tp.PageRead``s,
+the parts of each group's pages a decode rank needs from each prefill rank.
 
 A prefill rank frees a request only once *every* decode rank that reads it is done. That count
 is the decode's to know (it depends on the decode's TP), so it travels in the read-done: each
@@ -26,6 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from kvxfer.integrations.vllm.hybrid_tp import PageRead, page_reads
 from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
 from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
 
@@ -83,7 +86,7 @@ class Notify:
 
 @dataclass(frozen=True)
 class RankReads:
-    reads: tuple[SlabRead, ...]
+    reads: "tuple[SlabRead | PageRead, ...]"
     notify: tuple[Notify, ...]
 
 
@@ -107,6 +110,8 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
     the prefill's ``EngineLayout``, already found compatible by ``handshake.check_compatible``)."""
     src_slabs, dst_slabs = _slabs(remote.regions), _slabs(local.regions)
     notify = notify_ranks(tp_rank, local.tp_size, remote.tp_size)
+    if remote.tp_size != local.tp_size and remote.is_hybrid:  # parts of its pages (``hybrid_tp``)
+        return RankReads(page_reads(tp_rank, remote, local), notify)
     if remote.tp_size == local.tp_size or remote.is_mla:
         source = mla_source_rank(tp_rank, local.tp_size, remote.tp_size)  # its own rank with equal TP
         return RankReads((SlabRead(source, 0, 0, dst_slabs, src_slabs, dst_slabs),), notify)

@@ -23,7 +23,8 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.vllm.config import KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
-from kvxfer.integrations.vllm.kv_buffers import TensorPlacement, hma_pages_region, kv_regions, layout_signature
+from kvxfer.integrations.vllm.kv_buffers import (TensorPlacement, hma_pages_region, kv_regions, layout_signature,
+                                                 page_layout)
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer.integrations.vllm.receiver import Receiver
 from kvxfer.integrations.vllm.sender import Sender
@@ -41,11 +42,14 @@ def is_hybrid(kv_cache_config: "KVCacheConfig") -> bool:
     return len(kv_cache_config.transfer_group_ids) > 1
 
 
-def kv_group_facts(kv_cache_config: "KVCacheConfig") -> list[dict[str, Any]]:
+def kv_group_facts(kv_cache_config: "KVCacheConfig", kv_caches: Optional[dict[str, torch.Tensor]] = None
+                   ) -> list[dict[str, Any]]:
     """Per transfer group, what decides the bytes of its pages, for the handshake to compare: the spec
     kind, layers, block size and page size; for Mamba also the state shapes and dtypes, vLLM's
-    ``mamba_cache_mode`` and speculative slots, and the conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``:
-    SD and DS order the same conv state differently)."""
+    ``mamba_cache_mode`` and speculative slots, the conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``:
+    SD and DS order the same conv state differently) and the Mamba type (its conv bands); for attention
+    the order of heads and tokens in a page (``kv_layout``, from ``kv_caches``' views): what a read of
+    parts of a page across TP sizes needs (``hybrid_tp``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     out = []
@@ -59,14 +63,19 @@ def kv_group_facts(kv_cache_config: "KVCacheConfig") -> list[dict[str, Any]]:
             facts.update(shapes=[list(shape) for shape in spec.shapes],
                          dtypes=[str(d).removeprefix("torch.") for d in spec.dtypes],
                          mamba_cache_mode=spec.mamba_cache_mode, spec_blocks=int(spec.num_speculative_blocks),
-                         conv_layout=str(get_conv_state_layout()))
+                         conv_layout=str(get_conv_state_layout()),
+                         mamba_type=str(getattr(spec.mamba_type, "name", spec.mamba_type)))
         else:
             facts["dtype"] = str(getattr(spec, "dtype", "")).removeprefix("torch.")
+            views = [kv_caches[name] for name in group.layer_names if kv_caches and name in kv_caches]
+            if views:
+                facts["kv_layout"] = page_layout(views[0])
         out.append(facts)
     return out
 
 
-def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"] = None) -> dict[str, Any]:
+def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"] = None,
+                 kv_caches: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """The model facts both sides must share for their KV bytes to mean the same (a hybrid model's
     groups too: a mismatch is refused by ``check_compatible`` before any byte moves)."""
     mc = vllm_config.model_config
@@ -80,7 +89,11 @@ def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheCo
         "use_mla": bool(getattr(mc, "use_mla", False)),  # one latent cache per layer: read whole, any TP
     }
     if kv_cache_config is not None and is_hybrid(kv_cache_config):
-        facts["kv_groups"] = kv_group_facts(kv_cache_config)
+        facts["kv_groups"] = kv_group_facts(kv_cache_config, kv_caches)
+        hf = mc.hf_config  # Mamba2's B/C groups, whole model (a rank's share depends on the TP size)
+        groups = getattr(hf, "mamba_n_groups", None) or getattr(hf, "n_groups", None)
+        if isinstance(groups, int) and not isinstance(groups, bool):
+            facts["mamba_ngroups"] = groups
     return facts
 
 
@@ -119,14 +132,15 @@ class KvxferWorker:
             placements = [TensorPlacement(tuple(t.layers), t.size, t.offset, t.layer_stride, t.block_stride)
                           for t in self.kv_cache_config.kv_cache_tensors]
             regions = [hma_pages_region(kv_caches, placements, num_blocks)]
-            groups = kv_group_facts(self.kv_cache_config)
+            groups = kv_group_facts(self.kv_cache_config, kv_caches)
             self.block_size = min(g["block_size"] for g in groups if "shapes" not in g)  # attention's, not Mamba's
             logger.info("kvxfer vllm: hybrid model: KV cache groups %s registered as pages %s", groups,
                         tuple(regions[0].layer_shape))
         else:
             regions = kv_regions(kv_caches, num_blocks)
         signature = layout_signature(regions, self.block_size)
-        self.layout = EngineLayout(model=engine_model(self.vllm_config, self.kv_cache_config), tp_size=self.tp_size,
+        self.layout = EngineLayout(model=engine_model(self.vllm_config, self.kv_cache_config, kv_caches),
+                                   tp_size=self.tp_size,
                                    pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
                                    block_size=self.block_size, regions=tuple(signature["regions"]),
                                    num_blocks=num_blocks)
@@ -225,6 +239,8 @@ class KvxferWorker:
                        handshakes_cached=len(self.handshakes), scratch_free=self.receiver.slots.free,
                        scratch_quarantined=self.receiver.slots.quarantined)
         out["transport"] = [b.stats() for b in self.backends]
+        if self.layout is not None:
+            out["layout"] = self.layout.to_dict()  # what this rank's handshake says of its KV cache
         return out
 
     def interval_stats(self) -> Optional[dict[str, Any]]:
