@@ -75,6 +75,7 @@ def check_hybrid_handoff(model: str, backend: str, prefix_caching: bool = False,
     layout = EngineLayout.from_dict(after["layout"])
     mamba, attention = layout.model["kv_groups"]
     assert (attention["kv_layout"], mamba["mamba_type"], layout.model["mamba_ngroups"]) == ("LBHNC", "MAMBA2", 1)
+    assert (attention["kv_page"], attention["kv_split"]) == ([2, 64, 2 * 64 * 2], 1)  # heads, tokens, K+V bytes
     assert hybrid_tp_problem(layout, layout) is None, hybrid_tp_problem(layout, layout)
 
 

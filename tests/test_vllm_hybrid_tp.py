@@ -25,7 +25,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.errors import BlockIdError, LayoutError, PeerMetadataError
-from kvxfer.integrations.vllm.handshake import Handshake, check_compatible
+from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
 from kvxfer.integrations.vllm.hybrid_tp import PageRead
 from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
 from kvxfer.integrations.vllm.tp_reads import rank_reads
@@ -101,6 +101,9 @@ def test_what_parts_cannot_read_is_refused_naming_both_sides():
     text = refused(lambda g: g[1].update(mamba_type="MAMBA1"))
     assert "only Mamba2's conv bands" in text and "prefill TP 2" in text and "decode TP 1" in text
     assert "a head range is one byte range only on LBHNC" in refused(lambda g: g[0].update(kv_layout="LBNHC"))
+    # vLLM's kernel block split (or another per-head entry): a head of a block is not one byte range
+    assert "kernel block split [2]" in refused(lambda g: g[0].update(kv_split=2))
+    assert "unsplit pages of [heads 2, tokens 16, K+V 32 B]" in refused(lambda g: g[0].update(kv_page=[2, 16, 40]))
     assert "Mamba group count, KV heads or head size is unknown" in refused(mamba_ngroups=None)
     assert "is not x (2 heads x 4) + B + C (2 groups x 8 each)" in refused(mamba_ngroups=4)
     assert "beyond their TP share" in refused(lambda g: g[1].update(dtypes=["bfloat16", "bfloat16"]))
@@ -112,6 +115,18 @@ def test_what_parts_cannot_read_is_refused_naming_both_sides():
     assert "more than 65536 heads, groups or conv rows" in refused(lambda g: g[1].update(shapes=[[48, 10**9], [1, 4, 8]]))
     assert "do not divide one another" in str(pytest.raises(
         LayoutError, check_compatible, replace(decode, tp_size=3), "ucx", handshake(prefill)).value)
+
+
+def test_a_handshake_with_groups_or_regions_of_the_wrong_type_is_refused_as_malformed():
+    layout = instance(2, 2, "DS", SRC_BLOCKS)[0][2].to_dict()
+    for change, message in ((lambda d: d["model"].update(kv_groups=1), "'model.kv_groups' must be a list"),
+                            (lambda d: d["model"].update(kv_groups=[1]), "'model.kv_groups' must be a list"),
+                            (lambda d: d["regions"][0].update(layer_shape=5), "'layer_shape' list"),
+                            (lambda d: d["regions"].append(3), "'layer_shape' list")):
+        doc = copy.deepcopy(layout)
+        change(doc)
+        with pytest.raises(PeerMetadataError, match=message):
+            EngineLayout.from_dict(doc)
 
 
 def test_parts_that_leave_a_block_are_refused_before_any_byte_moves():

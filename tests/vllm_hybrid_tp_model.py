@@ -134,7 +134,8 @@ class HybridRank:
         from kvxfer.integrations.vllm.kv_buffers import layout_signature
 
         groups = [{"spec": "FullAttentionSpec", "layers": SLOTS, "block_size": BLOCK, "page_bytes": self.page,
-                   "dtype": "bfloat16", "kv_layout": "LBHNC"},
+                   "dtype": "bfloat16", "kv_layout": "LBHNC", "kv_page": [len(self.kv_heads), BLOCK, 2 * HEAD * 2],
+                   "kv_split": 1},
                   {"spec": "MambaSpec", "layers": SLOTS, "block_size": MAMBA_BLOCK, "page_bytes": self.page,
                    "shapes": [self.conv_shape, [len(self.ssm_heads), HEAD_DIM, D_STATE]],
                    "dtypes": ["bfloat16", "float32"], "mamba_cache_mode": "none", "spec_blocks": 0,

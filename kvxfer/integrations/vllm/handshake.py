@@ -26,7 +26,9 @@ from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
 from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
-HANDSHAKE_VERSION = 2  # 2: regions without the pool length, num_blocks apart
+#: 2: regions without the pool length, num_blocks apart; 3: a hybrid model's attention page facts
+#: (``kv_layout``, ``kv_page``, ``kv_split``), Mamba type and group count, for different TP
+HANDSHAKE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,12 @@ class EngineLayout:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 40:
                 raise PeerMetadataError(f"handshake layout field {name!r} must be a positive int, got {value!r:.40}")
             ints[name] = value
-        return cls(model=dict(d["model"]), regions=tuple(r if isinstance(r, Mapping) else {} for r in d["regions"]),
-                   **ints)
+        groups = d["model"].get("kv_groups")
+        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)):
+            raise PeerMetadataError("handshake layout field 'model.kv_groups' must be a list of objects")
+        if not all(isinstance(r, Mapping) and isinstance(r.get("layer_shape", []), list) for r in d["regions"]):
+            raise PeerMetadataError("handshake layout field 'regions' must be objects with a 'layer_shape' list")
+        return cls(model=dict(d["model"]), regions=tuple(d["regions"]), **ints)
 
 
 @dataclass(frozen=True)

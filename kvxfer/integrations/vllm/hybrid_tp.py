@@ -100,7 +100,8 @@ def _count(value: Any) -> bool:
 
 
 def _groups(layout: Any) -> list[Mapping[str, Any]]:
-    return [g for g in layout.model.get("kv_groups") or [] if isinstance(g, Mapping)]
+    groups = layout.model.get("kv_groups")
+    return [g for g in groups if isinstance(g, Mapping)] if isinstance(groups, list) else []
 
 
 def _side(layout: Any, role: str) -> _Side:
@@ -113,8 +114,8 @@ def _side(layout: Any, role: str) -> _Side:
         raise LayoutError(f"{role}: MLA in a hybrid model (no heads to split)")
     if len(layout.regions) != 1 or str(layout.regions[0].get("layout")) != "HMA-pages":
         raise LayoutError(f"{role}: not one HMA-pages region")
-    shape = list(layout.regions[0].get("layer_shape") or [])
-    if len(shape) != 3 or not all(isinstance(n, int) for n in (shape[0], shape[2])):
+    shape = layout.regions[0].get("layer_shape")
+    if not isinstance(shape, list) or len(shape) != 3 or not all(_count(n) for n in (shape[0], shape[2])):
         raise LayoutError(f"{role}: pages of shape {shape}")
     layouts = {str(g.get("kv_layout")) for g in attention}
     if layouts != {"LBHNC"}:
@@ -146,8 +147,16 @@ def _side(layout: Any, role: str) -> _Side:
     kv_dtypes = {str(g.get("dtype")) for g in attention}
     if len(kv_dtypes) != 1:
         raise LayoutError(f"{role}: attention groups of dtypes {sorted(kv_dtypes)}")
+    # one head of one block must be one run of tokens x (K and V): what the views showed, not assumed
+    entry = 2 * head_size * _elem(kv_dtypes.pop())
+    want = [max(1, kv_heads // layout.tp_size), layout.block_size, entry]
+    pages = [g.get("kv_page") for g in attention]
+    if any(g.get("kv_split") != 1 for g in attention) or any(page != want for page in pages):
+        raise LayoutError(f"{role}: attention pages {pages} (kernel block split "
+                          f"{[g.get('kv_split') for g in attention]}); a head range is one byte range only in "
+                          f"unsplit pages of [heads {want[0]}, tokens {want[1]}, K+V {want[2]} B]")
     side = _Side(tp=layout.tp_size, slots=shape[0], page=shape[2], kv_heads=kv_heads,
-                 head_bytes=layout.block_size * 2 * head_size * _elem(kv_dtypes.pop()),
+                 head_bytes=layout.block_size * entry,
                  nheads=heads_local * layout.tp_size, head_dim=head_dim, d_state=d_state, ngroups=ngroups,
                  rows=rows, conv_layout=conv_layout, conv_elem=_elem(dtypes[0]), ssm_elem=_elem(dtypes[1]))
     tp = layout.tp_size
@@ -169,7 +178,7 @@ def describe(side: _Side) -> str:
 
 def _group_facts(layout: Any) -> list[dict[str, Any]]:
     """Each group's facts that do not depend on the TP size (shapes and page sizes do)."""
-    return [{k: v for k, v in g.items() if k not in ("shapes", "page_bytes")} for g in _groups(layout)]
+    return [{k: v for k, v in g.items() if k not in ("shapes", "page_bytes", "kv_page")} for g in _groups(layout)]
 
 
 def hybrid_tp_problem(prefill: Any, decode: Any) -> Optional[str]:

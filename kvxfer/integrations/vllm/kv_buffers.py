@@ -226,12 +226,17 @@ def hma_pages_region(kv_caches: Mapping[str, torch.Tensor], placements: Sequence
     return KVRegion(layers, view, (slots, num_blocks, page), 1, (0, 1, 2), 1, pages=True)
 
 
-def page_layout(view: torch.Tensor) -> str:
-    """A hybrid model's attention view ``[blocks, heads, tokens, bytes]`` (padded pages, so not dense):
-    ``LBHNC`` when a block's heads are outermost (a head's tokens contiguous), else ``LBNHC``."""
+def page_layout(view: torch.Tensor, num_blocks: int) -> dict:
+    """A hybrid model's attention view ``[blocks, heads, tokens, entry]`` (padded pages, so not dense),
+    as facts: ``kv_layout`` ``LBHNC`` when a block's heads are outermost (a head's tokens contiguous),
+    else ``LBNHC``; ``kv_page`` its ``[heads, tokens, entry bytes]``; ``kv_split`` how many kernel
+    blocks vLLM cut each block into (its blocks axis is ``num_blocks * kv_split`` long)."""
     if view.dim() != 4:
-        return f"{view.dim()}-D"
-    return "LBHNC" if view.shape[1] == 1 or view.stride(1) >= view.stride(2) * view.shape[2] else "LBNHC"
+        return {"kv_layout": f"{view.dim()}-D"}
+    heads_outer = view.shape[1] == 1 or view.stride(1) >= view.stride(2) * view.shape[2]
+    return {"kv_layout": "LBHNC" if heads_outer else "LBNHC",
+            "kv_page": [int(view.shape[1]), int(view.shape[2]), int(view.shape[3]) * view.element_size()],
+            "kv_split": int(view.shape[0]) // max(1, num_blocks)}
 
 
 def layout_signature(regions: Sequence[KVRegion], block_size: int) -> dict:

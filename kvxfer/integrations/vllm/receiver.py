@@ -382,7 +382,8 @@ class Receiver:
         for read in load.reads.reads:
             if isinstance(read, PageRead):
                 groups = group_pairs(load.spec, load.ticket)
-                assert not isinstance(groups, str)  # block_pairs accepted the same pairs
+                if isinstance(groups, str):  # block_pairs accepted these same pairs: cannot happen
+                    raise KVXferError(groups)
                 for kind, src_ids, dst_ids in groups:
                     parts = read.parts_for(kind)
                     if parts and dst_ids:

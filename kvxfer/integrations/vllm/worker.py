@@ -48,8 +48,8 @@ def kv_group_facts(kv_cache_config: "KVCacheConfig", kv_caches: Optional[dict[st
     kind, layers, block size and page size; for Mamba also the state shapes and dtypes, vLLM's
     ``mamba_cache_mode`` and speculative slots, the conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``:
     SD and DS order the same conv state differently) and the Mamba type (its conv bands); for attention
-    the order of heads and tokens in a page (``kv_layout``, from ``kv_caches``' views): what a read of
-    parts of a page across TP sizes needs (``hybrid_tp``)."""
+    the page as its views show it (``kv_buffers.page_layout``: the order of heads and tokens, their
+    sizes, a kernel block split): what a read of parts of a page across TP sizes needs (``hybrid_tp``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     out = []
@@ -69,7 +69,7 @@ def kv_group_facts(kv_cache_config: "KVCacheConfig", kv_caches: Optional[dict[st
             facts["dtype"] = str(getattr(spec, "dtype", "")).removeprefix("torch.")
             views = [kv_caches[name] for name in group.layer_names if kv_caches and name in kv_caches]
             if views:
-                facts["kv_layout"] = page_layout(views[0])
+                facts.update(page_layout(views[0], kv_cache_config.num_blocks))
         out.append(facts)
     return out
 
