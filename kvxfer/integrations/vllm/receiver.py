@@ -378,9 +378,10 @@ class Receiver:
         """Each data read to post: ``(read, region, src ids, dst ids, parts)``. A slab read (one per
         prefill rank read from, one with equal TP) reads its slabs of every region; a page read (a
         hybrid model with different TP) reads its parts of each group's pages."""
-        assert load.reads is not None and load.ticket is not None
+        assert load.reads is not None and load.ticket is not None and load.handshake is not None
         for read in load.reads.reads:
-            if isinstance(read, PageRead):
+            regions = min(len(self._regions), len(load.handshake.rank_kv_metas[read.src_rank]))
+            if isinstance(read, PageRead) and regions:
                 groups = group_pairs(load.spec, load.ticket)
                 if isinstance(groups, str):  # block_pairs accepted these same pairs: cannot happen
                     raise KVXferError(groups)
@@ -389,9 +390,10 @@ class Receiver:
                     if parts and dst_ids:
                         yield read, 0, src_ids, dst_ids, parts
                 continue
-            src_ids, dst_ids = read.ids(remote, local)
-            for region in range(len(self._regions)):
-                yield read, region, src_ids, dst_ids, None
+            if isinstance(read, SlabRead):
+                src_ids, dst_ids = read.ids(remote, local)
+                for region in range(regions):  # each region with its meta (parse_handshake: one per region)
+                    yield read, region, src_ids, dst_ids, None
 
     def _post_chained(self, load: _Load, remote: list[int], local: list[int]) -> bool:
         """One region read from one prefill rank that is also the one rank told "done" (equal TP):
