@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from proc_state import stop as stop_process  # noqa: E402
 from ucx_peer import make_pool, source_main  # noqa: E402
 
 from kvxfer.backends import available_backends, construct_kv_transfer_backend_class  # noqa: E402
@@ -240,7 +241,7 @@ def test_stalled_source_times_out_and_reports_failure(monkeypatch: pytest.Monkey
         with Mode("tcp").decode(timeout_s=1.0) as dst:
             dst.begin_pull_blocks(src.meta, [0], [0], request_id="warm").wait()
             assert src.drain_until(1) == (["warm"], [])
-            os.kill(src.pid, signal.SIGSTOP)
+            stop_process(src.pid)  # every thread stopped: a read posted now cannot be served
             try:
                 handle = dst.begin_pull_blocks(src.meta, list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)),
                                                request_id="stall")
@@ -313,7 +314,7 @@ def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch:
             warm.begin_pull_blocks(src.meta, [0], [0], request_id="warm-up").wait()
         for run in range(10):
             dst = Mode("tcp").decode(timeout_s=0.2, name=f"stall-close-{run}")
-            os.kill(src.pid, signal.SIGSTOP)
+            stop_process(src.pid)  # every thread stopped: a read posted now cannot be served
             try:
                 handle = dst.begin_pull_blocks(src.meta, [run % NUM_BLOCKS], [0], request_id=f"stalled-{run}")
                 with pytest.raises(TransferError):

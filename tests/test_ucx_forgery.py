@@ -236,8 +236,10 @@ def test_a_stopped_source_at_first_contact_fails_the_pull_plainly_before_anythin
 
     from kvxfer.errors import TransferError, TransferTimeoutError
 
+    from tests.proc_state import stop as stop_process
+
     source, _ = peers
-    os.kill(source.pid, signal.SIGSTOP)
+    stop_process(source.pid)  # every thread stopped: its confirmation server cannot answer
     try:
         with UcxBackend("decode", torch.full(SHAPE, SENTINEL), NUM_BLOCKS, timeout_s=0.5) as dst:
             t0 = time.monotonic()
