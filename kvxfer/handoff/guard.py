@@ -50,10 +50,9 @@ def begin_data_read(backend: Any, peer_meta: Mapping[str, Any], src_block_ids: I
                     request_id: RequestId, parts: Optional[Sequence[Any]] = None) -> TransferHandle:
     """Post a guarded request's data read: never with a read-done (the guard read carries it).
     ``parts``: only these byte ranges of each block (``begin_pull_blocks``)."""
-    if parts is None:
-        return backend.begin_pull_blocks(peer_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False)
+    extra = {} if parts is None else {"parts": parts}  # a backend of the contract before ``parts`` still posts
     return backend.begin_pull_blocks(peer_meta, src_block_ids, dst_block_ids, request_id=request_id, notify=False,
-                                     parts=parts)
+                                     **extra)
 
 
 class Guard(Protocol):

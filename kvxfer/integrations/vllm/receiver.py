@@ -379,12 +379,14 @@ class Receiver:
         prefill rank read from, one with equal TP) reads its slabs of every region; a page read (a
         hybrid model with different TP) reads its parts of each group's pages."""
         assert load.reads is not None and load.ticket is not None and load.handshake is not None
+        groups = None
         for read in load.reads.reads:
             regions = min(len(self._regions), len(load.handshake.rank_kv_metas[read.src_rank]))
             if isinstance(read, PageRead) and regions:
-                groups = group_pairs(load.spec, load.ticket)
-                if isinstance(groups, str):  # block_pairs accepted these same pairs: cannot happen
-                    raise KVXferError(groups)
+                if groups is None:  # once per load, for every prefill rank read from
+                    groups = group_pairs(load.spec, load.ticket)
+                    if isinstance(groups, str):  # block_pairs accepted these same pairs: cannot happen
+                        raise KVXferError(groups)
                 for kind, src_ids, dst_ids in groups:
                     parts = read.parts_for(kind)
                     if parts and dst_ids:
