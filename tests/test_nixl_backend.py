@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -258,6 +259,10 @@ def test_notification_format_roundtrip():
         note = notify.decode(notify.encode("failed", rid, 3, "x" * 2000))
         assert note is not None and note.request_id == rid and note.buffer_id == 3 and len(note.reason) == 512
         assert notify.decode(notify.encode("done", rid, 1)).kind == "done"
+    for rid in (7, "decode-0:7", "ünï", "\ud800"):  # compact JSON as json.dumps writes it (UTF-8; a lone surrogate escaped)
+        assert notify.encode("failed", rid, 2, "why") == json.dumps(
+            {"v": notify.WIRE_VERSION, "kind": "failed", "rid": rid, "buf": 2, "reason": "why"},
+            separators=(",", ":"), ensure_ascii=not isinstance(rid, str) or "\ud800" in rid).encode()
     for junk in (b"", b"[]", b'{"v":1,"kind":"done","rid":true,"buf":1}', b'{"v":1,"kind":"oops","rid":1,"buf":1}',
                  b'{"v":1,"kind":"done","rid":1}', b"x" * 5000, b"\xff\xfe", b"[" * 4000):
         assert notify.decode(junk) is None

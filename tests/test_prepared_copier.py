@@ -52,6 +52,17 @@ def _prepared(copier: BlockCopier, src_ids, dst_ids):
     return c.src_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist(), c.raw_descriptors
 
 
+def _rows(copier: BlockCopier, src_ids, dst_ids):
+    """``BlockCopier.rows`` (what ucx's chained read posts, lists of Python ints on the short path)
+    in ``_prepared``'s terms: the same rows, or the same error and message."""
+    try:
+        rows = copier.rows(src_ids, dst_ids)
+    except (BlockIdError, PeerMetadataError) as exc:
+        return type(exc), str(exc)
+    assert all(type(x) is int for row in rows for x in row) or all(isinstance(row, np.ndarray) for row in rows)
+    return tuple([int(x) for x in row] for row in rows)
+
+
 @settings(max_examples=300, deadline=None)
 @given(outer=st.integers(1, 4), src_blocks=st.integers(6, 40), dst_blocks=st.integers(6, 40), data=st.data())
 def test_copier_plans_what_the_general_planner_plans(outer, src_blocks, dst_blocks, data):
@@ -65,6 +76,7 @@ def test_copier_plans_what_the_general_planner_plans(outer, src_blocks, dst_bloc
     src_ids = data.draw(st.lists(ids, min_size=n, max_size=n))
     dst_ids = data.draw(st.lists(ids, min_size=n, max_size=n + data.draw(st.integers(0, 1))))
     assert _prepared(copier, src_ids, dst_ids) == _general(peer, local, src_ids, dst_ids)
+    assert _rows(copier, src_ids, dst_ids) == _prepared(copier, src_ids, dst_ids)[:3]
     if len(src_ids) == len(dst_ids):
         arrays = np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
         assert _prepared(copier, *arrays) == _general(peer, local, *arrays)

@@ -54,7 +54,7 @@ class Source:
 
     def __init__(self, tls: str | None, seed: int = 1) -> None:
         self.conn, child = _MP.Pipe()
-        env = {"UCX_TLS": tls} if tls else {}
+        env = {"UCX_TLS": tls or ""}  # "" unsets it: UCX's own choice (see source_main)
         self.proc = _MP.Process(target=source_main, args=(child, SHAPE, ["float32", "bfloat16"], NUM_BLOCKS, seed, env),
                                 daemon=True)
         self.proc.start()

@@ -75,6 +75,9 @@ def test_wrong_key_and_wrong_prompt_are_refused():
     (lambda p: p.__setitem__("remote_port", "5555"), "remote_port"),
     (lambda p: p.__setitem__("remote_block_ids", [[1], [2]]), "KV cache groups"),
     (lambda p: p.__setitem__("remote_block_ids", [["x"]]), "not a block id"),
+    (lambda p: p.__setitem__("remote_block_ids", [[4, True]]), "not a block id"),
+    (lambda p: p.__setitem__("remote_block_ids", [[4, -1]]), "not a block id"),
+    (lambda p: p.__setitem__("remote_block_ids", [[4, 1 << 40]]), "not a block id"),
     (lambda p: p.__setitem__("remote_block_ids", list(range(2_000_000))), "list of block ids"),
     (lambda p: p["kvxfer"].__setitem__("v", 9), "speaks 1"),
     (lambda p: p["kvxfer"].__setitem__("slot", -1), "slot"),
@@ -85,6 +88,27 @@ def test_malformed_tickets_name_the_field(mutate, match):
     mutate(params)
     with pytest.raises(PeerMetadataError, match=match):
         parse_ticket(params)
+
+
+def test_ticket_signature_bytes_are_json_dumps_bytes():
+    """The signed bytes come from msgspec (fast, on the engine's step) but are exactly the sorted
+    compact ``json.dumps`` an earlier kvxfer signed, so both versions verify each other's tickets;
+    what msgspec would write otherwise (non-ASCII, keys that are not strings) is left to json."""
+    from kvxfer.integrations.vllm.tickets import _canonical
+
+    def legacy(params):
+        body = {name: params.get(name) for name in ("remote_block_ids", "remote_engine_id", "remote_request_id",
+                                                    "remote_host", "remote_port", "tp_size", "remote_num_tokens")}
+        body["kvxfer"] = {k: v for k, v in params["kvxfer"].items() if k != "sig"}
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    for params in (ticket(), ticket(remote_request_id="réq-ü"), ticket(remote_block_ids=[list(range(1000, 1070))]),
+                   ticket(remote_engine_id="e\ud800")):
+        assert _canonical(params, params["kvxfer"]) == legacy(params)
+        parse_ticket(params).verify(KEY)
+    odd = ticket()
+    odd["kvxfer"] = dict(odd["kvxfer"], extra={1: "int key"})
+    assert _canonical(odd, odd["kvxfer"]) == legacy(odd)
 
 
 def test_flat_block_ids_are_accepted():

@@ -22,8 +22,14 @@ def make_pool(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Te
 
 def source_main(conn: Any, shape: tuple[int, ...], dtype_names: list[str], num_blocks: int, seed: int,
                 env: dict[str, str]) -> None:
-    """Register one pool per dtype (pool i uses seed + i), report metas, then serve commands."""
-    os.environ.update(env)
+    """Register one pool per dtype (pool i uses seed + i), report metas, then serve commands. ``env``: set
+    each variable, or unset it where the value is "" (a forkserver child inherits the environment the
+    server started with, not the test's current one: a ``UCX_TLS=tcp`` of an earlier test would stay)."""
+    for name, value in env.items():
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
     from kvxfer.backends.ucx import binding as _ucp
     from kvxfer.backends.ucx.backend import UcxBackend
 

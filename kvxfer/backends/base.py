@@ -271,10 +271,8 @@ class KVTransportBackend(ABC):
         reads itself, in that order (``kvxfer.handoff.guard.GuardedRead``)."""
         return None
 
-    def _plan_prepared(self, prepared: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList
-                       ) -> Optional[RequestPlan]:
-        """A prepared peer's request planned by its ``BlockCopier`` (what holds for every request
-        between this pool and that source checked once), or None: the general planner's case."""
+    def _copier_for(self, prepared: PreparedPeer) -> Optional[BlockCopier]:
+        """The ``BlockCopier`` of this pool and a prepared peer, made once (None: the general planner's case)."""
         entry = self._copiers.get(id(prepared))
         if entry is None or entry[0] is not prepared:
             entry = self._copiers[id(prepared)] = (prepared, BlockCopier.for_pair(self.local_pool, prepared.peer))
@@ -282,7 +280,13 @@ class KVTransportBackend(ABC):
                 self._copiers.popitem(last=False)
         else:
             self._copiers.move_to_end(id(prepared))
-        copier = entry[1]
+        return entry[1]
+
+    def _plan_prepared(self, prepared: PreparedPeer, src_block_ids: IdList, dst_block_ids: IdList
+                       ) -> Optional[RequestPlan]:
+        """A prepared peer's request planned by its ``BlockCopier`` (what holds for every request
+        between this pool and that source checked once), or None: the general planner's case."""
+        copier = self._copier_for(prepared)
         if copier is None:
             return None
         src, dst, copy = copier.plan(src_block_ids, dst_block_ids)

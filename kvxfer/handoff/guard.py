@@ -206,6 +206,9 @@ class ScratchSlots:
         self._values = scratch.numpy() if scratch.device.type == "cpu" else scratch
         self._free = list(range(scratch.numel() - 1, -1, -1))
         self._held: Quarantine[int, None] = Quarantine(capacity=scratch.numel())
+        # where slot 0 lies in host memory, asked of torch once (the scratch never moves)
+        self._base = scratch.data_ptr() if scratch.device.type == "cpu" else None
+        self._item = scratch.element_size()
         self.lost = 0  # slots a failed start left unsafe with nothing to ask: never reused
 
     def take(self) -> Optional[int]:
@@ -222,9 +225,7 @@ class ScratchSlots:
     def address(self, slot: int) -> Optional[int]:
         """Where ``slot`` lies in this process's host memory (for a transport's chained read); None
         when the scratch is device memory."""
-        if self.tensor.device.type != "cpu":
-            return None
-        return self.tensor.data_ptr() + slot * self.tensor.element_size()
+        return None if self._base is None else self._base + slot * self._item
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)

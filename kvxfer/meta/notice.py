@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+import msgspec
+
 from kvxfer.meta.version import WIRE_VERSION
 
 MAX_NOTIFY_BYTES = 4096  # a notification is tiny; anything bigger is not ours
@@ -48,7 +50,10 @@ def encode(kind: Kind, request_id: Union[int, str], buffer_id: int, reason: str 
     body: dict[str, object] = {"v": WIRE_VERSION, "kind": kind, "rid": request_id, "buf": buffer_id}
     if kind == "failed":
         body["reason"] = reason[:MAX_REASON_CHARS]
-    data = json.dumps(body, separators=(",", ":")).encode()
+    try:
+        data = msgspec.json.encode(body)  # compact JSON as json.dumps writes it, ~10x faster (the hot path)
+    except UnicodeEncodeError:  # a lone surrogate, which json escapes
+        data = json.dumps(body, separators=(",", ":")).encode()
     if len(data) > MAX_NOTIFY_BYTES:
         raise ValueError(f"request id is too long for a notification ({len(data)} bytes encoded)")
     return data

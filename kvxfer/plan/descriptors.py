@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import count, groupby
+from operator import sub
 from typing import Sequence
 
 import numpy as np
@@ -104,9 +106,12 @@ def _validate_small(src: Sequence[int], dst: Sequence[int], src_num_blocks: int,
     return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
 
 
+_INT_TYPE = {int}  # exactly int: a bool is not a block id
+
+
 def int_id_list(ids: IdList, limit: int) -> bool:
     """``ids`` is a list or tuple of at most ``limit`` Python ints (what plain-Python planning takes)."""
-    return isinstance(ids, (list, tuple)) and len(ids) <= limit and all(type(x) is int for x in ids)
+    return isinstance(ids, (list, tuple)) and len(ids) <= limit and {*map(type, ids)} <= _INT_TYPE  # C-level walk
 
 
 def check_int_ids(src: Sequence[int], dst: Sequence[int], src_num_blocks: int, dst_num_blocks: int) -> None:
@@ -196,12 +201,35 @@ def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: Sequence[in
     regions: the numpy path's plan, row for row. ``check_bounds=False`` only where every block of
     both pools was proven inside its region once (``kvxfer.plan.prepared``).
     """
-    runs: list[list[int]] = []  # [src block, dst block, blocks]
-    for a, b in zip(s, d):
-        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([a, b, 1])
+    rows = small_block_rows(src, dst, s, d, max_rows, check_bounds)
+    if rows is None:
+        return None
+    src_off, dst_off, lengths = rows
+    plan = CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
+                    np.array(lengths, dtype=np.int64), raw_descriptors=len(s) * src.num_outer)
+    plan.__dict__["total_bytes"] = sum(lengths)  # seeds the cached property: summed here in Python, cheaper
+    return plan
+
+
+def _runs(s: Sequence[int], d: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src block, dst block, blocks)`` per run of ids consecutive on both sides, in order. Ids in one
+    run share ``id - position`` on both sides, so ``groupby`` finds the runs in C (a request's ids are
+    walked on the engine's step)."""
+    runs = []
+    position = 0
+    for (src_key, dst_key), run in groupby(zip(map(sub, s, count()), map(sub, d, count()))):
+        length = len(list(run))
+        runs.append((src_key + position, dst_key + position, length))
+        position += length
+    return runs
+
+
+def small_block_rows(src: BufferGeometry, dst: BufferGeometry, s: Sequence[int], d: Sequence[int],
+                     max_rows: int = SMALL_ROWS, check_bounds: bool = True
+                     ) -> "tuple[list[int], list[int], list[int]] | None":
+    """``_small_block_copies``'s rows as three lists of Python ints (source offsets, destination
+    offsets, lengths), for a transport that posts them without numpy; None past ``max_rows``."""
+    runs = _runs(s, d)
     if src.num_outer * len(runs) > max_rows:
         return None
     bps = src.bytes_per_slice
@@ -225,10 +253,7 @@ def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: Sequence[in
             raise PeerMetadataError(
                 f"a planned copy leaves the {side} region of {geometry.region_bytes} bytes; the peer meta is inconsistent"
             )
-    plan = CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
-                    np.array(lengths, dtype=np.int64), raw_descriptors=len(s) * src.num_outer)
-    plan.__dict__["total_bytes"] = sum(lengths)  # seeds the cached property: summed here in Python, cheaper
-    return plan
+    return src_off, dst_off, lengths
 
 
 def check_plan_bounds(plan: CopyPlan, src: BufferGeometry, dst: BufferGeometry) -> None:

@@ -20,13 +20,14 @@ with its own words.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from kvxfer.errors import PeerMetadataError
 from kvxfer.plan.descriptors import (
-    CopyPlan, IdList, _small_block_copies, check_int_ids, int_id_list, plan_checked_block_copies, validate_block_ids,
+    CopyPlan, IdList, _small_block_copies, check_int_ids, int_id_list, plan_checked_block_copies, small_block_rows,
+    validate_block_ids,
 )
 from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, check_peer_compatible
 from kvxfer.plan.pool import LocalPool
@@ -77,3 +78,16 @@ class BlockCopier:
                 return np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64), plan
         s, d = validate_block_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)
         return s, d, plan_checked_block_copies(self.src, self.dst, s, d)
+
+    def rows(self, src_ids: IdList, dst_ids: IdList) -> "tuple[Sequence[int], Sequence[int], Sequence[int]]":
+        """Only the request's rows (source offsets, destination offsets, lengths), for a transport
+        that posts them itself: lists of Python ints for a short list of ids (no numpy on the engine's
+        hot path), else ``plan``'s arrays. The ids are checked exactly as ``plan`` checks them."""
+        if int_id_list(src_ids, FAST_IDS) and int_id_list(dst_ids, FAST_IDS):
+            check_int_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)  # type: ignore[arg-type]
+            rows = small_block_rows(self.src, self.dst, src_ids, dst_ids,  # type: ignore[arg-type]
+                                    max_rows=FAST_ROWS, check_bounds=False)
+            if rows is not None:
+                return rows
+        copy = self.plan(src_ids, dst_ids)[2]
+        return copy.src_offsets, copy.dst_offsets, copy.lengths

@@ -534,11 +534,15 @@ class UcxBackend(KVTransportBackend):
         table = guard.source.peer.geometry
         if table.num_outer != 1 or table.bytes_per_slice != guard.nbytes:
             return None  # the guard's slot is not what the caller's memory holds: its own read refuses it
-        validate_block_ids([guard.block], [0], table.num_blocks, 1)  # the guard's slot, as a pull would check it
-        plan = self._plan_prepared(peer_meta, src_block_ids, dst_block_ids)
-        if plan is None or plan.records[0] is None:
+        if type(guard.block) is not int or not 0 <= guard.block < table.num_blocks:
+            validate_block_ids([guard.block], [0], table.num_blocks, 1)  # the guard's slot: refused as a pull would
+        copier = self._copier_for(peer_meta)
+        if copier is None:
             return None
-        rows = plan.records[0].copy
+        src_offsets, dst_offsets, lengths = copier.rows(src_block_ids, dst_block_ids)  # lists: no numpy here
+        if not len(lengths):
+            return None
+        total_bytes, descriptors = int(sum(lengths)), len(lengths)
         try:
             notice = notify.encode("done", request_id, 0)  # the read-done the binding sends after the guard
         except ValueError:
@@ -556,17 +560,17 @@ class UcxBackend(KVTransportBackend):
                                           table.buf_ptr + guard.block * table.bytes_per_slice, table.bytes_per_slice,
                                           notice=notice, am_id=AM_ID)
                 batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, peer_meta.peer.geometry.buf_ptr,
-                                      rows.src_offsets, rows.dst_offsets, rows.lengths, cuda=False, guard=guard_get)
+                                      src_offsets, dst_offsets, lengths, cuda=False, guard=guard_get)
             except _ucp.UcpError as exc:
                 raise TransferError(f"request {request_id!r}: cannot reach the source: {exc}") from None
             peer.batches.add(batch)
             guard_peer.batches.add(batch)
             handle = UcxHandle(request_id, self.timeout_s, self, peer, batch, notify=True, guard_peer=guard_peer)
             self._live.add(handle)
-        self._stats.started(rows.total_bytes, rows.num_descriptors)
-        handle._count_in(self._stats, rows.total_bytes, rows.num_descriptors)
+        self._stats.started(total_bytes, descriptors)
+        handle._count_in(self._stats, total_bytes, descriptors)
         try:
-            if rows.total_bytes <= INLINE_PROGRESS_BYTES:
+            if total_bytes <= INLINE_PROGRESS_BYTES:
                 self._worker.progress()  # on shared memory or CMA both reads often complete right here
             if not batch.done:
                 self._worker.signal(only_if_idle=True)

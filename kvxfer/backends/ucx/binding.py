@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -502,6 +502,16 @@ class RemoteKey:
             _count("rkey", -1)
 
 
+def _int64s(values: "Sequence[int] | np.ndarray") -> Any:
+    """``values`` as a C ``int64_t[]``: a list of Python ints copied in (no numpy on the hot path), an
+    array viewed in place (made contiguous int64 first if it is not)."""
+    if isinstance(values, np.ndarray):
+        if values.dtype != np.int64 or not values.flags.c_contiguous:
+            values = np.ascontiguousarray(values, dtype=np.int64)
+        return _ffi.from_buffer("int64_t[]", values)
+    return _ffi.new("int64_t[]", values)
+
+
 @dataclass(frozen=True)
 class GuardGet:
     """A guard read to chain behind a batch: ``length`` bytes at the peer's ``remote`` address, through
@@ -532,21 +542,21 @@ class GetBatch:
     """
 
     def __init__(self, endpoint: Endpoint, rkey: RemoteKey, local_base: int, remote_base: int,
-                 src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray, cuda: bool,
+                 src_offsets: "Sequence[int] | np.ndarray", dst_offsets: "Sequence[int] | np.ndarray",
+                 lengths: "Sequence[int] | np.ndarray", cuda: bool,
                  guard: Optional[GuardGet] = None) -> None:
         ffi, lib = _ffi, _lib
         self.worker = endpoint.worker
         self.chain: Any = None
         self._notice: Any = None
         self._guard_endpoint: Optional[Endpoint] = None
-        n = int(lengths.size)
-        self._arrays = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
-                        for a in (src_offsets, dst_offsets, lengths)]  # a plan's arrays are already both
+        n = len(lengths)
+        # the rows as C arrays, kept alive with the batch (UCX reads them only inside the post)
+        src, dst, lens = self._rows = (_int64s(src_offsets), _int64s(dst_offsets), _int64s(lengths))
         self.requests = ffi.new("void *[]", max(n, 1))
         self.n = n
         self.released = False
         posted = ffi.new("size_t *")
-        src, dst, lens = (ffi.cast("const int64_t *", a.ctypes.data) for a in self._arrays)
         with self.worker.lock:
             if guard is None:
                 self.counter = ffi.new("kvx_counter_t *")
