@@ -30,18 +30,18 @@ from kvxfer.integrations.vllm.hybrid_tp import PageRead
 from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
 from kvxfer.integrations.vllm.tp_reads import rank_reads
 from kvxfer.plan.parts import SlicePart
-from tests.vllm_hybrid_tp_model import SLOTS, HybridRank
+from tests.vllm_hybrid_tp_model import KINDS, SLOTS, HybridRank
 from tests.vllm_tp_ranks import Prefill, Rank, load, released
 
 SRC_BLOCKS, DST_BLOCKS = 12, 10
 PAIRS = [(3, 5), (7, 0), (4, 8)]  # odd: attention blocks, even: the Mamba slot (as in the pools)
 
 
-def instance(tp: int, groups: int, conv_layout: str, blocks: int, filled: bool = True):
+def instance(tp: int, groups: int, conv_layout: str, blocks: int, filled: bool = True, kind: str = "MAMBA2"):
     """Each rank's ``(model, pool, layout)``, registered the connector's way (``hma_pages_region``)."""
     out = []
     for rank in range(tp):
-        model = HybridRank(tp, rank, groups, conv_layout)
+        model = HybridRank(tp, rank, groups, conv_layout, kind)
         raw = model.pool(blocks, filled)
         region = hma_pages_region(*model.kv_caches(raw, blocks), blocks)
         out.append((model, raw, model.layout([region], blocks)))
@@ -65,14 +65,16 @@ def apply(reads, prefill, pairs, page: int) -> torch.Tensor:
     return got
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("conv_layout", ["DS", "SD"])
-def test_every_decode_rank_gets_exactly_its_share_of_each_page(conv_layout):
+def test_every_decode_rank_gets_exactly_its_share_of_each_page(conv_layout, kind):
     checked = 0
-    for src_tp, dst_tp, groups in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4)):
+    group_counts = (1, 2, 4) if kind == "MAMBA2" else (1,)  # only Mamba2 has B/C groups
+    for src_tp, dst_tp, groups in itertools.product((1, 2, 4), (1, 2, 4), group_counts):
         if src_tp == dst_tp:
             continue
-        prefill = instance(src_tp, groups, conv_layout, SRC_BLOCKS)
-        decode = instance(dst_tp, groups, conv_layout, DST_BLOCKS, filled=False)
+        prefill = instance(src_tp, groups, conv_layout, SRC_BLOCKS, kind=kind)
+        decode = instance(dst_tp, groups, conv_layout, DST_BLOCKS, filled=False, kind=kind)
         check_compatible(decode[0][2], "ucx", handshake(prefill[0][2]))
         for rank, (model, _, layout) in enumerate(decode):
             reads = rank_reads(rank, layout, prefill[0][2])
@@ -81,7 +83,27 @@ def test_every_decode_rank_gets_exactly_its_share_of_each_page(conv_layout):
             want = model.expected(DST_BLOCKS, PAIRS, SRC_BLOCKS)
             assert torch.equal(apply(reads.reads, prefill, PAIRS, model.page), want), (src_tp, dst_tp, groups, rank)
             checked += 1
-    assert checked == 42  # decode ranks over the 6 pairs of TP sizes x 3 group counts
+    assert checked == 14 * len(group_counts)  # decode ranks over the 6 pairs of TP sizes x the group counts
+
+
+def test_a_state_type_read_with_another_types_bands_would_be_caught():
+    """The reference would catch a mapping that read GDN's V band as if it were K's width, or Mamba1's
+    SSM state as Mamba2's: reads planned for one state type, applied to pages of another, miss."""
+    prefill = instance(2, 1, "DS", SRC_BLOCKS, kind="GDN_ATTN")
+    decode = instance(1, 1, "DS", DST_BLOCKS, filled=False, kind="GDN_ATTN")
+    model, _, layout = decode[0]
+    want = model.expected(DST_BLOCKS, PAIRS, SRC_BLOCKS)
+    good = rank_reads(0, layout, prefill[0][2]).reads
+    assert torch.equal(apply(good, prefill, PAIRS, model.page), want)
+    # the V band (2 heads x 3 channels x 3 rows of bf16 per source rank) read with K's width (2 channels)
+    v_band, k_width = 2 * 3 * 3 * 2, 2 * 2 * 3 * 2
+    wrong = [replace(read, parts=tuple((kind, tuple(replace(p, length=k_width) if p.length == v_band else p
+                                                    for p in parts)) for kind, parts in read.parts))
+             for read in good]
+    assert wrong != list(good)
+    assert not torch.equal(apply(wrong, prefill, PAIRS, model.page), want)
+    other = instance(2, 1, "DS", SRC_BLOCKS, kind="MAMBA1")  # a Mamba1 source's pages under GDN's reads
+    assert not torch.equal(apply(good, other, PAIRS, model.page), want)
 
 
 def test_what_parts_cannot_read_is_refused_naming_both_sides():
@@ -98,21 +120,28 @@ def test_what_parts_cannot_read_is_refused_naming_both_sides():
             check_compatible(decode, "ucx", handshake(replace(prefill, model=model)))
         return str(info.value)
 
-    text = refused(lambda g: g[1].update(mamba_type="MAMBA1"))
-    assert "only Mamba2's conv bands" in text and "prefill TP 2" in text and "decode TP 1" in text
+    text = refused(lambda g: g[1].update(mamba_type="SHORT_CONV"))
+    assert "only Mamba1's, Mamba2's and GDN's conv bands" in text and "prefill TP 2" in text and "decode TP 1" in text
+    # the other types' shapes must decompose as vLLM shapes them
+    assert "is not its SSM state's" in refused(lambda g: g[1].update(mamba_type="MAMBA1", shapes=[[24, 3], [5, 8]]))
+    assert "3-dimensional SSM state (GDN_ATTN)" in refused(lambda g: g[1].update(mamba_type="GDN_ATTN",
+                                                                                  shapes=[[24, 3], [5, 8]]))
+    assert "is not Q + K" in refused(lambda g: g[1].update(mamba_type="GDN_ATTN", shapes=[[25, 3], [2, 4, 8]]))
     assert "a head range is one byte range only on LBHNC" in refused(lambda g: g[0].update(kv_layout="LBNHC"))
     # vLLM's kernel block split (or another per-head entry): a head of a block is not one byte range
     assert "kernel block split [2]" in refused(lambda g: g[0].update(kv_split=2))
     assert "unsplit pages of [heads 2, tokens 16, K+V 32 B]" in refused(lambda g: g[0].update(kv_page=[2, 16, 40]))
-    assert "Mamba group count, KV heads or head size is unknown" in refused(mamba_ngroups=None)
+    assert "Mamba group count is unknown" in refused(mamba_ngroups=None)
+    assert "KV heads or head size is unknown" in refused(num_kv_heads=None)
     assert "is not x (2 heads x 4) + B + C (2 groups x 8 each)" in refused(mamba_ngroups=4)
     assert "beyond their TP share" in refused(lambda g: g[1].update(dtypes=["bfloat16", "bfloat16"]))
     assert "different model" in refused(num_kv_heads=8)
     # a peer's junk facts are refused with words, never a TypeError or a huge list of parts
-    assert "expected a conv state and an SSM state" in refused(lambda g: g[1].update(shapes=[5, [1, 2, 3]]))
+    assert "expected a conv state and a 3-dimensional SSM state" in refused(lambda g: g[1].update(shapes=[5, [1, 2, 3]]))
     assert "are not positive sizes" in refused(lambda g: g[1].update(shapes=[["a", 1], [1, 2, 3]]))
     assert "is not a torch dtype name" in refused(lambda g: g[1].update(dtypes=["nope", "float32"]))
-    assert "more than 65536 heads, groups or conv rows" in refused(lambda g: g[1].update(shapes=[[48, 10**9], [1, 4, 8]]))
+    assert "more than 65536 heads, groups, conv channels or rows" in refused(
+        lambda g: g[1].update(shapes=[[48, 10**9], [1, 4, 8]]))
     assert "do not divide one another" in str(pytest.raises(
         LayoutError, check_compatible, replace(decode, tp_size=3), "ucx", handshake(prefill)).value)
 
@@ -153,10 +182,12 @@ def test_parts_that_leave_a_block_are_refused_before_any_byte_moves():
         dst.close()
 
 
-@pytest.mark.parametrize("src_tp,dst_tp,groups,conv_layout,backend",
-                         [(2, 1, 2, "SD", "nixl"), (1, 2, 1, "DS", "ucx")])
-def test_connector_ranks_move_a_hybrid_model_across_tp_sizes(src_tp, dst_tp, groups, conv_layout, backend, tmp_path):
-    hybrid = ("hybrid", str(groups), conv_layout)
+@pytest.mark.parametrize("src_tp,dst_tp,groups,conv_layout,backend,kind",
+                         [(2, 1, 2, "SD", "nixl", "MAMBA2"), (1, 2, 1, "DS", "ucx", "MAMBA2"),
+                          (1, 2, 1, "SD", "nixl", "GDN_ATTN"), (2, 1, 1, "DS", "ucx", "MAMBA1")])
+def test_connector_ranks_move_a_hybrid_model_across_tp_sizes(src_tp, dst_tp, groups, conv_layout, backend, kind,
+                                                              tmp_path):
+    hybrid = ("hybrid", str(groups), conv_layout, kind)
     attention_src, mamba_src = [3, 7, 9], 4
     attention_dst, mamba_dst = [5, 0, 9], 8
     with ExitStack() as stack:
@@ -178,5 +209,5 @@ def test_connector_ranks_move_a_hybrid_model_across_tp_sizes(src_tp, dst_tp, gro
             path = tmp_path / f"decode{r}.pt"
             decode.send(f"dump {path}")
             assert decode.next(30.0) == {"dumped": str(path)}
-            model = HybridRank(dst_tp, r, groups, conv_layout)
+            model = HybridRank(dst_tp, r, groups, conv_layout, kind)
             assert torch.equal(torch.load(path), model.expected(DST_BLOCKS, pairs, SRC_BLOCKS)), r

@@ -1,4 +1,4 @@
-"""A tiny hybrid attention+Mamba2 model's KV cache on any TP rank, laid out as vLLM 0.32 lays it out.
+"""A tiny hybrid attention+Mamba model's KV cache on any TP rank, laid out as vLLM 0.32 lays it out.
 
 The reference a hybrid read across TP sizes is checked against (``tests/test_vllm_hybrid_tp.py``).
 Every element's value is a function of where it belongs in the *whole* model's state, so the pages
@@ -6,11 +6,16 @@ of rank ``r`` of TP ``T`` are built by cutting that state the way vLLM shards it
 0.32's source, docs/vllm.md "Hybrid and MLA models"):
 
 * KV heads: rank ``r`` holds ``[r*K/T, (r+1)*K/T)``, or the one head ``r*K//T`` when ``T > K``;
-* Mamba2 (``MambaStateShapeCalculator.mamba2_state_shape``, ``MambaMixer2``'s sharded loaders):
-  conv channels ``[x | B | C]`` with ``x`` = this rank's SSM heads x ``head_dim`` and ``B``, ``C`` =
-  its groups x ``d_state`` (groups replicated on ``T / G`` ranks when ``T > G``:
-  ``extra_groups_for_head_shards``), stored ``(channels, rows)`` with the ``DS`` conv layout and
-  ``(rows, channels)`` with ``SD``; then the SSM state ``(heads, head_dim, d_state)``;
+* the Mamba state (``MambaStateShapeCalculator``): conv channels in bands, each band the rank's
+  share of its units, stored ``(channels, rows)`` with the ``DS`` conv layout and ``(rows,
+  channels)`` with ``SD``; then the SSM state, split along its first dimension:
+
+  - Mamba2 (``MambaMixer2``'s sharded loaders): ``[x | B | C]``, ``x`` = the rank's SSM heads x
+    ``head_dim``, ``B``, ``C`` = its groups x ``d_state`` (groups replicated on ``T / G`` ranks when
+    ``T > G``: ``extra_groups_for_head_shards``); SSM ``(heads, head_dim, d_state)``;
+  - Mamba1: ``[x]``, the rank's ``intermediate / T`` channels; SSM ``(intermediate / T, d_state)``;
+  - GDN: ``[Q | K | V]``, the rank's key heads x ``head_k_dim`` twice, then its value heads x
+    ``head_v_dim``; SSM ``(value heads, head_v_dim, head_k_dim)``;
 * one int8 allocation, layer slot ``l`` at ``l * blocks * page`` (``allocate_kv_cache``), every
   group's layer ``l`` viewing the same bytes, attention ``[blocks, heads, tokens, 2*head]`` bf16
   (``LBHNC``) and Mamba the raw ``[blocks, 1, 1, state bytes]``, the page the larger of the two.
@@ -20,6 +25,7 @@ In a pool, odd blocks hold attention KV and even blocks Mamba state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +33,9 @@ import torch
 
 KV_HEADS, HEAD, BLOCK = 4, 8, 16  # attention: 4 KV heads of 8, 16 tokens a block
 NHEADS, HEAD_DIM, D_STATE, ROWS = 4, 4, 8, 3  # Mamba2: 4 SSM heads of 4, d_state 8, conv kernel 4
+INTERMEDIATE, D_STATE1 = 8, 4  # Mamba1: 8 channels, d_state 4
+K_HEADS, HEAD_K, V_HEADS, HEAD_V = 4, 2, 4, 3  # GDN: Q and K 4 heads of 2, V 4 heads of 3
+KINDS = ("MAMBA2", "MAMBA1", "GDN_ATTN")  # vLLM's MambaAttentionBackendEnum names
 SLOTS = 2  # two attention and two Mamba layers: two layer slots
 MAMBA_BLOCK = 2048
 
@@ -46,24 +55,40 @@ class HybridRank:
 
     tp: int
     rank: int
-    ngroups: int
+    ngroups: int  # Mamba2's B/C groups (unused by the other kinds)
     conv_layout: str  # "DS" or "SD"
+    kind: str = "MAMBA2"
+
+    def _owned(self, units: int) -> range:
+        return _owned(units, self.tp, self.rank)
 
     @property
     def kv_heads(self) -> range:
-        return _owned(KV_HEADS, self.tp, self.rank)
+        return self._owned(KV_HEADS)
 
     @property
-    def ssm_heads(self) -> range:
-        return _owned(NHEADS, self.tp, self.rank)
+    def bands(self) -> list[tuple[range, int]]:
+        """The conv state's bands: the units this rank holds and the channels of one unit."""
+        if self.kind == "MAMBA1":
+            return [(self._owned(INTERMEDIATE), 1)]
+        if self.kind == "GDN_ATTN":
+            keys = self._owned(K_HEADS)
+            return [(keys, HEAD_K), (keys, HEAD_K), (self._owned(V_HEADS), HEAD_V)]
+        groups = self._owned(self.ngroups)
+        return [(self._owned(NHEADS), HEAD_DIM), (groups, D_STATE), (groups, D_STATE)]
 
     @property
-    def groups(self) -> range:
-        return _owned(self.ngroups, self.tp, self.rank)
+    def ssm(self) -> tuple[range, tuple[int, ...]]:
+        """The SSM state: the units this rank holds (its first dimension) and the shape of one unit."""
+        if self.kind == "MAMBA1":
+            return self._owned(INTERMEDIATE), (D_STATE1,)
+        if self.kind == "GDN_ATTN":
+            return self._owned(V_HEADS), (HEAD_V, HEAD_K)
+        return self._owned(NHEADS), (HEAD_DIM, D_STATE)
 
     @property
     def channels(self) -> int:
-        return len(self.ssm_heads) * HEAD_DIM + 2 * len(self.groups) * D_STATE
+        return sum(len(units) * width for units, width in self.bands)
 
     @property
     def conv_shape(self) -> list[int]:
@@ -71,7 +96,8 @@ class HybridRank:
 
     @property
     def state_bytes(self) -> int:
-        return self.channels * ROWS * 2 + len(self.ssm_heads) * HEAD_DIM * D_STATE * 4
+        units, inner = self.ssm
+        return self.channels * ROWS * 2 + len(units) * math.prod(inner) * 4
 
     @property
     def page(self) -> int:
@@ -87,16 +113,15 @@ class HybridRank:
 
     def mamba_page(self, slot: int, block: int) -> torch.Tensor:
         base = slot * 41 + block * 17
-        x = [(base + 5 * (h * HEAD_DIM + i)) for h in self.ssm_heads for i in range(HEAD_DIM)]
-        bands = [x] + [[base + 300 * band + 7 * (g * D_STATE + i) for g in self.groups for i in range(D_STATE)]
-                       for band in (1, 2)]
-        channels = torch.tensor([c for band in bands for c in band]).view(-1, 1)
+        channels = torch.tensor([base + 300 * band + 7 * (u * width + i)
+                                 for band, (units, width) in enumerate(self.bands) for u in units
+                                 for i in range(width)]).view(-1, 1)
         conv = ((channels + 11 * torch.arange(ROWS).view(1, -1)) % 247).to(torch.bfloat16)  # (channels, rows)
         if self.conv_layout == "SD":
             conv = conv.t().contiguous()
-        heads = torch.tensor(list(self.ssm_heads)).view(-1, 1, 1)
-        ssm = (base * 1000 + heads * 100 + torch.arange(HEAD_DIM).view(1, -1, 1) * 10
-               + torch.arange(D_STATE).view(1, 1, -1)).to(torch.float32) + 0.5
+        units, inner = self.ssm
+        unit = torch.tensor(list(units)).view(-1, *([1] * len(inner)))
+        ssm = (base * 1000 + unit * 100 + torch.arange(math.prod(inner)).view(1, *inner)).to(torch.float32) + 0.5
         return torch.cat((conv.contiguous().view(torch.uint8).flatten(), ssm.contiguous().view(torch.uint8).flatten()))
 
     def pool(self, blocks: int, filled: bool = True) -> torch.Tensor:
@@ -137,11 +162,13 @@ class HybridRank:
                    "dtype": "bfloat16", "kv_layout": "LBHNC", "kv_page": [len(self.kv_heads), BLOCK, 2 * HEAD * 2],
                    "kv_split": 1},
                   {"spec": "MambaSpec", "layers": SLOTS, "block_size": MAMBA_BLOCK, "page_bytes": self.page,
-                   "shapes": [self.conv_shape, [len(self.ssm_heads), HEAD_DIM, D_STATE]],
+                   "shapes": [self.conv_shape, [len(self.ssm[0]), *self.ssm[1]]],
                    "dtypes": ["bfloat16", "float32"], "mamba_cache_mode": "none", "spec_blocks": 0,
-                   "conv_layout": self.conv_layout, "mamba_type": "MAMBA2"}]
+                   "conv_layout": self.conv_layout, "mamba_type": self.kind}]
         model = {"num_layers": 2 * SLOTS, "num_kv_heads": KV_HEADS, "head_size": HEAD, "dtype": "bfloat16",
-                 "kv_dtype": "auto", "kv_groups": groups, "mamba_ngroups": self.ngroups, "use_mla": False}
+                 "kv_dtype": "auto", "kv_groups": groups, "use_mla": False}
+        if self.kind == "MAMBA2":  # the worker reports the groups only where the model has them
+            model["mamba_ngroups"] = self.ngroups
         return EngineLayout(model=model, tp_size=self.tp, pp_size=1, block_size=BLOCK,
                             regions=tuple(layout_signature(regions, BLOCK)["regions"]), num_blocks=blocks)
 

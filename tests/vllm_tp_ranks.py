@@ -89,15 +89,16 @@ def _register(name: str, pool, blocks: int, backend: str):
                                for r in regions[1:]]
 
 
-def hybrid_args(args: list[str]) -> Optional[tuple[int, str]]:
-    """``(GROUPS, CONV_LAYOUT)`` of a trailing ``hybrid GROUPS LAYOUT``, else None."""
+def hybrid_args(args: list[str]) -> Optional[tuple[Any, ...]]:
+    """``(GROUPS, CONV_LAYOUT[, KIND])`` of a trailing ``hybrid GROUPS LAYOUT [KIND]`` (KIND: the Mamba
+    state type, ``tests.vllm_hybrid_tp_model.KINDS``; Mamba2 when left out), else None."""
     if "hybrid" not in args:
         return None
     at = args.index("hybrid")
-    return int(args[at + 1]), args[at + 2]
+    return (int(args[at + 1]), *args[at + 2: at + 4])
 
 
-def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybrid: tuple[int, str], filled: bool):
+def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybrid: tuple[Any, ...], filled: bool):
     """A hybrid model's rank (``tests.vllm_hybrid_tp_model``): its allocation, registered as
     ``KvxferWorker.register_kv_caches`` does (``hma_pages_region``), and its layout."""
     from kvxfer.backends import construct_kv_transfer_backend_class

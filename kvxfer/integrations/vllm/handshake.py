@@ -8,7 +8,7 @@ per-block layout, and equal tensor
 parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); MLA models
 (``model["use_mla"]``: one latent cache per layer, the same on every TP rank) with any TP sizes
 that divide one another, each decode rank reading whole blocks from one prefill rank; hybrid
-attention+Mamba2 models with different TP read by parts of their pages (``hybrid_tp``); else a
+attention+Mamba (Mamba2, Mamba1, GDN) models with different TP read by parts of their pages (``hybrid_tp``); else a
 refusal that names both sides' layouts (for different TP sizes: NixlConnector's reason when
 it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
