@@ -119,6 +119,21 @@ def test_chained_guard_is_read_after_the_data_and_carries_the_read_done(pair):
     assert dst.begin_chained_pull(data, [1], [1], ChainedGuard(lease, 3, scratch.data_ptr(), 4), request_id="r4") is None
 
 
+def test_a_chained_pull_of_ids_given_as_arrays_takes_the_general_rows_and_copies_exactly(pair):
+    """The short path posts rows as Python ints; ids given as numpy arrays (or past its limits) take the
+    copier's general rows, numpy arrays the binding views in place: the same bytes either way."""
+    src, table, dst = pair
+    data, lease = dst.prepare_peer(src.export_meta()), dst.prepare_peer(table.export_meta())
+    scratch = torch.full((1,), UNREAD, dtype=torch.int64)
+    src_ids, dst_ids = np.array([9, 10, 11, 2]), np.array([4, 5, 6, 15])
+    handle = dst.begin_chained_pull(data, src_ids, dst_ids, ChainedGuard(lease, 3, scratch.data_ptr(), 8),
+                                    request_id="arrays")
+    assert handle is not None
+    handle.wait()
+    assert torch.equal(dst.memory_buffer[:, dst_ids.tolist()], src.memory_buffer[:, src_ids.tolist()])
+    assert scratch.tolist() == [42] and handle.bytes_requested == 2 * 4 * 4 * 32 * 4
+
+
 def test_a_failed_data_get_never_reads_the_guard(pair):
     """A data get that fails (a row at an address the source never mapped) ends the chain: the guard
     is never posted, its scratch never written, the batch's status is the data's error."""

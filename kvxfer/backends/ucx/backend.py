@@ -542,7 +542,8 @@ class UcxBackend(KVTransportBackend):
         src_offsets, dst_offsets, lengths = copier.rows(src_block_ids, dst_block_ids)  # lists: no numpy here
         if not len(lengths):
             return None
-        total_bytes, descriptors = int(sum(lengths)), len(lengths)
+        total_bytes = sum(lengths) if isinstance(lengths, list) else int(lengths.sum())  # lists: the short path
+        descriptors = len(lengths)
         try:
             notice = notify.encode("done", request_id, 0)  # the read-done the binding sends after the guard
         except ValueError:

@@ -48,6 +48,9 @@ _load_error: Optional[str] = None
 _WORKERS: dict[int, "Worker"] = {}
 #: The longest ``Worker.close`` waits for ``ucp_worker_destroy``.
 WORKER_DESTROY_TIMEOUT_S = 5.0
+#: Most ``ucp_worker_progress`` rounds one progress call runs (in C, ``kvx_progress_all``): enough to
+#: finish what a post started, and a peer flooding the worker cannot hold the caller (an engine step).
+PROGRESS_ROUNDS = 1024
 _ENDPOINTS: dict[int, "Endpoint"] = {}
 #: Active-message handlers, key -> (worker, ``handler(header, data, length, param)``): run by
 #: ``ucp_worker_progress``, so with the worker lock held.
@@ -286,8 +289,7 @@ class Worker:
         """Progress until the worker has nothing more to do right now."""
         with self.lock:
             if self.handle is not None:
-                while _lib.ucp_worker_progress(self.handle):
-                    pass
+                _lib.kvx_progress_all(self.handle, PROGRESS_ROUNDS)
 
     def signal(self, only_if_idle: bool = False) -> None:
         """Wake the progress thread (to stop it, or so it notices new work).
@@ -313,8 +315,7 @@ class Worker:
             with self.lock:
                 if self.handle is None:
                     return
-                while _lib.ucp_worker_progress(self.handle):
-                    pass
+                _lib.kvx_progress_all(self.handle, PROGRESS_ROUNDS)
                 for task in list(self.idle_tasks):
                     task()
                 status = _lib.ucp_worker_arm(self.handle)

@@ -189,6 +189,7 @@ int kvx_get_chain(ucp_ep_h ep, ucp_rkey_h rkey, uint64_t local_base, uint64_t re
                   int cuda, kvx_chain_t *chain, void **requests, size_t *posted);
 size_t kvx_chain_cancel(ucp_worker_h worker, kvx_chain_t *chain, void **requests, size_t n);
 int kvx_batch_done(kvx_counter_t *counter, kvx_chain_t *chain);
+unsigned kvx_progress_all(ucp_worker_h worker, unsigned max_rounds);
 size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n);
 size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
                       const uint64_t *rows, size_t n, size_t chunk);
@@ -466,6 +467,17 @@ static int kvx_batch_done(kvx_counter_t *counter, kvx_chain_t *chain)
         return 0;
     }
     return chain == NULL || __atomic_load_n(&chain->guard_pending, __ATOMIC_ACQUIRE) == 0;
+}
+
+/* ucp_worker_progress until it reports nothing more to do, at most max_rounds times (a peer flooding
+ * the worker cannot hold the caller), in one call from Python instead of one per round. */
+static unsigned kvx_progress_all(ucp_worker_h worker, unsigned max_rounds)
+{
+    unsigned rounds = 0;
+    while (rounds < max_rounds && ucp_worker_progress(worker) != 0) {
+        ++rounds;
+    }
+    return rounds;
 }
 
 /* Free a completed batch's requests; returns how many were freed. */
