@@ -371,11 +371,8 @@ def one_rank_group():
     """A real one-rank gloo group: SGLang's poll reductions run over it (and reduce nothing)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        with __import__("socket").socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    if not dist.is_initialized():  # one rank: an in-process store, no TCP port to race another test for
+        dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
     return dist.group.WORLD
 
 
