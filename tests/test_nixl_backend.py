@@ -263,6 +263,15 @@ def test_notification_format_roundtrip():
         assert notify.encode("failed", rid, 2, "why") == json.dumps(
             {"v": notify.WIRE_VERSION, "kind": "failed", "rid": rid, "buf": 2, "reason": "why"},
             separators=(",", ":"), ensure_ascii=not isinstance(rid, str) or "\ud800" in rid).encode()
+    class Rid(str):
+        pass
+
+    class Num(int):
+        pass
+
+    for rid in (np.str_("r1"), Rid("r2"), Num(7)):  # subclasses a caller may pass: msgspec refuses them, json writes them
+        note = notify.decode(notify.encode("done", rid, 1))
+        assert note is not None and note.request_id == rid and type(note.request_id) in (str, int)
     for junk in (b"", b"[]", b'{"v":1,"kind":"done","rid":true,"buf":1}', b'{"v":1,"kind":"oops","rid":1,"buf":1}',
                  b'{"v":1,"kind":"done","rid":1}', b"x" * 5000, b"\xff\xfe", b"[" * 4000):
         assert notify.decode(junk) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -455,3 +456,14 @@ def test_a_peers_rendezvous_active_messages_are_dropped_cleanly() -> None:
     assert out.returncode == 0 and "PROBE-OK" in out.stdout, text[-3000:]
     assert out.stdout.count("Success") == 5, text[-3000:]
     assert "was not returned to mpool" not in text, text[-3000:]
+
+
+def test_a_stale_binding_is_refused_at_load_with_the_rebuild_command() -> None:
+    """A binding built in place by an older kvxfer lacks this version's C helpers: refused when it is
+    loaded, naming the rebuild, not an AttributeError later in a progress thread."""
+    code = ("import kvxfer.backends.ucx.binding as b\n"
+            "b._REQUIRED_SYMBOLS = (*b._REQUIRED_SYMBOLS, 'kvx_not_in_this_build')\n"
+            "try:\n    b.load()\nexcept ImportError as exc:\n    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED the UCX binding is stale (it lacks kvx_not_in_this_build)" in out.stdout, out.stderr[-2000:]
+    assert "binding_build" in out.stdout

@@ -109,6 +109,25 @@ def test_ticket_signature_bytes_are_json_dumps_bytes():
     odd = ticket()
     odd["kvxfer"] = dict(odd["kvxfer"], extra={1: "int key"})
     assert _canonical(odd, odd["kvxfer"]) == legacy(odd)
+    for extra in (1e16, 1e-05, None, True, [1.5], "r\x7f"):  # msgspec would write some of these otherwise
+        odd["kvxfer"] = dict(ticket()["kvxfer"], extra=extra)
+        assert _canonical(odd, odd["kvxfer"]) == legacy(odd), extra
+    assert _canonical(ticket(remote_request_id="r\x7f"), ticket()["kvxfer"]) == legacy(ticket(remote_request_id="r\x7f"))
+
+
+def test_a_ticket_holding_what_no_producer_signs_is_refused_with_words():
+    """NaN (JSON parsers accept it) beside a non-ASCII value, or nesting past json's depth, in a forged
+    ticket's extra fields: a PeerMetadataError the receiver reports, never a ValueError it does not catch."""
+    params = ticket()
+    params["kvxfer"] = dict(params["kvxfer"], x=float("nan"), y="é")
+    with pytest.raises(PeerMetadataError, match="values no producer signs"):
+        parse_ticket(params).verify(KEY)
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    params["kvxfer"] = dict(ticket()["kvxfer"], x=deep)
+    with pytest.raises(PeerMetadataError, match="values no producer signs"):
+        parse_ticket(params).verify(KEY)
 
 
 def test_flat_block_ids_are_accepted():

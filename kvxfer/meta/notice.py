@@ -52,7 +52,7 @@ def encode(kind: Kind, request_id: Union[int, str], buffer_id: int, reason: str 
         body["reason"] = reason[:MAX_REASON_CHARS]
     try:
         data = msgspec.json.encode(body)  # compact JSON as json.dumps writes it, ~10x faster (the hot path)
-    except UnicodeEncodeError:  # a lone surrogate, which json escapes
+    except (TypeError, UnicodeEncodeError):  # a str or int subclass (numpy.str_), a lone surrogate: json's way
         data = json.dumps(body, separators=(",", ":")).encode()
     if len(data) > MAX_NOTIFY_BYTES:
         raise ValueError(f"request id is too long for a notification ({len(data)} bytes encoded)")

@@ -77,6 +77,10 @@ def live_objects() -> dict[str, int]:
         return {kind: n for kind, n in LIVE.items() if n}
 
 
+#: C helpers of this version of the binding (``binding_build``), checked at load
+_REQUIRED_SYMBOLS = ("kvx_get_chain", "kvx_batch_done", "kvx_progress_all")
+
+
 def load() -> tuple[Any, Any]:
     """Import the compiled binding (loading the wheel's libucp first); raise ImportError with the fix."""
     global _ffi, _lib, _load_error
@@ -100,6 +104,11 @@ def load() -> tuple[Any, Any]:
             "or build it in place with `python -m kvxfer.backends.ucx.binding_build`"
         )
         raise ImportError(_load_error) from None
+    missing = [name for name in _REQUIRED_SYMBOLS if not hasattr(_ucp_cffi.lib, name)]
+    if missing:  # a binding built by an older kvxfer, in place: it would fail later, in a thread
+        _load_error = (f"the UCX binding is stale (it lacks {', '.join(missing)}): rebuild it with "
+                       "`python -m kvxfer.backends.ucx.binding_build` or reinstall kvxfer (`pip install -e .`)")
+        raise ImportError(_load_error)
     _ffi, _lib = _ucp_cffi.ffi, _ucp_cffi.lib
     _install_callbacks(_ffi)
     return _ffi, _lib
@@ -315,10 +324,11 @@ class Worker:
             with self.lock:
                 if self.handle is None:
                     return
-                _lib.kvx_progress_all(self.handle, PROGRESS_ROUNDS)
+                saturated = _lib.kvx_progress_all(self.handle, PROGRESS_ROUNDS) >= PROGRESS_ROUNDS
                 for task in list(self.idle_tasks):
                     task()
-                status = _lib.ucp_worker_arm(self.handle)
+                # a full budget of rounds: more is queued, so progress again (the lock let go between) unarmed
+                status = _lib.UCS_ERR_BUSY if saturated else _lib.ucp_worker_arm(self.handle)
                 busy = self.inflight > 0
             for task in self.unlocked_tasks:
                 task()
