@@ -120,8 +120,8 @@ def test_chained_guard_is_read_after_the_data_and_carries_the_read_done(pair):
 
 
 def test_a_chained_pull_of_ids_given_as_arrays_takes_the_general_rows_and_copies_exactly(pair):
-    """The short path posts rows as Python ints; ids given as numpy arrays (or past its limits) take the
-    copier's general rows, numpy arrays the binding views in place: the same bytes either way."""
+    """The short path checks and plans lists of Python ints; ids given as numpy arrays (or past its
+    limits) take the copier's general planner: the same bytes either way."""
     src, table, dst = pair
     data, lease = dst.prepare_peer(src.export_meta()), dst.prepare_peer(table.export_meta())
     scratch = torch.full((1,), UNREAD, dtype=torch.int64)

@@ -53,6 +53,15 @@ class CopyPlan:
         return int(self.lengths.sum())
 
     @staticmethod
+    def from_rows(rows: "tuple[list[int], list[int], list[int]]", raw_descriptors: int) -> "CopyPlan":
+        """A plan of rows built in plain Python (``small_block_rows``), its byte total summed there too."""
+        src_off, dst_off, lengths = rows
+        plan = CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
+                        np.array(lengths, dtype=np.int64), raw_descriptors)
+        plan.__dict__["total_bytes"] = sum(lengths)  # seeds the cached property: cheaper in Python than numpy
+        return plan
+
+    @staticmethod
     def empty() -> "CopyPlan":
         none = np.zeros(0, dtype=np.int64)
         return CopyPlan(none, none, none, 0)
@@ -202,13 +211,7 @@ def _small_block_copies(src: BufferGeometry, dst: BufferGeometry, s: Sequence[in
     both pools was proven inside its region once (``kvxfer.plan.prepared``).
     """
     rows = small_block_rows(src, dst, s, d, max_rows, check_bounds)
-    if rows is None:
-        return None
-    src_off, dst_off, lengths = rows
-    plan = CopyPlan(np.array(src_off, dtype=np.int64), np.array(dst_off, dtype=np.int64),
-                    np.array(lengths, dtype=np.int64), raw_descriptors=len(s) * src.num_outer)
-    plan.__dict__["total_bytes"] = sum(lengths)  # seeds the cached property: summed here in Python, cheaper
-    return plan
+    return None if rows is None else CopyPlan.from_rows(rows, len(s) * src.num_outer)
 
 
 def _runs(s: Sequence[int], d: Sequence[int]) -> list[tuple[int, int, int]]:

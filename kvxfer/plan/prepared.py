@@ -20,14 +20,13 @@ with its own words.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from kvxfer.errors import PeerMetadataError
 from kvxfer.plan.descriptors import (
-    CopyPlan, IdList, _small_block_copies, check_int_ids, int_id_list, plan_checked_block_copies, small_block_rows,
-    validate_block_ids,
+    CopyPlan, IdList, check_int_ids, int_id_list, plan_checked_block_copies, small_block_rows, validate_block_ids,
 )
 from kvxfer.plan.geometry import BufferGeometry, PeerGeometry, check_peer_compatible
 from kvxfer.plan.pool import LocalPool
@@ -68,26 +67,30 @@ class BlockCopier:
             return None
         return BlockCopier(src, dst)
 
+    def _short_rows(self, src_ids: IdList, dst_ids: IdList) -> "tuple[list[int], list[int], list[int]] | None":
+        """The rows of a short list of Python ints (``FAST_IDS``, ``FAST_ROWS``), its ids checked as the
+        general planner checks them; None where the general path plans it."""
+        if not (int_id_list(src_ids, FAST_IDS) and int_id_list(dst_ids, FAST_IDS)):
+            return None
+        check_int_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)  # type: ignore[arg-type]
+        return small_block_rows(self.src, self.dst, src_ids, dst_ids,  # type: ignore[arg-type]
+                                max_rows=FAST_ROWS, check_bounds=False)
+
     def plan(self, src_ids: IdList, dst_ids: IdList) -> tuple[np.ndarray, np.ndarray, CopyPlan]:
         """The request's ids (as int64 arrays) and rows; raises ``BlockIdError`` as the general planner does."""
-        if int_id_list(src_ids, FAST_IDS) and int_id_list(dst_ids, FAST_IDS):
-            check_int_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)  # type: ignore[arg-type]
-            plan = _small_block_copies(self.src, self.dst, src_ids, dst_ids,  # type: ignore[arg-type]
-                                       max_rows=FAST_ROWS, check_bounds=False)
-            if plan is not None:
-                return np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64), plan
+        rows = self._short_rows(src_ids, dst_ids)
+        if rows is not None:
+            plan = CopyPlan.from_rows(rows, len(src_ids) * self.src.num_outer)
+            return np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64), plan
         s, d = validate_block_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)
         return s, d, plan_checked_block_copies(self.src, self.dst, s, d)
 
-    def rows(self, src_ids: IdList, dst_ids: IdList) -> "tuple[Sequence[int], Sequence[int], Sequence[int]]":
-        """Only the request's rows (source offsets, destination offsets, lengths), for a transport
-        that posts them itself: lists of Python ints for a short list of ids (no numpy on the engine's
-        hot path), else ``plan``'s arrays. The ids are checked exactly as ``plan`` checks them."""
-        if int_id_list(src_ids, FAST_IDS) and int_id_list(dst_ids, FAST_IDS):
-            check_int_ids(src_ids, dst_ids, self.src.num_blocks, self.dst.num_blocks)  # type: ignore[arg-type]
-            rows = small_block_rows(self.src, self.dst, src_ids, dst_ids,  # type: ignore[arg-type]
-                                    max_rows=FAST_ROWS, check_bounds=False)
-            if rows is not None:
-                return rows
-        copy = self.plan(src_ids, dst_ids)[2]
-        return copy.src_offsets, copy.dst_offsets, copy.lengths
+    def rows(self, src_ids: IdList, dst_ids: IdList) -> "tuple[list[int], list[int], list[int]]":
+        """Only the request's rows (source offsets, destination offsets, lengths) as lists of Python
+        ints, for a transport that posts them itself (no numpy on the engine's hot path for a short
+        request). The ids are checked exactly as ``plan`` checks them."""
+        rows = self._short_rows(src_ids, dst_ids)
+        if rows is None:
+            copy = self.plan(src_ids, dst_ids)[2]
+            rows = copy.src_offsets.tolist(), copy.dst_offsets.tolist(), copy.lengths.tolist()
+        return rows

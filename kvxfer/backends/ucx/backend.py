@@ -540,10 +540,9 @@ class UcxBackend(KVTransportBackend):
         if copier is None:
             return None
         src_offsets, dst_offsets, lengths = copier.rows(src_block_ids, dst_block_ids)  # lists: no numpy here
-        if not len(lengths):
+        if not lengths:
             return None
-        total_bytes = sum(lengths) if isinstance(lengths, list) else int(lengths.sum())  # lists: the short path
-        descriptors = len(lengths)
+        total_bytes, descriptors = sum(lengths), len(lengths)
         try:
             notice = notify.encode("done", request_id, 0)  # the read-done the binding sends after the guard
         except ValueError:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.plan.descriptors import int_id_list
 from kvxfer.integrations.vllm.specs import MAMBA, TransferGroup
 
 TICKET_FIELD = "kvxfer"
@@ -41,7 +42,6 @@ SIGNED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "r
                  "tp_size", "remote_num_tokens")
 MAX_BLOCKS = 1 << 20
 _MAX_ID = 1 << 40
-_INT_TYPE = {int}  # exactly int: a bool is not a block id
 _MAX_STR = 512
 
 
@@ -162,7 +162,7 @@ def block_ids_of(value: Any, max_count: int = MAX_BLOCKS) -> tuple[int, ...]:
     if len(value) > max_count:
         raise PeerMetadataError(f"kv_transfer_params 'remote_block_ids' lists {len(value)} blocks, more than the "
                                 f"{max_count} that 'remote_num_tokens' can fill")
-    if not value or ({*map(type, value)} <= _INT_TYPE and min(value) >= 0 and max(value) < _MAX_ID):
+    if not value or (int_id_list(value, MAX_BLOCKS) and min(value) >= 0 and max(value) < _MAX_ID):
         return tuple(value)  # every id an int in range, checked in C (the common case, on the engine's step)
     for b in value:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < _MAX_ID:
