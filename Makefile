@@ -13,14 +13,17 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvxfer-installed
 # `make test` needs both environments: vLLM's packages then install beside the main environment
 PREFETCH := $(if $(filter test,$(MAKECMDGOALS)),$(VLLM_VENV))
 
-$(STAMP): pyproject.toml setup.py tools/bootstrap.sh
+# the exact versions each environment installs (tools/bootstrap.sh, tools/freeze_constraints.sh)
+PINS := $(wildcard tools/constraints/*.txt)
+
+$(STAMP): pyproject.toml setup.py tools/bootstrap.sh $(PINS)
 	KVXFER_SKIP_VLLM=1 KVXFER_SKIP_SGLANG=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh
+$(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh $(PINS)
 	KVXFER_VLLM_ONLY=1 KVXFER_VLLM_VENV=$(VLLM_VENV) bash tools/bootstrap.sh $(VENV)
 
-$(SGLANG_STAMP): pyproject.toml setup.py tools/bootstrap.sh
+$(SGLANG_STAMP): pyproject.toml setup.py tools/bootstrap.sh $(PINS)
 	KVXFER_SGLANG_ONLY=1 KVXFER_SGLANG_VENV=$(SGLANG_VENV) bash tools/bootstrap.sh $(VENV)
 
 loopback: $(STAMP)  ## a real prefill -> decode KV handoff between two processes, on the default backend

@@ -242,6 +242,10 @@ def test_bad_block_ids_nothing_posted(peer, decode, src, dst):
 def test_garbage_notifications_counted_not_delivered(peer, decode):
     backends, _ = decode
     share = backends[0]._share
+    # notifications go only to an agent this decode knows: one read loads the peer (the test must not
+    # depend on an earlier test of this file having pulled from it, or it fails when selected alone)
+    backends[0].begin_pull_blocks(peer.metas[0], [1], [1], request_id="garbage-warmup").wait(timeout_s=10)
+    assert "garbage-warmup" in drain_until(peer, 0, 1)[0]
     before = peer.drain(0)[2]
     assert share.send("nixl-test-src", b"\xff garbage")
     assert share.send("nixl-test-src", notify.encode("done", "to-nobody", 999))  # names no registration

