@@ -4,13 +4,18 @@ Argument: a JSON object (role, backend, pool shape, bootstrap port). It builds w
 scheduler builds for a PD rank (``disaggregation/prefill.py`` / ``decode.py``): server args
 published the way SGLang's tests do (``override_server_args``), plugins loaded (so
 ``--disaggregation-transfer-backend kvxfer_*`` resolves through kvxfer's entry point), SGLang's
-real ``MHATokenToKVPool`` and ``MetadataBuffers`` (and, with ``mamba``, its ``HybridReqToTokenPool``,
-whose Mamba state becomes ``KVArgs``' state buffers), ``KVArgs`` filled from them as
-``_init_kv_manager`` does, and the classes ``get_kv_class`` returns. The prefill rank also runs
-SGLang's bootstrap server. Then it answers JSON commands on stdin, one reply line each on stdout:
-``serve`` (prefill: senders, chunked ``send``), ``receive`` (decode: receivers, ``send_metadata``),
-``sizes``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the config's ``NAME``
-fields (``mismatch``, ``tp2``). Page and aux-row contents travel back as SHA-256 digests.
+real ``MHATokenToKVPool``, ``MetadataBuffers`` and ``ReqToMetadataIdxAllocator`` (and, with ``mamba``,
+its ``HybridReqToTokenPool``, whose Mamba state becomes ``KVArgs``' state buffers), and then the
+manager made by SGLang's own queue: ``PrefillBootstrapQueue(...)`` or ``DecodePreallocQueue(...)``, whose
+``__init__`` calls ``_init_kv_manager``, so ``KVArgs`` holds exactly what SGLang puts there on that
+role (``build``). Every ``KVArgs`` field read that SGLang left unset is recorded (``UNSET_READS``).
+The prefill rank also runs SGLang's bootstrap server. Then it answers JSON commands on stdin, one
+reply line each on stdout: ``serve`` (prefill: senders made by the queue's ``create_sender``, chunked
+``send``), ``receive`` (decode: receivers made by the queue's ``_create_receiver_and_enqueue``,
+``send_metadata``), ``serve_queued`` / ``receive_queued`` (SGLang's queues move the requests),
+``sizes``, ``unset_reads``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the
+config's ``NAME`` fields (``mismatch``, ``tp2``), made the same way. Page and aux-row contents travel
+back as SHA-256 digests.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
+from typing import Optional
 
 import numpy as np
 import torch
@@ -36,6 +43,10 @@ sys.stdout = sys.stderr
 #: What SGLang's scheduler would own for the rank's life (``KVArgs`` carries raw pointers into it):
 #: each manager's ``MetadataBuffers``.
 OWNED: dict = {}
+#: Each manager's queue, as SGLang's ``__init__`` built it (``PrefillBootstrapQueue`` or ``DecodePreallocQueue``).
+QUEUES: dict = {}
+#: Every read of a ``KVArgs`` field that SGLang's code left unset on this rank: ``[field, reading module]``.
+UNSET_READS: list = []
 
 
 def reply(obj: dict) -> None:
@@ -43,9 +54,32 @@ def reply(obj: dict) -> None:
     OUT.flush()
 
 
+def record_unset_kvargs_reads() -> None:
+    """Make the ``KVArgs`` class SGLang instantiates (``get_kv_class(..., KVClassType.KVARGS)``) a subclass
+    whose ``__getattr__`` (reached only for a field nobody set: the class declares most fields without a
+    value) records the field and the reading module, then raises ``AttributeError`` as ``KVArgs`` would,
+    so ``getattr`` with a default still answers the default. Installed through SGLang's own
+    ``HookRegistry`` (an ``AROUND`` hook, applied by ``load_plugins`` with kvxfer's)."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    class RecordingKVArgs(KVArgs):
+        def __getattr__(self, name: str):
+            if not name.startswith("__"):  # copy/pickle probes are no field reads
+                UNSET_READS.append([name, sys._getframe(1).f_globals.get("__name__", "?")])
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def around(original, transfer_backend, class_type):
+        found = original(transfer_backend, class_type)
+        return RecordingKVArgs if found is KVArgs else found
+
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around, HookType.AROUND)
+
+
 def setup():
     from sglang.srt.plugins import load_plugins
 
+    record_unset_kvargs_reads()
     load_plugins()  # the real path: kvxfer's entry point in this environment's metadata
     # SGLang's scheduler imports its queues at start, as here: not inside a step a test times
     import sglang.srt.disaggregation.decode  # noqa: F401
@@ -130,55 +164,95 @@ def state_written_slots(kv_args) -> list[int]:
     return sorted(written)
 
 
-def build(backend, cfg: dict):
-    """One rank's pool, metadata buffers, ``KVArgs`` and manager, shaped by ``cfg``. A config with
-    ``attn_tp_size`` > 1 builds this rank as attention-TP rank 0 of that size: SGLang reads the widths
-    from ``get_parallel()``, so they are stated with its scoped ``override`` while the manager is made
-    (no process group is built: the stand-in for the other TP ranks, which a kvxfer manager never
-    contacts before bootstrap), and the pool holds this rank's share of the heads."""
-    import contextlib
+def rank_scheduler(cfg: dict, hybrid, tp: int):
+    """The stand-in for SGLang's ``Scheduler`` while its queue makes the manager. A ``SimpleNamespace``
+    holding only the attributes that ``PrefillBootstrapQueue.__init__`` / ``DecodePreallocQueue.__init__``,
+    their ``_init_kv_manager`` and ``DecodeTransferQueue.__init__`` read in SGLang 0.5.23 (staging off, no
+    HiSparse, no speculative decoding): any other read fails loudly instead of answering as a MagicMock
+    would. Its model config is the other stand-in: the model's layers, and its total KV heads (this
+    rank's heads x attention TP, which SGLang's prefill puts in ``KVArgs.total_kv_head_num``)."""
+    from types import SimpleNamespace
 
-    from sglang.srt.disaggregation.utils import (
-        DisaggregationMode, KVClassType, MetadataBuffers, get_kv_class, setup_state_kv_args)
+    from sglang.srt.runtime_context import get_server_args
+
+    model_config = SimpleNamespace(num_hidden_layers=cfg["layers"], get_total_num_kv_heads=lambda: cfg["heads"] * tp,
+                                   hf_text_config=SimpleNamespace())  # read only for hybrid-linear pools
+    runner = SimpleNamespace(kv_cache_dtype_str="bfloat16")
+    if CFG["role"] == "prefill":
+        runner.effective_logical_max_total_num_tokens = cfg["tokens"]
+        return SimpleNamespace(server_args=get_server_args(), model_config=model_config, rust_server=None,
+                               tp_worker=SimpleNamespace(model_runner=runner), kv_shard_widening=1,
+                               token_to_kv_pool_allocator=SimpleNamespace(page_size=cfg["page_size"]),
+                               req_to_token_pool=hybrid or request_pool(cfg))
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SimpleNamespace(server_args=get_server_args(), model_config=model_config, enable_hisparse=False,
+                           tp_worker=SimpleNamespace(model_runner=runner, is_hybrid_swa=False), random_seed=0,
+                           spec_algorithm=SpeculativeAlgorithm.NONE)
+
+
+def request_pool(cfg: dict):
+    """SGLang's request-to-token pool of the role (no Mamba): ``ReqToTokenPool`` on a prefill,
+    ``DecodeReqToTokenPool`` on a decode."""
+    if CFG["role"] == "prefill":
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        return ReqToTokenPool(size=cfg["aux_rows"], max_context_len=cfg["tokens"], device="cpu",
+                              enable_memory_saver=False)
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+
+    return DecodeReqToTokenPool(size=cfg["aux_rows"], max_context_len=cfg["tokens"], device="cpu",
+                                enable_memory_saver=False, pre_alloc_size=0)
+
+
+def build(backend, cfg: dict):
+    """One rank's pool, metadata buffers and manager, shaped by ``cfg``; the manager made by SGLang's own
+    queue (``PrefillBootstrapQueue.__init__`` / ``DecodePreallocQueue.__init__``, each calling its
+    ``_init_kv_manager``), around ``rank_scheduler``'s stand-in. A config with ``attn_tp_size`` > 1 builds
+    this rank as attention-TP rank 0 of that size: SGLang reads the widths from ``get_parallel()``, so they
+    are stated with its scoped ``override`` while the queue is made (no process group of that size is
+    built: the stand-in for the other TP ranks, which a kvxfer manager never contacts before bootstrap),
+    and the pool holds this rank's share of the heads."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.runtime_context import get_parallel, get_server_args
+    from sglang.srt.runtime_context import get_parallel
 
     pool = MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
                             head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
                             enable_memory_saver=False, enable_alt_stream=False)
     meta = MetadataBuffers(size=cfg["aux_rows"], hidden_size=cfg["hidden"], hidden_states_dtype=torch.bfloat16,
                            max_sampling_mask_tokens=0)
-    kv_args = get_kv_class(backend, KVClassType.KVARGS)()
-    kv_args.engine_rank = 0
-    kv_args.pp_rank = 0
-    kv_args.system_dp_rank = 0
-    kv_args.rust_http_port = None
-    kv_args.kv_cache_dtype_str = "bfloat16"
-    kv_args.kv_layout = None
-    kv_args.prefill_start_layer = 0
-    kv_args.prefill_end_layer = cfg["layers"]
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = pool.get_contiguous_buf_infos()
-    kv_args.num_draft_entries = 0
-    kv_args.kv_layer_ids = list(range(cfg["layers"])) * 2
-    tp = int(cfg.get("attn_tp_size", 1))
-    kv_args.kv_head_num = pool.head_num
-    kv_args.total_kv_head_num = pool.head_num * tp
-    kv_args.page_size = pool.page_size
-    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
-    kv_args.ib_device = None
-    kv_args.gpu_id = 0
+    slots = ReqToMetadataIdxAllocator(cfg["aux_rows"])
     hybrid = mamba_pool(cfg) if cfg.get("mamba") else None
-    # SGLang's own: no state for a plain MHA pool; a Mamba component from the hybrid request pool
-    setup_state_kv_args(kv_args, pool, req_to_token_pool=hybrid)
-    mode = DisaggregationMode.PREFILL if CFG["role"] == "prefill" else DisaggregationMode.DECODE
-    widths = (get_parallel().override(tp_size=tp, attn_tp_size=tp, moe_tp_size=tp) if tp > 1
-              else contextlib.nullcontext())
-    with widths:
-        manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, get_server_args(), False)
+    tp = int(cfg.get("attn_tp_size", 1))
+    scheduler = rank_scheduler(cfg, hybrid, tp)
+    widths = {"tp_size": tp, "attn_tp_size": tp, "moe_tp_size": tp} if tp > 1 else {}
+    shared = dict(req_to_metadata_buffer_idx_allocator=slots, metadata_buffers=meta, scheduler=scheduler, gpu_id=0,
+                  bootstrap_port=CFG["bootstrap_port"], max_total_num_tokens=cfg["tokens"], transfer_backend=backend)
+    if CFG["role"] == "prefill":
+        with get_parallel().override(**widths):
+            queue = PrefillBootstrapQueue(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                          scheduler_stage_metrics=None, **shared)
+    else:  # the queues keep the attention-TP group's gloo group: a real one-rank group here
+        with get_parallel().override(attn_tp_group=SimpleNamespace(cpu_group=one_rank_group()), **widths):
+            transfer = DecodeTransferQueue(slots, meta, scheduler, tree_cache=None)
+            allocator = PagedTokenToKVPoolAllocator(size=cfg["tokens"], page_size=cfg["page_size"],
+                                                    dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+            queue = DecodePreallocQueue(req_to_token_pool=hybrid or request_pool(cfg),
+                                        token_to_kv_pool_allocator=allocator, draft_token_to_kv_pool=None,
+                                        transfer_queue=transfer, tree_cache=None, num_reserved_decode_tokens=0,
+                                        **shared)
+    manager = queue.kv_manager
     OWNED[id(manager)] = meta  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
+    QUEUES[id(manager)] = queue
     if hybrid is not None:
         MAMBA[id(manager)] = hybrid
-    return pool, kv_args, manager
+    return pool, manager.kv_args, manager
 
 
 def fill(pool, kv_args, seed: int) -> None:
@@ -240,18 +314,19 @@ def reason_of(obj, status):
 
 
 def serve(cmd, backend, manager, pool, kv_args) -> dict:
+    """The prefill, driving its senders itself: each made by SGLang's ``PrefillBootstrapQueue.create_sender``
+    (as its ``add`` does; the request is not queued), ``init`` at once with the room's pages and aux row."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
 
-    sender_cls = get_kv_class(backend, KVClassType.SENDER)
-    addr = f"127.0.0.1:{CFG['bootstrap_port']}"
+    queue = QUEUES[id(manager)]
     started = time.monotonic()
     deadline = started + cmd.get("timeout", 60)
     senders = {}
     for r in cmd["rooms"]:
-        s = sender_cls(mgr=manager, bootstrap_addr=addr, bootstrap_room=r["room"])
-        s.init(len(r["pages"]), r.get("aux_index"))
-        senders[r["room"]] = s
+        req = stand_in_req(r, CFG["page_size"])
+        assert queue.create_sender(req, num_kv_heads=CFG["heads"]), f"room {r['room']} refused by create_sender"
+        req.disagg_kv_sender.init(len(r["pages"]), r.get("aux_index"))
+        senders[r["room"]] = req.disagg_kv_sender
     pending = {r["room"]: r for r in cmd["rooms"]}
     chunks_sent = 0
     offered = {}  # room -> when its first chunk was offered
@@ -321,10 +396,12 @@ def die_on_first_read(manager) -> None:
 
 
 def receive(cmd, backend, manager, pool, kv_args) -> dict:
-    from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
-
-    receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
+    """The decode, driving its receivers itself: each made by SGLang's
+    ``DecodePreallocQueue._create_receiver_and_enqueue`` (then taken off the queue) and ``init`` for prefill
+    DP rank 0 (as ``_init_receiver`` does), after SGLang's ``try_ensure_parallel_info``."""
+    queue = QUEUES[id(manager)]
     addr = cmd["bootstrap"]
+    host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + cmd.get("timeout", 60)
     try:
         while not manager.try_ensure_parallel_info(addr):  # SGLang's prealloc queue retries this
@@ -337,9 +414,10 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         die_on_first_read(manager)
     receivers = {}
     for r in cmd["rooms"]:
-        rcv = receiver_cls(mgr=manager, bootstrap_addr=addr, bootstrap_room=r["room"])
-        rcv.init(0)
-        receivers[r["room"]] = rcv
+        decode_req = queue._create_receiver_and_enqueue(stand_in_req(r, CFG["page_size"], host, int(port)))
+        assert queue.queue.pop() is decode_req  # this op polls the receiver itself
+        decode_req.kv_receiver.init(0)
+        receivers[r["room"]] = decode_req.kv_receiver
     for r in cmd["rooms"]:  # SGLang passes [] without state, else one entry per state type
         receivers[r["room"]].send_metadata(np.asarray(r["pages"], dtype=np.int32), r.get("aux_index"),
                                            state_indices_for(manager, kv_args, r) or [], decode_prefix_len=0)
@@ -357,15 +435,36 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
     return {"rooms": result, "digests": room_digests(cmd["rooms"], pool, kv_args),
             "elapsed_s": time.monotonic() - started, "state_written_slots": state_written_slots(kv_args)}
 
-# --- SGLang's own queues (``prefill.PrefillBootstrapQueue``, ``decode.DecodePreallocQueue`` and
-# ``DecodeTransferQueue``), built the way SGLang's CPU unit tests build them
-# (``test/registered/unit/disaggregation/test_decode_queue_cleanup.py`` and others: ``Queue.__new__``,
-# then the attributes ``__init__`` would take from the scheduler). The queue methods that move a
-# request (``add``, ``pop_bootstrapped``, ``pop_preallocated``, ``pop_transferred``) and everything
+# --- SGLang's own queues moving requests: the rank's ``PrefillBootstrapQueue`` or ``DecodePreallocQueue``
+# (and its ``DecodeTransferQueue``) as ``build`` made them with their ``__init__``. The queue methods that
+# move a request (``add``, ``pop_bootstrapped``, ``pop_preallocated``, ``pop_transferred``) and everything
 # they call into (kvxfer's manager, senders and receivers, SGLang's ``MetadataBuffers``,
-# ``ReqToMetadataIdxAllocator``, poll reductions over a real one-rank gloo group) are real.
-# Stand-ins, as in SGLang's tests: the scheduler, the requests, the decode's req-to-token table and
-# allocator view, and the decode's admission-budget helpers (the real ones size a model's pools).
+# ``ReqToMetadataIdxAllocator``, poll reductions over a real one-rank gloo group) are real. For the
+# length of one command (``stood_in``), as SGLang's CPU unit tests do
+# (``test/registered/unit/disaggregation/test_decode_queue_cleanup.py`` and others): the scheduler those
+# methods call back into (a MagicMock there: they touch much of it), the requests, the decode's
+# req-to-token table and allocator view, and the decode's admission-budget helpers (the real ones size
+# a model's pools).
+
+_ABSENT = object()
+
+
+@contextmanager
+def stood_in(obj, **attrs):
+    """``obj``'s attributes set to ``attrs`` for a block, then put back (one the instance did not hold
+    itself, a method say, is removed again)."""
+    saved = {name: vars(obj).get(name, _ABSENT) for name in attrs}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    try:
+        yield obj
+    finally:
+        for name, value in saved.items():
+            if value is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
 
 def one_rank_group():
     """A real one-rank gloo group: SGLang's poll reductions run over it (and reduce nothing)."""
@@ -376,13 +475,13 @@ def one_rank_group():
     return dist.group.WORLD
 
 
-def stand_in_req(r: dict, page_size: int):
+def stand_in_req(r: dict, page_size: int, host: str = "127.0.0.1", port: Optional[int] = None):
     """A request as SGLang's queue tests make one: only the fields the queues read."""
     from types import SimpleNamespace
     from unittest.mock import MagicMock
 
     return SimpleNamespace(
-        rid=f"req-{r['room']}", bootstrap_host="127.0.0.1", bootstrap_port=CFG["bootstrap_port"],
+        rid=f"req-{r['room']}", bootstrap_host=host, bootstrap_port=port or CFG["bootstrap_port"],
         bootstrap_room=r["room"], disagg_prefill_dp_rank=None, data_parallel_rank=None,
         origin_input_ids=list(range(len(r["pages"]) * page_size)), output_ids=[], finished_reason=None,
         to_finish=None, return_logprob=False, return_sampling_mask=False, is_retracted=False, metadata_buffer_index=-1,
@@ -414,52 +513,50 @@ def serve_queued(cmd, backend, manager, pool, kv_args) -> dict:
     pages go out in chunks through its sender (as ``send_kv_chunk`` does), and its sender is polled
     (as the inflight queue does) until ``Success``, then its metadata slot is freed."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, poll_and_all_reduce_attn_cp_tp_group
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce_attn_cp_tp_group
 
     group, meta, page_size = one_rank_group(), OWNED[id(manager)], CFG["page_size"]
-    queue = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
-    queue.queue, queue.pp_size, queue.max_input_len, queue.scheduler_stage_metrics = [], 1, 1 << 20, None
-    queue.kv_manager, queue.transfer_backend, queue.bootstrap_port = manager, backend, CFG["bootstrap_port"]
-    queue.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(CFG["aux_rows"])
-    queue.scheduler = stand_in_scheduler(group, page_size)
+    queue = QUEUES[id(manager)]
     plan = {r["room"]: r for r in cmd["rooms"]}
     reqs = [stand_in_req(r, page_size) for r in cmd["rooms"]]
-    for req in reqs:
-        queue.add(req, num_kv_heads=CFG["heads"])
     deadline = time.monotonic() + cmd.get("timeout", 60)
     inflight, done, slots, reasons = [], {}, {}, {}
-    while (queue.queue or inflight) and time.monotonic() < deadline:
-        for req in queue.pop_bootstrapped():
-            assert not req.pending_bootstrap, f"{req.rid} popped before its bootstrap (optimistic prefill)"
-            idx = req.metadata_buffer_index
-            slots[req.bootstrap_room] = idx
-            meta.output_ids[idx].zero_()  # the prefill's forward writes these; the room is what decode checks
-            meta.output_ids[idx, 0] = 1000 + req.bootstrap_room
-            meta.cached_tokens[idx].zero_()
-            meta.bootstrap_room[idx, 0] = req.bootstrap_room
-            pages = np.asarray(plan[req.bootstrap_room]["pages"], dtype=np.int64)
-            bounds = np.cumsum([0] + plan[req.bootstrap_room]["chunks"])
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                req.disagg_kv_sender.send(pages[a:b], None, num_kv_tokens=int(b - a) * page_size)
-            inflight.append(req)
-        if inflight:
-            polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], group, group)
-            for req, poll in zip(list(inflight), polls):
-                if poll in (KVPoll.Success, KVPoll.Failed):
-                    if poll == KVPoll.Success:
-                        req.disagg_kv_sender.get_transfer_metric()
-                    reasons[req.bootstrap_room] = reason_of(req.disagg_kv_sender, poll)
-                    req.disagg_kv_sender.clear()
-                    queue.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
-                    done[req.bootstrap_room] = int(poll)
-                    inflight.remove(req)
-        time.sleep(0.001)
+    with stood_in(queue, scheduler=stand_in_scheduler(group, page_size)):
+        for req in reqs:
+            queue.add(req, num_kv_heads=CFG["heads"])
+        while (queue.queue or inflight) and time.monotonic() < deadline:
+            for req in queue.pop_bootstrapped():
+                assert not req.pending_bootstrap, f"{req.rid} popped before its bootstrap (optimistic prefill)"
+                idx = req.metadata_buffer_index
+                slots[req.bootstrap_room] = idx
+                meta.output_ids[idx].zero_()  # the prefill's forward writes these; the room is what decode checks
+                meta.output_ids[idx, 0] = 1000 + req.bootstrap_room
+                meta.cached_tokens[idx].zero_()
+                meta.bootstrap_room[idx, 0] = req.bootstrap_room
+                pages = np.asarray(plan[req.bootstrap_room]["pages"], dtype=np.int64)
+                bounds = np.cumsum([0] + plan[req.bootstrap_room]["chunks"])
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    req.disagg_kv_sender.send(pages[a:b], None, num_kv_tokens=int(b - a) * page_size)
+                inflight.append(req)
+            if inflight:
+                polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], group, group)
+                for req, poll in zip(list(inflight), polls):
+                    if poll in (KVPoll.Success, KVPoll.Failed):
+                        if poll == KVPoll.Success:
+                            req.disagg_kv_sender.get_transfer_metric()
+                        reasons[req.bootstrap_room] = reason_of(req.disagg_kv_sender, poll)
+                        req.disagg_kv_sender.clear()
+                        queue.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
+                        done[req.bootstrap_room] = int(poll)
+                        inflight.remove(req)
+            time.sleep(0.001)
+    left = {"bootstrap": len(queue.queue), "inflight": len(inflight),
+            "metadata_slots": CFG["aux_rows"] - queue.req_to_metadata_buffer_idx_allocator.available_size()}
+    queue.queue.clear()  # a timed-out command leaves the next one an empty queue
     return {"rooms": {str(r): {"status": done.get(r), "reason": reasons.get(r)} for r in plan},
             "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
                                  "aux": aux_digests(kv_args, slots[r]) if r in slots else []} for r in plan},
-            "left": {"bootstrap": len(queue.queue), "inflight": len(inflight),
-                     "metadata_slots": CFG["aux_rows"] - queue.req_to_metadata_buffer_idx_allocator.available_size()}}
+            "left": left}
 
 
 def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
@@ -470,51 +567,27 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
     from types import SimpleNamespace
     from unittest.mock import MagicMock
 
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
-    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
-
     group, meta, page_size = one_rank_group(), OWNED[id(manager)], CFG["page_size"]
+    prealloc = QUEUES[id(manager)]
+    transfer = prealloc.transfer_queue
+    metadata_slots = prealloc.req_to_metadata_buffer_idx_allocator
     addr = cmd["bootstrap"]
     deadline = time.monotonic() + cmd.get("timeout", 60)
     plan = {r["room"]: r for r in cmd["rooms"]}
     scheduler = stand_in_scheduler(group, page_size)
-    metadata_slots = ReqToMetadataIdxAllocator(CFG["aux_rows"])
     width = max(len(r["pages"]) for r in cmd["rooms"]) * page_size
     req_to_token = torch.zeros((len(plan), width), dtype=torch.int64)  # stand-in ReqToTokenPool rows
-
-    transfer = DecodeTransferQueue.__new__(DecodeTransferQueue)
-    transfer.queue, transfer.gloo_group, transfer.tp_rank, transfer.scheduler_stage_metrics = [], group, 0, None
-    transfer.req_to_metadata_buffer_idx_allocator, transfer.metadata_buffers = metadata_slots, meta
-    transfer.scheduler, transfer.tree_cache, transfer.spec_algorithm = scheduler, MagicMock(), MagicMock()
-    transfer.spec_algorithm.is_none.return_value = True
-    transfer.enable_host_receive = transfer.enable_staging = transfer.enable_deferred_kv_release = False
-    transfer.staging_handler, transfer._skipped_checksum_signatures, transfer._deferred_releases = None, set(), []
-
-    prealloc = DecodePreallocQueue.__new__(DecodePreallocQueue)
-    prealloc.queue, prealloc.pending_reqs, prealloc.retracted_queue = [], [], []
-    prealloc.scheduler_stage_metrics = None
-    prealloc.pp_size, prealloc.tp_rank, prealloc.gloo_group, prealloc.num_reserved_decode_tokens = 1, 0, group, 0
-    prealloc.kv_manager, prealloc.transfer_backend, prealloc.transfer_queue = manager, backend, transfer
-    prealloc.scheduler, prealloc.tree_cache, prealloc.draft_token_to_kv_pool = scheduler, MagicMock(), None
-    prealloc.metadata_buffers, prealloc.req_to_metadata_buffer_idx_allocator = meta, metadata_slots
-    prealloc.token_to_kv_pool, prealloc.max_total_num_tokens = pool, CFG["tokens"]
-    prealloc._prefill_dp_rank_queries, prealloc._num_published_destinations = {}, 0
-    prealloc.req_to_token_pool = SimpleNamespace(available_size=lambda: len(plan), req_to_token=req_to_token)
+    req_rows = SimpleNamespace(available_size=lambda: len(plan), req_to_token=req_to_token)
     hybrid = MAMBA.get(id(manager))
     if hybrid is not None:  # what _mamba_payload reads (every row on slot 0: the prefill sends no state here)
-        prealloc.req_to_token_pool.translate_mamba_indices = hybrid.translate_mamba_indices
-        prealloc.req_to_token_pool.req_index_to_mamba_index_mapping = hybrid.req_index_to_mamba_index_mapping
-    prealloc.token_to_kv_pool_allocator = SimpleNamespace(  # a plain MHA allocator's answers
+        req_rows.translate_mamba_indices = hybrid.translate_mamba_indices
+        req_rows.req_index_to_mamba_index_mapping = hybrid.req_index_to_mamba_index_mapping
+    allocator = SimpleNamespace(  # a plain MHA allocator's answers
         page_size=page_size, translate_kv_indices_for_transfer=lambda x: x,
         prealloc_ceiling_fits=lambda *_: None, prealloc_fits=lambda *_args, **_kw: True)
-    # admission budgets and allocation stand in for the pools' (SGLang's tests stub the same helpers):
-    # the allocator "gives" each request the destination pages the plan names
-    prealloc._allocatable_token_budgets = lambda **_: 1 << 20
-    prealloc._hicache_pending_restore_tokens = lambda: 0
-    prealloc._uses_swa_reservation = prealloc._uses_swa_tail_prealloc = lambda: False
     rows = {}
 
-    def pre_alloc(req, *_args):
+    def pre_alloc(req, *_args):  # the allocator "gives" each request the destination pages the plan names
         row = rows.setdefault(req.bootstrap_room, len(rows))
         pages = plan[req.bootstrap_room]["pages"]
         tokens = torch.tensor([p * page_size + k for p in pages for k in range(page_size)], dtype=torch.int64)
@@ -522,8 +595,6 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
         req.kv.req_pool_idx, req.kv.holds_kv = row, True
         return tokens
 
-    prealloc._pre_alloc = pre_alloc
-    scheduler.disagg_decode_prealloc_queue = prealloc
     aux_seen = {}
     clear_slot = meta.clear_slot
 
@@ -531,8 +602,14 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
         aux_seen[int(idx)] = aux_digests(kv_args, int(idx))
         clear_slot(idx)
 
-    meta.clear_slot = digest_then_clear
-    try:
+    scheduler.disagg_decode_prealloc_queue = prealloc
+    # admission budgets and allocation stand in for the pools' (SGLang's tests stub the same helpers)
+    with stood_in(transfer, scheduler=scheduler, tree_cache=MagicMock()), \
+            stood_in(prealloc, scheduler=scheduler, tree_cache=MagicMock(), req_to_token_pool=req_rows,
+                     token_to_kv_pool_allocator=allocator, _pre_alloc=pre_alloc,
+                     _allocatable_token_budgets=lambda **_: 1 << 20, _hicache_pending_restore_tokens=lambda: 0,
+                     _uses_swa_reservation=lambda: False, _uses_swa_tail_prealloc=lambda: False), \
+            stood_in(meta, clear_slot=digest_then_clear):
         while not manager.try_ensure_parallel_info(addr):  # what _ensure_prefill_info retries
             if time.monotonic() > deadline:
                 return {"error": "no parallel info"}
@@ -549,16 +626,16 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
             for req in transfer.pop_transferred():
                 committed[req.bootstrap_room] = req
             time.sleep(0.001)
-    finally:
-        meta.clear_slot = clear_slot
+    left = {"prealloc": len(prealloc.queue), "pending": len(prealloc.pending_reqs), "transfer": len(transfer.queue),
+            "metadata_slots": CFG["aux_rows"] - metadata_slots.available_size()}
+    for queue in (prealloc.queue, prealloc.pending_reqs, transfer.queue):
+        queue.clear()  # a timed-out command leaves the next one empty queues
     return {"rooms": {str(r): {"status": 4 if r in committed else 0,
                                "output_ids": committed[r].output_ids if r in committed else None,
                                "reason": None if r in committed else str(reqs[r].finished_reason)} for r in plan},
             "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
                                  "aux": aux_seen.get(dst_slots.get(r), [])} for r in plan},
-            "failed": [d.req.rid for d in failed],
-            "left": {"prealloc": len(prealloc.queue), "pending": len(prealloc.pending_reqs),
-                     "transfer": len(transfer.queue), "metadata_slots": CFG["aux_rows"] - metadata_slots.available_size()}}
+            "failed": [d.req.rid for d in failed], "left": left}
 
 # --- token-exact generation: a tiny decoder made here from a seed (no download), its KV kept in
 # SGLang's MHATokenToKVPool through SGLang's own set_kv_buffer / get_key_buffer / get_value_buffer
@@ -692,6 +769,8 @@ def main() -> None:
                        "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
                        "attn_tp_size": manager.attn_tp_size, "junk": manager.kvxfer_junk,
                        "known_prefills": manager.kvxfer_puller.known_prefills if manager.kvxfer_puller else None})
+            elif cmd["op"] == "unset_reads":  # KVArgs fields read that SGLang left unset, and by whom
+                reply({"unset_reads": UNSET_READS})
             elif cmd["op"] == "exit":
                 reply({"bye": True})
                 break

@@ -1,10 +1,12 @@
 """kvxfer as SGLang's PD transfer backend, driven by SGLang's own code (sglang 0.5.23, ``.venv-sglang``).
 
 Each rank is a real process (``sglang_peer.py``): SGLang's plugin loading, its bootstrap server,
-its ``Common*`` managers, senders and receivers (through kvxfer's subclasses), its real
-``MHATokenToKVPool`` (page_size 4) and ``MetadataBuffers``. The prefill fills its pool with
-random bytes; the decode reads them into other pages; every page of every layer and every aux
-row is compared by digest. Nothing on the transfer path is faked; where SGLang's own queues drive
+its real ``MHATokenToKVPool`` (page_size 4) and ``MetadataBuffers``, and kvxfer's manager made by
+SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` (their ``__init__`` and
+``_init_kv_manager``, so ``KVArgs`` holds what SGLang puts there on each role), senders made by the
+queue's ``create_sender``, receivers by its ``_create_receiver_and_enqueue``. The prefill fills its
+pool with random bytes; the decode reads them into other pages; every page of every layer and every
+aux row is compared by digest. Nothing on the transfer path is faked; where SGLang's own queues drive
 it, the scheduler around them is stood in for as SGLang's own CPU unit tests do.
 """
 
@@ -108,24 +110,28 @@ def _exchange(prefill: Peer, decode: Peer, port: int, serve, receive, **extra) -
 
 @pytest.mark.parametrize("backend,mismatch", [("kvxfer_nixl", {"heads": 4}), ("kvxfer_ucx", {"page_size": 8})])
 def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mismatch, secret_env):
-    """One prefill rank and two decode ranks, all real SGLang ranks on one backend (the second decode
-    also holds a mismatched manager, so no fourth process pays SGLang's imports):
+    """One prefill rank and two decode ranks, all real SGLang ranks on one backend, every manager made by
+    SGLang's own queue code with SGLang's staging buffer off (the second decode also holds a mismatched
+    manager, so no fourth process pays SGLang's imports). kvxfer reads no ``KVArgs`` field that SGLang's
+    code left unset on that role (checked when the managers are made and after the hand-offs below):
 
     1. three rooms at once, each sent in two chunks: every page of every layer, the aux rows and each
        room's Mamba state slot (every layer's conv and temporal state, SGLang's ``state_indices`` with
        the last chunk, to another slot) arrive byte for byte, no other state slot is written, both sides
        ``KVPoll.Success``;
-    2. the same room ids again (reused), four rooms of three chunks, other pages: byte exact;
+    2. the same room ids again (reused), four rooms in flight of three chunks each, other pages: byte exact;
     2b. three rooms driven by SGLang's own queues (``PrefillBootstrapQueue``; ``DecodePreallocQueue``
        and ``DecodeTransferQueue``, which commit the first token from the aux row after SGLang's
-       bootstrap-room check), built as SGLang's CPU unit tests build them (``sglang_peer.py``):
+       bootstrap-room check), the rank's queues as their ``__init__`` made them, the scheduler their
+       methods call back into stood in for as SGLang's CPU unit tests do (``sglang_peer.py``):
        byte exact, every queue and metadata slot released;
     2c. token-exact generation: a tiny decoder made from a seed prefills a prompt into the prefill's
        SGLang pool (its first token into the aux row); kvxfer moves the pages and the row; the decode
        continues greedily from them (reading and writing its own pool) and produces exactly the
        tokens the prefill produced co-located, and other tokens without the prompt's KV;
     3. nothing left in any table on either side;
-    4. a decode whose pool differs is refused, naming what differs; a decode of another attention TP
+    4. a decode whose pool differs is refused, naming what differs (other heads: each layer's page
+       length, from SGLang's item lengths); a decode of another attention TP
        size (rank 0 of TP 2) is refused at bootstrap naming both sizes, with nothing read or kept;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
        no table keeps an entry;
@@ -152,6 +158,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
                  tp2={"heads": 1, "attn_tp_size": 2})  # attention-TP rank 0 of 2: half the prefill's heads
     try:
         prefill.ready(), decode.ready(), other.ready()
+        _assert_no_unset_reads(prefill, decode, other)  # kvxfer's layout is read when the manager is made
         serve, receive = rooms_plan(100, 3)
         for i, (s, r) in enumerate(zip(serve, receive)):  # each room's Mamba slot, sent with its last chunk
             s.update(req_row=i, mamba_slot=1 + i)
@@ -186,6 +193,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
                            aux_index=13, new_tokens=new_tokens)["tokens"]
         assert blind != colocated, "the generation does not depend on the prompt's KV: the check above proves nothing"
         _assert_empty(prefill, decode)
+        _assert_no_unset_reads(prefill, decode)
 
         serve, receive = rooms_plan(300, 1)  # refused: the prefill's room never bootstraps, so wait little
         prefill.send(op="serve", rooms=serve, timeout=3)
@@ -193,10 +201,11 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         prefill.read()
         if "page_size" in mismatch:  # SGLang's own check, at bootstrap, names both page sizes
             assert "page_size=4" in refused["refused"] and "page_size=8" in refused["refused"], refused
-        else:  # kvxfer's layout check names each field with both values
+        else:  # kvxfer's layout check names each field with both values: 4 heads make each layer's page twice as long
             reason = refused["rooms"]["300"]["reason"]
             assert refused["rooms"]["300"]["status"] == FAILED, refused
-            assert "kv_head_num: prefill=2 decode=4" in reason and "kv_item_lens" in reason, reason
+            lens = ", ".join(["256"] * 6), ", ".join(["512"] * 6)
+            assert f"kv_item_lens: prefill=[{lens[0]}] decode=[{lens[1]}]" in reason, reason
 
         # a decode of attention TP 2 (rank 0) bootstraps against the TP-1 prefill: refused before any receiver
         began = time.monotonic()
@@ -205,6 +214,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
         tp2 = other.ask(op="sizes", manager="tp2")
         assert tp2["attn_tp_size"] == 2 and tp2["prefill_info_table"] == 0, tp2  # not cached as usable
         assert not any(tp2["sizes"].values()) and not any(tp2["counters"].values()), tp2  # nothing read or kept
+        _assert_no_unset_reads(other)  # its mismatched and TP-2 managers, made by SGLang's decode queue too
         print(f"{backend}: TP 2 decode refused in {time.monotonic() - began:.2f}s (manager built on first use): "
               f"{refused['refused']}")
 
@@ -330,6 +340,15 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
     _check_bytes(serve, *_exchange(prefill, decode, port, serve, receive), prefill, decode)
     after = decode.ask(op="sizes")
     assert not any(after["sizes"].values()) and after["counters"]["stale_chunks"] == sizes_d["counters"]["stale_chunks"]
+
+
+def _assert_no_unset_reads(*peers: Peer) -> None:
+    """No kvxfer code read a ``KVArgs`` field that SGLang's code left unset on the peer's role (each peer
+    records every such read, with the reading module: ``sglang_peer.record_unset_kvargs_reads``)."""
+    for peer in peers:
+        reads = peer.ask(op="unset_reads")["unset_reads"]
+        assert not [r for r in reads if r[1].startswith("kvxfer")], \
+            f"{peer.role}: kvxfer read KVArgs fields SGLang left unset on this role: {reads}"
 
 
 def _assert_empty(prefill: Peer, decode: Peer) -> None:

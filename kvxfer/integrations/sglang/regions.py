@@ -95,21 +95,27 @@ def buffer_regions(kind: str, buffers: Sequence[RawBuffer], device: str) -> list
 
 
 def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int) -> dict[str, Any]:
-    """What the two sides must agree on (``describe_mismatch`` names what differs)."""
+    """What the two sides must agree on (``describe_mismatch`` names what differs).
+
+    Read from ``kv_args``: only fields SGLang 0.5.23's ``_init_kv_manager`` sets on both roles in every
+    mode (``PrefillBootstrapQueue``'s and ``DecodePreallocQueue``'s; the state fields through
+    ``setup_state_kv_args``, which both call). ``kv_head_num`` / ``total_kv_head_num`` are not among
+    them: SGLang's decode sets them only with ``SGLANG_DISAGG_STAGING_BUFFER`` on, its prefill only for
+    non-MLA pools. Heads need no field of their own: an item (one page of one layer) is ``page_size x
+    heads x head_dim x dtype size`` bytes, so pools of other heads or head sizes differ in
+    ``kv_item_lens``."""
     return {
         "model": model,
         "page_size": int(kv_args.page_size),
         "kv_cache_dtype": str(kv_args.kv_cache_dtype_str),
-        "kv_layout": getattr(kv_args, "kv_layout", None),
+        "kv_layout": kv_args.kv_layout,
         "attn_tp_size": int(tp_size),
         "pp_size": int(pp_size),
-        "kv_head_num": int(getattr(kv_args, "kv_head_num", 0) or 0),
-        "total_kv_head_num": int(getattr(kv_args, "total_kv_head_num", 0) or 0),
         "kv_buffers": len(kv_args.kv_data_ptrs),
         "kv_item_lens": [int(x) for x in kv_args.kv_item_lens],
         "aux_item_lens": [int(x) for x in kv_args.aux_item_lens],
-        "state_types": [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])],
-        "state_item_lens": [[int(x) for x in comp] for comp in (getattr(kv_args, "state_item_lens", None) or [])],
+        "state_types": [str(getattr(t, "value", t)) for t in kv_args.state_types],
+        "state_item_lens": [[int(x) for x in comp] for comp in kv_args.state_item_lens],
     }
 
 
