@@ -16,6 +16,12 @@ reply line each on stdout: ``serve`` (prefill: senders made by the queue's ``cre
 ``sizes``, ``unset_reads``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the
 config's ``NAME`` fields (``mismatch``, ``tp2``), made the same way. Page and aux-row contents travel
 back as SHA-256 digests.
+
+The backend may also be one of SGLang's own (``nixl``, ``mooncake``): the control run
+(``tests/test_sglang_control.py``). A further manager's config may name its own ``backend`` and
+``bootstrap_port`` (the prefill then runs that backend's bootstrap server on it too), so one pair of
+processes hands the same rooms over through SGLang's backend and kvxfer's. kvxfer's own checks
+(``sizes``, ``bound``, the lease table, ``die_on_read``) are asked of kvxfer's managers only.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Optional
 
 import numpy as np
@@ -40,6 +46,8 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 
+#: Scoped SGLang overrides held for the rank's life.
+PLACEMENT = ExitStack()
 #: What SGLang's scheduler would own for the rank's life (``KVArgs`` carries raw pointers into it):
 #: each manager's ``MetadataBuffers``.
 OWNED: dict = {}
@@ -76,10 +84,39 @@ def record_unset_kvargs_reads() -> None:
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around, HookType.AROUND)
 
 
+def host_kv_for_sglang_nixl() -> None:
+    """The one change the control makes to SGLang's own ``nixl`` backend: its KV regions are declared host
+    memory (``kv_data_mem_kinds = "DRAM"``), as they are here. SGLang 0.5.23 declares every device KV pool
+    ``VRAM`` (the decode's ``_init_kv_manager`` sets ``VRAM`` unless HiSparse keeps the pool on the host, when it
+    sets ``DRAM``; the prefill's manager defaults to ``VRAM``), and NIXL's UCX plugin refuses to register host
+    memory as ``VRAM`` ("VRAM memory is detected as host by UCX", ``NIXL_ERR_BACKEND``): on a CPU pool SGLang's
+    own ``nixl`` manager fails when it is made. So the ``NixlKVManager`` SGLang instantiates is, in the test
+    ranks, a subclass (through SGLang's ``HookRegistry``, an ``AROUND`` hook on ``get_kv_class``) that sets
+    that list to ``DRAM`` before SGLang's ``__init__`` runs; everything else is SGLang's. Its state buffers
+    stay ``VRAM`` (SGLang registers them so unconditionally): the control runs without Mamba state."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def around(original, transfer_backend, class_type):
+        found = original(transfer_backend, class_type)
+        if transfer_backend != TransferBackend.NIXL or class_type != KVClassType.MANAGER:
+            return found
+
+        class HostKVNixlKVManager(found):
+            def __init__(self, args, *rest, **kw):
+                args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+                super().__init__(args, *rest, **kw)
+
+        return HostKVNixlKVManager
+
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around, HookType.AROUND)
+
+
 def setup():
     from sglang.srt.plugins import load_plugins
 
     record_unset_kvargs_reads()
+    host_kv_for_sglang_nixl()
     load_plugins()  # the real path: kvxfer's entry point in this environment's metadata
     # SGLang's scheduler imports its queues at start, as here: not inside a step a test times
     import sglang.srt.disaggregation.decode  # noqa: F401
@@ -91,8 +128,11 @@ def setup():
         page_size=CFG["page_size"], disaggregation_mode=CFG["role"],
         disaggregation_transfer_backend=CFG["backend"],
         disaggregation_bootstrap_port=CFG["bootstrap_port"]).install()
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_device, get_parallel
 
+    # the device a launcher assigns each scheduler process (``SpawnRanks.gpu_id``: 0 for the first rank,
+    # on a CPU server too); SGLang's own backends send it to their peer (its nixl parses it as an int)
+    PLACEMENT.enter_context(get_device().override(gpu_id=0))
     # one rank of a TP-1 instance, as a scheduler process states its place before building groups
     get_parallel().override_permanently(**{name: 0 for name in (
         "attn_tp_rank", "attn_cp_rank", "attn_dcp_rank", "attn_dp_rank", "dcp_rank", "dp_rank", "pp_rank", "tp_rank",
@@ -100,10 +140,50 @@ def setup():
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(CFG["backend"])
-    server = None
-    if CFG["role"] == "prefill":
-        server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", CFG["bootstrap_port"])
+    server = bootstrap_server(backend, CFG)
     return (backend, server, *build(backend, CFG))
+
+
+@contextmanager
+def backend_flags(backend, cfg: dict):
+    """The flags a scheduler of this backend has while its manager is made: ``--disaggregation-transfer-backend``
+    and ``--disaggregation-bootstrap-port`` (a manager reads its bootstrap port from them, not from its
+    queue), stated with SGLang's scoped ``override`` for a further manager of another backend or port; and
+    what SGLang's scheduler start does for the backend first (``distributed/bootstrap.py``):
+    ``maybe_init_shared_mooncake_transfer_engine``, which makes the process's one Mooncake
+    ``TransferEngine`` when the backend is ``mooncake`` (``MooncakeKVManager`` takes it)."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        maybe_init_shared_mooncake_transfer_engine)
+    from sglang.srt.runtime_context import get_device, get_disagg
+
+    with get_disagg().override(disaggregation_transfer_backend=backend.value,
+                               disaggregation_bootstrap_port=cfg["bootstrap_port"]):
+        maybe_init_shared_mooncake_transfer_engine(gpu_id=get_device().gpu_id)
+        yield
+
+
+#: The prefill's bootstrap servers, one per port (SGLang's scheduler runs one, for its one backend).
+SERVERS: dict = {}
+
+
+def bootstrap_server(backend, cfg: dict):
+    """On a prefill rank, the backend's bootstrap server on ``cfg["bootstrap_port"]`` (once per port)."""
+    from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
+
+    port = cfg["bootstrap_port"]
+    if CFG["role"] == "prefill" and port not in SERVERS:
+        SERVERS[port] = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    return SERVERS.get(port)
+
+
+def is_kvxfer(manager) -> bool:
+    """Whether ``manager`` is kvxfer's (else one of SGLang's own backends': the control)."""
+    return type(manager).__module__.startswith("kvxfer.")
+
+
+def kvxfer_only(manager, what: str) -> None:
+    if not is_kvxfer(manager):
+        raise RuntimeError(f"{what} asks kvxfer's tables: this manager is SGLang's own {type(manager).__name__}")
 
 
 #: Each manager's Mamba request pool (``HybridReqToTokenPool``), when the rank's config has ``mamba``.
@@ -233,13 +313,14 @@ def build(backend, cfg: dict):
     scheduler = rank_scheduler(cfg, hybrid, tp)
     widths = {"tp_size": tp, "attn_tp_size": tp, "moe_tp_size": tp} if tp > 1 else {}
     shared = dict(req_to_metadata_buffer_idx_allocator=slots, metadata_buffers=meta, scheduler=scheduler, gpu_id=0,
-                  bootstrap_port=CFG["bootstrap_port"], max_total_num_tokens=cfg["tokens"], transfer_backend=backend)
+                  bootstrap_port=cfg["bootstrap_port"], max_total_num_tokens=cfg["tokens"], transfer_backend=backend)
     if CFG["role"] == "prefill":
-        with get_parallel().override(**widths):
+        with backend_flags(backend, cfg), get_parallel().override(**widths):
             queue = PrefillBootstrapQueue(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
                                           scheduler_stage_metrics=None, **shared)
     else:  # the queues keep the attention-TP group's gloo group: a real one-rank group here
-        with get_parallel().override(attn_tp_group=SimpleNamespace(cpu_group=one_rank_group()), **widths):
+        with backend_flags(backend, cfg), \
+                get_parallel().override(attn_tp_group=SimpleNamespace(cpu_group=one_rank_group()), **widths):
             transfer = DecodeTransferQueue(slots, meta, scheduler, tree_cache=None)
             allocator = PagedTokenToKVPoolAllocator(size=cfg["tokens"], page_size=cfg["page_size"],
                                                     dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
@@ -351,15 +432,16 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         time.sleep(0.001)
     # the lease slots held once every chunk is offered; each time SGLang sees a room end, at least as
     # many of them must already read -lease (revoked) as rooms have ended: revocation comes first
-    table = manager.kvxfer_pool.table
-    held = {slot: int(table[slot]) for slot in torch.nonzero(table > 0).flatten().tolist()}
+    # (kvxfer's leases: SGLang's own backends have none)
+    table = manager.kvxfer_pool.table if is_kvxfer(manager) else None
+    held = {} if table is None else {slot: int(table[slot]) for slot in torch.nonzero(table > 0).flatten().tolist()}
     ended_so_far = []
 
     def revoked_first(room):
         ended_so_far.append(room)
         return sum(int(table[slot]) == -lease for slot, lease in held.items()) >= len(ended_so_far)
 
-    ended = finals(senders, deadline, revoked_first)
+    ended = finals(senders, deadline, revoked_first if table is not None else None)
     result = {}
     for room, s in senders.items():
         status, at, revoked = ended[room]
@@ -371,7 +453,8 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         if cmd.get("timing"):
             result[str(room)].update(at_s=at - offered.get(room, started), lease_revoked=revoked)
     digests = room_digests(cmd["rooms"], pool, kv_args)
-    return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started, "leases_held": len(held)}
+    return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started,
+            "leases_held": len(held) if table is not None else None}
 
 
 def room_digests(rooms: list[dict], pool, kv_args) -> dict:
@@ -411,6 +494,7 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
     except RuntimeError as exc:
         return {"refused": str(exc)}
     if cmd.get("die_on_read"):
+        kvxfer_only(manager, "die_on_read")
         die_on_first_read(manager)
     receivers = {}
     for r in cmd["rooms"]:
@@ -614,7 +698,8 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
             if time.monotonic() > deadline:
                 return {"error": "no parallel info"}
             time.sleep(0.05)
-        reqs = {r: stand_in_req(plan[r], page_size) for r in plan}
+        host, _, port = addr.rpartition(":")
+        reqs = {r: stand_in_req(plan[r], page_size, host, int(port)) for r in plan}
         for req in reqs.values():
             prealloc.add(req)
         committed, failed, dst_slots = {}, [], {}
@@ -733,8 +818,8 @@ def main() -> None:
         backend, server, pool, kv_args, manager = setup()
         if CFG["role"] == "prefill":
             fill(pool, kv_args, CFG.get("seed", 1))
-        reply({"ready": True, "pid": os.getpid(), "layout": manager.kvxfer_layout,
-               "endpoint": f"tcp://{manager.local_ip}:{manager.rank_port}"})
+        reply({"ready": True, "pid": os.getpid(), "layout": getattr(manager, "kvxfer_layout", None),
+               "manager": type(manager).__name__, "endpoint": f"tcp://{manager.local_ip}:{manager.rank_port}"})
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
@@ -745,10 +830,19 @@ def main() -> None:
         cmd = json.loads(line)
         try:
             which = cmd.get("manager", "main")
-            if which not in ranks:
-                ranks[which] = build(backend, {**CFG, **CFG[which]})
+            if which not in ranks:  # a further manager; its config may name its own backend and bootstrap port
+                from sglang.srt.disaggregation.utils import TransferBackend
+
+                cfg = {**CFG, **CFG[which]}
+                other = TransferBackend(cfg["backend"])
+                bootstrap_server(other, cfg)
+                ranks[which] = build(other, cfg)
+                if CFG["role"] == "prefill":
+                    fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1))
             pool, kv_args, manager = ranks[which]
-            if cmd["op"] == "serve":
+            if cmd["op"] == "build":  # made above, if it was not yet
+                reply({"built": which, "manager": type(manager).__name__})
+            elif cmd["op"] == "serve":
                 reply(serve(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "receive":
                 reply(receive(cmd, backend, manager, pool, kv_args))
@@ -761,9 +855,11 @@ def main() -> None:
             elif cmd["op"] == "receive_queued":
                 reply(receive_queued(cmd, backend, manager, pool, kv_args))
             elif cmd["op"] == "bound":  # the prefill's bound on an offered chunk's read-done (2 x its timeout)
+                kvxfer_only(manager, "bound")
                 manager.kvxfer_rooms.timeout_s = float(cmd["seconds"])
                 reply({"bound": manager.kvxfer_rooms.timeout_s})
             elif cmd["op"] == "sizes":
+                kvxfer_only(manager, "sizes")
                 time.sleep(cmd.get("settle_s", 0.0))
                 reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,
                        "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),

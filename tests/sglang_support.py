@@ -118,18 +118,21 @@ class Peer:
                 self.proc.wait(timeout=10)
 
 
-def rooms_plan(first_room: int, count: int, *, pages_per_room: int = 7, chunks: tuple[int, ...] = (3, 4),
+def rooms_plan(first_room: int, count: int, *, pages_per_room: int = 7, chunks: Any = (3, 4),
                src_base: int = 1, dst_base: int = 40, scatter: bool = True) -> tuple[list[dict], list[dict]]:
     """Matching prefill (``serve``) and decode (``receive``) room lists: distinct pages per room,
     the destination pages in another order and place than the source's (page reuse across rooms is
-    what SGLang's allocator does; the test only needs them disjoint within one batch)."""
+    what SGLang's allocator does; the test only needs them disjoint within one batch). ``chunks``: the
+    pages of each chunk, one tuple for every room, or a list of tuples taken in turn room by room."""
+    per_room = [tuple(chunks)] if isinstance(chunks[0], int) else [tuple(c) for c in chunks]
     serve, receive = [], []
     for i in range(count):
         src = [src_base + i * pages_per_room + k for k in range(pages_per_room)]
         dst = [dst_base + i * pages_per_room + k for k in range(pages_per_room)]
         if scatter:
             dst = dst[::2] + dst[1::2]
-        serve.append({"room": first_room + i, "pages": src, "chunks": list(chunks), "aux_index": i % 8})
+        serve.append({"room": first_room + i, "pages": src, "chunks": list(per_room[i % len(per_room)]),
+                      "aux_index": i % 8})
         receive.append({"room": first_room + i, "pages": dst, "aux_index": 8 + i % 8})
     return serve, receive
 
