@@ -8,7 +8,10 @@ here, not registered from there). Third parties register through the
 ``kvxfer.backends`` entry-point group (``name = "pkg.module:Class"``) or call
 ``register_backend``. A backend whose dependency is missing stays listed, with
 the reason, and raises ``BackendUnavailableError`` (with the fix) when
-constructed. Nothing here reads the environment to choose a backend.
+constructed. A plugin can break only itself: whatever its import, its ``availability()`` or its
+``transport_probe()`` raises (or answers in the wrong shape), it is listed as unavailable with that
+as the reason, and ``available_backends()``, ``default_backend_name()``, ``transport_probes()`` and
+``kvxfer info`` go on. Nothing here reads the environment to choose a backend.
 
 Owns the transports (one package each) and the contract they implement (``base.py``). May import:
 ``kvxfer.meta``, ``kvxfer.plan``, ``kvxfer.security``, ``kvxfer.errors``; a backend package never
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from importlib import import_module, metadata
 from typing import Any, Mapping, TypeVar
 
-from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState
+from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState, checked_availability
 from kvxfer.errors import BackendUnavailableError
 
 logger = logging.getLogger("kvxfer.backends")
@@ -107,16 +110,33 @@ def _load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    try:
+        entries = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as exc:  # an installed distribution's metadata that cannot be read
+        logger.warning("kvxfer backend plugins: reading the %r entry points failed (%s: %s); none loaded",
+                       ENTRY_POINT_GROUP, type(exc).__name__, exc)
+        return
+    for entry in entries:
         try:
             cls = entry.load()
             if not (isinstance(cls, type) and issubclass(cls, KVTransportBackend)):
                 raise TypeError(f"{entry.value} is not a KVTransportBackend subclass")
+            if not isinstance(getattr(cls, "name", None), str) or not cls.name.strip():
+                raise TypeError(f"{entry.value} has no backend name (a non-empty str class attribute 'name')")
             key = normalize_name(cls.name)
             if key not in _REGISTRY and key not in BUILTIN_BACKENDS:  # a built-in name is never shadowed
                 register_backend(cls)
-        except Exception as exc:  # a broken plugin must not break kvxfer; it is reported instead
-            _BROKEN_PLUGINS[normalize_name(entry.name)] = f"plugin {entry.value!r} failed to load: {exc}"
+        # A broken plugin must not break kvxfer; it is reported instead. SystemExit too: a plugin
+        # that exits at import (a missing driver, say) must not end the process that listed it.
+        except (Exception, SystemExit) as exc:
+            key = _entry_key(entry)
+            _BROKEN_PLUGINS[key] = f"plugin {getattr(entry, 'value', '?')!r} failed to load: {type(exc).__name__}: {exc}"
+            logger.debug("backend plugin %s unavailable: %s", key, _BROKEN_PLUGINS[key])
+
+
+def _entry_key(entry: Any) -> str:
+    name = getattr(entry, "name", None)
+    return normalize_name(name) if isinstance(name, str) and name.strip() else f"<entry point {entry!r:.80}>"
 
 
 def construct_kv_transfer_backend_class(name: str) -> type[KVTransportBackend]:
@@ -147,12 +167,15 @@ class BackendInfo:
 
 
 def available_backends() -> list[BackendInfo]:
-    """Every known backend, whether it can run here, and why not."""
+    """Every known backend, whether it can run here, and why not. Never raises because of a plugin:
+    one whose ``availability()`` raises (or answers in another shape) is listed unavailable, with why."""
     _resolve_all()
     infos = []
     for key, cls in sorted(_REGISTRY.items()):
-        ok, why = cls.availability()
-        infos.append(BackendInfo(key, ok, why, cls.is_push))
+        ok, why = checked_availability(cls)
+        if not ok and key not in BUILTIN_BACKENDS and why.startswith("its availability()"):
+            why = f"plugin {_path_of(cls)!r}: {why}"
+        infos.append(BackendInfo(key, ok, why, getattr(cls, "is_push", False) is True))  # (a plugin's odd value: False)
     broken = {**_BROKEN_BUILTINS, **_BROKEN_PLUGINS}
     infos.extend(BackendInfo(key, False, why, False) for key, why in sorted(broken.items()))
     return infos
@@ -167,8 +190,10 @@ def transport_probes() -> dict[str, dict[str, Any]]:
             details = cls.transport_probe()
         except Exception as exc:  # a probe failing is information, not a crash
             details = {"error": f"{type(exc).__name__}: {exc}"}
+        if details and not isinstance(details, Mapping):
+            details = {"error": f"transport_probe() returned {details!r:.200}, not a dict"}
         if details:
-            out[key] = details
+            out[key] = {str(name): value for name, value in details.items()}
     return out
 
 

@@ -31,7 +31,8 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -68,7 +69,8 @@ from kvxfer.meta.seal import (
 logger = logging.getLogger("kvxfer.backends")
 
 __all__ = ["CompletedHandle", "GroupHandle", "KVTransportBackend", "PullRequest", "ReadFailure", "RequestId",
-           "TransferHandle", "TransferStartError", "TransferState", "abort_parts", "failure_for_caller"]
+           "TransferHandle", "TransferStartError", "TransferState", "abort_parts", "checked_availability",
+           "failure_for_caller"]
 
 DEFAULT_TIMEOUT_S = 30.0
 _MAX_COPIERS = 64  # prepared peers whose copier is kept (a vLLM decode: a few per prefill it reads from)
@@ -95,6 +97,21 @@ def transfer_timeout_from_env() -> float:
 
 #: Read-done / read-failed reports a source keeps undrained before it drops (and counts) new ones.
 MAX_PENDING_NOTICES = 65536
+
+
+def checked_availability(cls: type) -> tuple[bool, str]:
+    """``cls.availability()`` as ``(bool, str)``, whatever a third party's backend does: an exception
+    it raises, or an answer of another shape, makes it unavailable with that as the reason. The
+    registry lists every backend through this, and a backend's constructor asks it, so a plugin can
+    make only itself unavailable, never the listing (``kvxfer info``) or another backend."""
+    try:
+        answer = cls.availability()
+    except Exception as exc:  # a plugin's own bug: reported as its reason, never raised to the caller
+        return False, f"its availability() raised {type(exc).__name__}: {exc}"
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool):
+        ok, why = answer
+        return ok, str(why) if why else ""
+    return False, f"its availability() returned {answer!r:.200}, not (available: bool, reason: str)"
 
 
 class KVTransportBackend(ABC):
@@ -139,7 +156,7 @@ class KVTransportBackend(ABC):
         signature shows them), then kvxfer's own keyword-only options, which Megatron never passes
         (so each defaults from the environment)."""
         spec = PoolSpec(*pool_args, **pool_kwargs)
-        ok, why = self.availability()
+        ok, why = checked_availability(type(self))
         if not ok:
             raise BackendUnavailableError(f"backend {self.name!r} cannot run here: {why}")
         if not isinstance(agent_name, str) or not agent_name:
@@ -172,6 +189,12 @@ class KVTransportBackend(ABC):
         #: This registration as planning sees it (``kvxfer.plan.request``).
         self.local_pool = LocalPool(self.geometry, dtype_name(self.dtype), self.ssm_layout, self.ssm_state_kind)
         self._closed = False
+        # The gate between close() and the calls that touch the transport (``_in_use``): threads
+        # inside it, by thread id; close() waits for them before it deregisters.
+        self._gate = threading.Condition(threading.Lock())
+        self._users: dict[int, int] = {}
+        self._closer: Optional[int] = None  # the thread running close()
+        self._close_done = threading.Event()
         self._verified = _VerifiedMetas()
         #: SSM pools registered beside this one, by state kind: a KV pull checks the request's SSM
         #: metas against them before it posts (``_check_request_ssm``).
@@ -188,12 +211,12 @@ class KVTransportBackend(ABC):
     # --- the public contract ----------------------------------------------------------------
     def export_meta(self) -> dict[str, Any]:
         """The geometry wire schema plus this transport's own fields (JSON-serialisable)."""
-        self._check_open()
         meta = export_geometry_meta(self.geometry, self.ssm_layout, dtype=self.dtype, ssm_state_kind=self.ssm_state_kind)
         meta["backend"] = self.name
         meta["agent_name"] = self.agent_name
         meta[HOST_FIELD] = host_identity()
-        meta.update(self._transport_meta())
+        with self._in_use():
+            meta.update(self._transport_meta())
         return seal_meta(meta, self._meta_key)
 
     def begin_pull_blocks(
@@ -252,7 +275,8 @@ class KVTransportBackend(ABC):
         total = plan.total_bytes
         self._stats.started(total, plan.num_descriptors)
         try:
-            handle = self._post_pulls(pulls, label)
+            with self._in_use():  # a close() from here on waits until the posts are in its books
+                handle = self._post_pulls(pulls, label)
         except BaseException:
             self._stats.failed(timed_out=False)  # counted as started above: never left "in flight"
             raise
@@ -347,8 +371,9 @@ class KVTransportBackend(ABC):
         return self.staging_bytes // 4
 
     def _staging_arena(self) -> StagingArena:
-        """The staging region (made and registered with the transport on first use)."""
+        """The staging region (made and registered with the transport on first use; never after close)."""
         if self._arena is None:
+            self._check_open()
             tensor = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.memory_buffer.device)
             self._register_staging(tensor)
             self._arena = StagingArena(tensor)
@@ -356,10 +381,19 @@ class KVTransportBackend(ABC):
 
     def _start_pull(self, pull: "PullRequest") -> TransferHandle:
         if pull.staged:
-            port = StagingPort(arena=self._staging_arena, post_read=self._post_read, notify_source=self._notify_source,
+            # The handle keeps the arena it starts with: one that fails after close() still releases
+            # or quarantines its ranges there, and no staging is registered again by a closed backend.
+            arena = self._staging_arena()
+            port = StagingPort(arena=lambda: arena, post_read=self._post_read_open, notify_source=self._notify_source,
                                pool=self.memory_buffer, timeout_s=self.timeout_s)
             return StagedHandle(port, pull)
         return self._post_read(pull)
+
+    def _post_read_open(self, pull: "PullRequest") -> TransferHandle:
+        """``_post_read`` for reads posted later by a handle (a staged pull's chunks): refused with
+        ``BackendClosedError`` once close() began, never posted to a transport being torn down."""
+        with self._in_use():
+            return self._post_read(pull)
 
     def _post_pulls(self, pulls: Sequence[Optional["PullRequest"]], request_id: RequestId) -> TransferHandle:
         """Post every planned part; one part's handle, or a ``GroupHandle`` over all records.
@@ -396,16 +430,16 @@ class KVTransportBackend(ABC):
 
     def drain_read_done(self) -> list[RequestId]:
         """Request ids whose reads of our blocks completed since the last call."""
-        self._check_open()
-        self._collect_notifications()
+        with self._in_use():
+            self._collect_notifications()
         done = _drain(self._read_done)
         self._stats.notified(done=len(done), failed=0)
         return done
 
     def drain_read_failed(self) -> list[ReadFailure]:
         """Failure reports from readers since the last call: no read of that request is still in flight."""
-        self._check_open()
-        self._collect_notifications()
+        with self._in_use():
+            self._collect_notifications()
         failed = _drain(self._read_failed)
         self._stats.notified(done=0, failed=len(failed))
         return failed
@@ -434,18 +468,57 @@ class KVTransportBackend(ABC):
         kwargs.setdefault("timeout_s", self.timeout_s)
         kwargs.setdefault("meta_key", self._meta_key)
         kwargs.setdefault("allow_unauthenticated_metas", self._allow_unauthenticated)
-        sibling = type(self)(**kwargs, _parent=self)
+        with self._in_use():  # registered on our transport agent, which close() must not release meanwhile
+            sibling = type(self)(**kwargs, _parent=self)
         if sibling.ssm_state_kind is not None:
             self._ssm_siblings[sibling.ssm_state_kind] = sibling
         return sibling
 
     def close(self) -> None:
-        """Deregister the buffer and release the transport. Idempotent."""
-        if self._closed:
+        """Deregister the buffer and release the transport. Idempotent, and safe against every other
+        call on other threads: calls that touch the transport (posting a pull, draining notices,
+        exporting the meta) and began before are waited for, so their handles are failed and their
+        reads ended with the rest; those that begin after raise ``BackendClosedError``. A second
+        close() returns once the first is done."""
+        me = threading.get_ident()
+        with self._gate:
+            if self._closed:
+                first = self._closer
+            else:
+                first = None
+                self._closed = True
+                self._closer = me
+                while any(thread != me for thread in self._users):
+                    self._gate.wait()
+        if first is not None:
+            if first != me:  # another thread is closing: return once it is closed
+                self._close_done.wait()
             return
-        self._closed = True
-        self._deregister()  # the transport releases its staging registration there too
-        self._arena = None
+        try:
+            self._deregister()  # the transport releases its staging registration there too
+            self._arena = None
+        finally:
+            self._close_done.set()
+
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Hold the registration open across a call that touches the transport: ``BackendClosedError``
+        if close() has begun, else close() waits until this block is left. Re-entrant per thread."""
+        me = threading.get_ident()
+        with self._gate:
+            if self._closed:
+                raise BackendClosedError(f"{self.name} backend {self.agent_name!r} is closed")
+            self._users[me] = self._users.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                left = self._users[me] - 1
+                if left:
+                    self._users[me] = left
+                else:
+                    del self._users[me]
+                    self._gate.notify_all()
 
     @property
     def closed(self) -> bool:

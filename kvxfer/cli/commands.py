@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import kvxfer
@@ -54,16 +55,21 @@ def run_info(args: argparse.Namespace) -> int:
     table.add_column("available")
     table.add_column("why not / fix")
     default = default_backend_name()
-    for info in available_backends():
+    for info in available_backends():  # reasons are text (a plugin's exception, say), never markup
         name = f"{info.name} (default)" if info.name == default else info.name
-        table.add_row(name, "yes" if info.available else "no", info.reason)
+        table.add_row(escape(name), "yes" if info.available else "no", escape(info.reason))
     console.print(table)
     console.print(staging_line(), highlight=False)
     console.print(meta_auth_line(), highlight=False)
     cuda, cuda_line = cuda_summary()
     console.print(f"python {platform.python_version()}  torch {torch.__version__}  {cuda_line}")
+    risks = []
     for name, details in transport_probes().items():
-        console.print(f"[bold]{name}[/bold]: " + "  ".join(f"{k}={_probe_value(k, v, cuda)}" for k, v in details.items()))
+        console.print(f"[bold]{escape(name)}[/bold]: "
+                      + "  ".join(escape(f"{k}={_probe_value(k, v, cuda)}") for k, v in details.items()))
+        risks += [f"{name}: {value}" for value in details.values() if isinstance(value, str) and value.startswith("RISK")]
+    for line in risks:  # e.g. nixl reading over TCP (docs/nixl.md): said again where it cannot be missed
+        console.print("[bold yellow]" + escape(line) + "[/bold yellow]", highlight=False)
     from kvxfer.backends.vram_lanes import vram_lane_lines  # the backends import torch: not for a usage error
     for line in vram_lane_lines(cuda_device=cuda):
         console.print(("[bold red]" + line + "[/bold red]") if "DEFECT" in line else line, highlight=False)

@@ -389,11 +389,12 @@ class NcclBackend(KVTransportBackend):
         sends = self._plan_sends(records, src_ids)
         total = sum(plan.total_bytes for _, plan in sends)
         descriptors = sum(plan.num_descriptors for _, plan in sends)
-        self._stats.started(total, descriptors)
-        if not sends:
-            handle: TransferHandle = CompletedHandle(label)
-        else:
-            handle = self._post_sends(sends, src_ids, label, notify=request_id is not None)
+        with self._in_use():  # a close() racing this push waits for its post, or refuses it
+            self._stats.started(total, descriptors)
+            if not sends:
+                handle: TransferHandle = CompletedHandle(label)
+            else:
+                handle = self._post_sends(sends, src_ids, label, notify=request_id is not None)
         handle._count_in(self._stats, total, descriptors)
         if isinstance(handle, CompletedHandle) and request_id is not None:
             self._deliver_read_done(request_id)

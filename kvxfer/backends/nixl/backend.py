@@ -71,7 +71,9 @@ import torch
 from kvxfer.meta import notice as notify
 from kvxfer.meta.version import WIRE_VERSION
 from kvxfer.backends.nixl.agent import AgentShare
-from kvxfer.backends.nixl.environment import INSTALL_HINT, SAME_HOST_ENV, nixl_api, nixl_transport_probe
+from kvxfer.backends.nixl.environment import (
+    INSTALL_HINT, SAME_HOST_ENV, nixl_api, nixl_transport_probe, other_hosts_refused,
+)
 from kvxfer.backends.nixl.handle import NixlHandle
 from kvxfer.backends.nixl.peer import PID_FIELD, START_FIELD, NixlPeer, parse_nixl_peer
 from kvxfer.backends.nixl.slices import plan_is_slice_aligned, plan_rows, slice_indices, slice_rows
@@ -100,6 +102,8 @@ CLOSE_SETTLE_S = 1.0
 #: Closed registrations kept (memory registered, tensor referenced) until their last active READ ends.
 _PARKED: "set[NixlBackend]" = set()
 _PARKED_LOCK = threading.Lock()
+#: The reads-over-TCP warnings this process has logged (each once, at the first setup it applies to).
+_TCP_WARNED: set[str] = set()
 
 
 def parked_registrations() -> int:
@@ -148,6 +152,13 @@ class NixlBackend(KVTransportBackend):
         ok, why = self.transport_info.usable_for(self.mem_type)
         if not ok:
             raise BackendUnavailableError(f"[nixl] cannot move {self.mem_type} memory with this UCX setup: {why}")
+        risk, text = self.transport_info.tcp_reads(
+            self.mem_type, same_host_only=other_hosts_refused(self._meta_key, self._allow_unauthenticated))
+        #: The setup warning when NIXL's UCX would serve this pool's reads over TCP (docs/nixl.md), else None.
+        self.tcp_read_risk: Optional[str] = text if risk else None
+        if risk and text not in _TCP_WARNED:
+            _TCP_WARNED.add(text)
+            logger.warning("nixl %r: %s", self.agent_name, text)
         self._in_flight: set[NixlHandle] = set()
         self._unsettled: set[NixlHandle] = set()  # failed while their READ was active: not yet released
         self._local_dlist: Any = None
@@ -248,8 +259,8 @@ class NixlBackend(KVTransportBackend):
         cannot stop them, and could no longer report them after the removal).
         A later pull from it loads it again.
         """
-        self._check_open()
-        self._share.forget(agent_name)
+        with self._in_use():
+            self._share.forget(agent_name)
 
     def peer_count(self) -> int:
         """Remote agents loaded in this process's agent (bounded: see ``MAX_PEERS``)."""

@@ -30,7 +30,29 @@ def nixl_transport_probe() -> dict[str, Any]:
         "ucx_error_handling": "none (same-host mode, KVXFER_NIXL_SAME_HOST=1)" if same_host_or_none() else "peer",
         "DRAM": info.usable_for("DRAM")[1] or "ok",
         "VRAM": _vram_status(info),
+        "tcp_reads": _tcp_reads_status(info),
     }
+
+
+def other_hosts_refused(meta_key: Any, allow_unauthenticated: bool) -> bool:
+    """Whether a nixl backend here reads only from sources of its own host: same-host mode, or no
+    cluster key (metas sealed on another host are then refused, unless opted in)."""
+    return same_host_or_none() or (meta_key is None and not allow_unauthenticated)
+
+
+def _tcp_reads_status(info: NixlTransportInfo) -> str:
+    """``RISK: <the setup warning>`` where a nixl backend of host memory here would read over TCP, else
+    ``no: <why>``; from the environment the backend would be built in (cluster key included)."""
+    from kvxfer.meta.seal import meta_key_from_env, unauthenticated_metas_allowed_by_env  # noqa: PLC0415
+
+    if not info.nixl_package:
+        return "nixl not installed"
+    try:
+        key = meta_key_from_env()
+    except Exception:  # a broken secret file is kvxfer info's metas line to report: judge as keyed
+        key = b"?"
+    risk, text = info.tcp_reads("DRAM", same_host_only=other_hosts_refused(key, unauthenticated_metas_allowed_by_env()))
+    return f"RISK: {text}" if risk else text
 
 
 def _vram_status(info: NixlTransportInfo) -> str:

@@ -24,6 +24,15 @@ from kvxfer.backends.ucx_tls import CUDA_TRANSPORTS, HOST_TRANSPORTS, UcxTls, pa
 
 # Built into libuct itself; everything else is a loadable module (libuct_<name>.so).
 _BUILTIN_TRANSPORTS = ("self", "tcp", "posix", "sysv")
+#: Transports whose GET is a hardware RDMA READ (no CPU of the source), and the module shipping them.
+RDMA_GET_TRANSPORTS = frozenset({"rc_verbs", "rc_mlx5", "dc_mlx5"})
+_RDMA_MODULE = "ib"
+#: Transports that read another process's memory on this host with no CPU of it, per memory type, and
+#: their modules. Measured here (``UCX_PROTO_INFO=y``, nixl 1.5.1's UCX 1.22, NIXL's default peer failure
+#: mode): a nixl READ between two processes of one host is "zero-copy cma/memory" with ``UCX_TLS`` unset,
+#: "software emulation tcp/lo" with ``UCX_TLS=tcp``.
+SAME_HOST_GET_TRANSPORTS = {"DRAM": {"cma": "cma", "knem": "knem", "xpmem": "xpmem"},
+                            "VRAM": {"cuda_ipc": "cuda"}}
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,44 @@ class NixlTransportInfo:
     def transports(self) -> tuple[str, ...]:
         """Transports this UCX can load: the built-in ones plus the shipped modules."""
         return _BUILTIN_TRANSPORTS + self.ucx_modules
+
+    def tcp_reads(self, mem_type: str = "DRAM", *, same_host_only: bool = False) -> tuple[bool, str]:
+        """Whether UCX under NIXL would serve reads of ``mem_type`` over TCP here, and which: ``(True,
+        the warning)`` or ``(False, why not)``.
+
+        Over TCP UCX emulates the GET: the *source's* UCX answers it (``ucp_get_req_handler``), and
+        when its reader is gone by then (SIGKILLed while the source was stalled) that answer fails
+        and UCX aborts the source (``ucs_fatal``; measured, docs/nixl.md). Reads avoid TCP with an
+        RDMA transport and device (hardware GET), or between processes of one host where UCX may
+        read the memory directly (cma for host memory, cuda_ipc for GPU memory). ``same_host_only``:
+        metas of other hosts are refused here (``KVXFER_NIXL_SAME_HOST=1``, or no cluster key and no
+        ``KVXFER_ALLOW_UNAUTHENTICATED_METAS``), so only the same-host path matters.
+        """
+        if not self.permits("tcp"):
+            return False, "no: UCX_TLS allows no tcp"
+        rdma = [t for t in sorted(RDMA_GET_TRANSPORTS) if self.permits(t)]
+        if rdma and self.rdma_devices and _RDMA_MODULE in self.ucx_modules:
+            return False, f"no: RDMA (hardware GET: {', '.join(rdma)}) on {', '.join(self.rdma_devices)}"
+        direct = [t for t, module in sorted(SAME_HOST_GET_TRANSPORTS.get(mem_type, {}).items())
+                  if self.permits(t) and module in self.transports]
+        if direct and same_host_only:
+            return False, (f"no: reads on this host by {', '.join(direct)}; metas of other hosts are refused "
+                           "(no cluster key, or KVXFER_NIXL_SAME_HOST=1)")
+        no_rdma = ("no RDMA device here" if not self.rdma_devices else
+                   f"UCX_TLS={self.ucx_tls!r} allows no RDMA transport" if not rdma else
+                   "the nixl wheel ships no UCX ib module")
+        if direct:
+            which, why = "reads from other hosts", f"{no_rdma}; reads on this host use {', '.join(direct)}"
+            also = "; or, if every reader runs on its source's host, set KVXFER_NIXL_SAME_HOST=1"
+        else:
+            shipped = [t for t, module in sorted(SAME_HOST_GET_TRANSPORTS.get(mem_type, {}).items())
+                       if module in self.transports] or sorted(SAME_HOST_GET_TRANSPORTS.get(mem_type, {}))
+            which, why = "every read", f"{no_rdma}; UCX_TLS={self.ucx_tls!r} allows no {' or '.join(shipped)}"
+            also = ""
+        return True, (f"UCX under NIXL serves {which} over TCP ({why}): a reader SIGKILLed while its source is "
+                      "stalled makes the source abort inside NIXL's UCX (ucp_get_req_handler -> ucs_fatal; "
+                      "docs/nixl.md). The ucx backend fails such reads instead: use backend 'ucx' for reads "
+                      "over TCP" + also)
 
     def summary(self) -> str:
         """One line for ``kvxfer info``."""

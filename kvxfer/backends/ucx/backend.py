@@ -49,7 +49,7 @@ from kvxfer.backends.same_host import SourceWatch, own_identity, shared_memory_p
 from kvxfer.backends.base import (
     ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferStartError, TransferState,
 )
-from kvxfer.errors import PeerMetadataError, TransferError
+from kvxfer.errors import BackendClosedError, PeerMetadataError, TransferError
 from kvxfer.meta.records import PreparedPeer
 from kvxfer.plan.descriptors import IdList, validate_block_ids
 from kvxfer.plan.geometry import PeerGeometry
@@ -270,6 +270,8 @@ class UcxHandle(TransferHandle):
     def _progress(self) -> bool:
         batch = self._batch
         if not batch.done:
+            if self._backend.closed:  # failed here, by the thread that polls: close() need not wait for its lock
+                raise TransferError(f"request {self.request_id!r}: the ucx backend was closed")
             self._backend._worker.progress()
         if not batch.done:
             for peer in self._peers:
@@ -401,6 +403,9 @@ class UcxBackend(KVTransportBackend):
         self._notices: deque[bytes] = deque()
         self._staging_region: Optional[_ucp.MemoryRegion] = None
         self._worker_closed = False  # after close(): no get of ours can write any more
+        #: set by close() under the worker lock before it drops the peers: from then on no endpoint is
+        #: made (``_peer_for`` refuses), so none outlives the peer table into the worker's destruction
+        self._shut = False
         self._offered: set[str] = set()  # seal digests of our exported metas (see confirm.py)
         self.sources_confirmed = 0  # unauthenticated metas of this host their sources confirmed
         self._confirm_wait = threading.local()  # confirm_peer's timeout, seen by _check_peer_source in its thread
@@ -438,11 +443,12 @@ class UcxBackend(KVTransportBackend):
         }
 
     def export_meta(self) -> dict[str, Any]:
-        meta = super().export_meta()
-        digest = meta[SEAL_FIELD]["sha256"]
-        if digest not in self._offered:  # so that a reader of this host can ask whether we exported it
-            self._offered.add(digest)
-            confirm_server().offer(digest)
+        with self._in_use():  # close() withdraws every offer: none may be made behind it
+            meta = super().export_meta()
+            digest = meta[SEAL_FIELD]["sha256"]
+            if digest not in self._offered:  # so that a reader of this host can ask whether we exported it
+                self._offered.add(digest)
+                confirm_server().offer(digest)
         return meta
 
     def _check_peer_source(self, sealed: dict[str, Any], digest: str) -> None:
@@ -547,7 +553,7 @@ class UcxBackend(KVTransportBackend):
             notice = notify.encode("done", request_id, 0)  # the read-done the binding sends after the guard
         except ValueError:
             notice = b""  # too long for a notice: left to the handle, which says so as any read does
-        with self._worker.lock:
+        with self._in_use(), self._worker.lock:  # close() waits for this post, then fails its handle
             try:
                 guard_peer = self._peer_for(guard_source.address, guard.source.meta)
                 peer = self._peer_for(data_source.address, peer_meta.meta)
@@ -584,7 +590,10 @@ class UcxBackend(KVTransportBackend):
 
     def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:
         """The cached endpoint to ``address`` (a failed one replaced); a new one to a source of
-        this host is watched by pidfd and skips UCX's peer failure mode (see ``__init__``)."""
+        this host is watched by pidfd and skips UCX's peer failure mode (see ``__init__``).
+        Worker lock held. ``BackendClosedError`` once close() has dropped the peers."""
+        if self._shut:
+            raise BackendClosedError(f"ucx backend {self.agent_name!r} is closed")
         peer = self._peers.get(address)
         if peer is not None and peer.failed:
             self._drop_peer(peer)
@@ -705,6 +714,9 @@ class UcxBackend(KVTransportBackend):
 
     def _post_notice(self, address: bytes, notice: _Notice, peer: Optional[_Peer] = None) -> None:
         """Worker lock held. On ``peer``'s endpoint if still usable, else on the cached (or a new) one."""
+        if self._shut:  # closed: nothing can leave any more (a staged pull failing after close, say)
+            logger.debug("ucx %r: closed; %s not sent", self.agent_name, notice.what)
+            return
         notice.attempts += 1
         try:
             if peer is None or peer.failed:
@@ -867,6 +879,7 @@ class UcxBackend(KVTransportBackend):
                                self.agent_name, self._outbox_size)
                 self._outbox.clear()
                 self._outbox_size = 0
+            self._shut = True  # no endpoint from here on: the table below is the last one
             for peer in list(self._peers.values()):
                 self._drop_peer(peer)
             for peer in self._retired:
@@ -900,8 +913,7 @@ class UcxBackend(KVTransportBackend):
         Transfers still in flight on it fail (their gets are cancelled); the next
         pull from that source connects again.
         """
-        self._check_open()
-        with self._worker.lock:
+        with self._in_use(), self._worker.lock:
             if peer_meta is None:
                 peers = list(self._peers.values())
             else:
