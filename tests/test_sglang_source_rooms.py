@@ -8,18 +8,34 @@ table with metadata for rooms that never get one.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import torch
 
+from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
 
+EMPTY = {"rooms": 0, "leases_in_use": 0, "early": 0, "early_peers": 0, "tells": 0}
 
-def _rooms(max_early: int = 3, early_s: float = 60.0):
+
+def _rooms(max_early: int = 3, early_s: float = 60.0, accept=lambda endpoint, frames: True):
     sent, concluded = [], []
+
+    def send(endpoint, frames):
+        if not accept(endpoint, frames):
+            return False
+        sent.append((endpoint, frames))
+        return True
+
     rooms = SourceRooms(LeaseTable(torch.zeros(8, dtype=torch.int64)), prefill_key="127.0.0.1:1", timeout_s=10.0,
-                        send=lambda endpoint, frames: sent.append((endpoint, frames)),
-                        conclude=lambda *item: concluded.append(item), max_early=max_early, early_s=early_s)
+                        send=send, conclude=lambda *item: concluded.append(item), max_early=max_early, early_s=early_s)
     return rooms, sent, concluded
+
+
+def _bodies(sent, tag=wire.CHUNK):
+    return [wire.decode(frames)[1] for _, frames in sent if frames[0] == tag]
 
 
 def test_metadata_before_the_sender_is_kept_and_the_sender_learns_it_came():
@@ -37,10 +53,107 @@ def test_metadata_for_rooms_without_a_sender_is_bounded_in_number_and_age():
     rooms, _, concluded = _rooms(max_early=3, early_s=60.0)
     for room in range(10):
         rooms.metadata(100 + room, {"room": 100 + room, "endpoint": "127.0.0.1:9"})
-    assert rooms.sizes() == {"rooms": 3, "leases_in_use": 0, "early": 3}  # the first 3 kept, the rest dropped
-    assert rooms.open(100) is True and rooms.open(109) is False  # a dropped one's sender waits as SGLang would
-    rooms.close(109)
-    rooms.expire(now=10**9)  # past SGLang's bootstrap timeout: the two never opened are dropped
-    assert rooms.sizes() == {"rooms": 1, "leases_in_use": 0, "early": 0}
+    # one peer holds them all: each new one evicts that peer's oldest (counted), so the newest 3 are kept
+    assert rooms.sizes() == {**EMPTY, "rooms": 3, "early": 3, "early_peers": 1}
+    assert rooms.counters["early_evicted"] == 7
+    assert rooms.open(109) is True and rooms.open(100) is False  # an evicted one's sender waits as SGLang would
     rooms.close(100)
-    assert rooms.sizes() == {"rooms": 0, "leases_in_use": 0, "early": 0} and not concluded
+    rooms.expire(now=10**9)  # past SGLang's bootstrap timeout: the two never opened are dropped
+    assert rooms.sizes() == {**EMPTY, "rooms": 1}
+    rooms.close(109)
+    assert rooms.sizes() == EMPTY and not concluded
+
+
+def test_one_peer_cannot_crowd_out_anothers_early_metadata():
+    rooms, _, _ = _rooms(max_early=4)
+    for room in range(4):
+        rooms.metadata(room, {"room": room, "endpoint": "127.0.0.1:9"})  # a stranger fills the table
+    rooms.metadata(50, {"room": 50, "endpoint": "127.0.0.1:2"})  # a genuine decode's room: the stranger's oldest goes
+    for room in range(4, 20):
+        rooms.metadata(room, {"room": room, "endpoint": "127.0.0.1:9"})  # the stranger's own oldest go
+    assert rooms.open(50) is True and rooms.counters["early_evicted"] == 17
+    assert rooms.sizes()["early"] == 3 and rooms.sizes()["early_peers"] == 1
+
+
+def test_chunks_are_numbered_and_sent_in_order_when_the_metadata_comes_while_the_scheduler_sends():
+    """Chunks sent before the decode's metadata are replayed under the lock when it comes; a chunk the
+    scheduler sends meanwhile must not take a lower number than those, nor go out before them."""
+    for _ in range(200):
+        rooms, sent, _ = _rooms()
+        rooms.open(5)
+        rooms.add_chunk(5, np.array([1]), 0, 1, False, None, None)
+        rooms.add_chunk(5, np.array([2]), 1, 2, False, None, None)
+        go = threading.Barrier(2)
+
+        def scheduler():
+            go.wait()
+            rooms.add_chunk(5, np.array([3]), 2, 3, True, None, None)
+
+        thread = threading.Thread(target=scheduler)
+        thread.start()
+        go.wait()
+        rooms.metadata(5, {"room": 5, "endpoint": "127.0.0.1:2"})
+        thread.join()
+        bodies = _bodies(sent)
+        assert [b["chunk"] for b in bodies] == [0, 1, 2], bodies  # sent in number order
+        assert [b["src"] for b in bodies] == [[1], [2], [3]] and bodies[-1]["last"], bodies  # numbered as sent
+
+
+def test_a_chunk_zmq_will_not_take_fails_the_room_at_once_and_the_decode_is_told_when_it_can_be():
+    refuse = {"chunk": True, "revoked": True}
+    rooms, sent, concluded = _rooms(accept=lambda endpoint, frames: not refuse[
+        "chunk" if frames[0] == wire.CHUNK else "revoked"])
+    rooms.open(5)
+    rooms.metadata(5, {"room": 5, "endpoint": "127.0.0.1:2"})
+    rooms.add_chunk(5, np.array([1, 2]), 0, 2, False, None, None)
+    refuse["chunk"] = False
+    rooms.add_chunk(5, np.array([3]), 2, 3, True, None, None)  # the room already failed: not sent
+    assert rooms.counters["chunks_unsent"] == 1 and not _bodies(sent)
+    assert rooms.sizes()["leases_in_use"] == 0  # revoked at once
+    rooms.flush()
+    assert len(concluded) == 1 and concluded[0][:2] == (5, False) and "chunk 0" in concluded[0][2], concluded
+    assert rooms.sizes()["tells"] == 1  # zmq refused the REVOKED too: kept, tried again
+    refuse["revoked"] = False
+    time.sleep(0.05)  # past the retry interval
+    rooms.flush()
+    told = _bodies(sent, wire.REVOKED)
+    assert len(told) == 1 and told[0]["room"] == 5 and told[0]["prefill"] == "127.0.0.1:1" and told[0]["lease"]
+    assert "chunk 0" in told[0]["reason"] and rooms.sizes()["tells"] == 0
+    rooms.close(5)
+    assert rooms.sizes() == EMPTY
+
+
+def test_a_failed_report_is_taken_only_from_the_rooms_decode_with_the_rooms_lease():
+    rooms, sent, concluded = _rooms()
+    rooms.open(5)
+    rooms.metadata(5, {"room": 5, "endpoint": "127.0.0.1:2"})
+    rooms.decode_failed(5, 123, "127.0.0.1:2", "a lease the room does not have yet")
+    rooms.add_chunk(5, np.array([1]), 0, 1, True, None, None)
+    lease = _bodies(sent)[0]["lease"]
+    rooms.decode_failed(5, lease, "127.0.0.1:3", "another decode (a chunk replayed to it)")
+    rooms.decode_failed(5, None, "127.0.0.1:2", "no lease, but the room has one")
+    rooms.decode_failed(5, lease + 1, "127.0.0.1:2", "another lease")
+    rooms.flush()
+    assert not concluded and rooms.counters["foreign_reports"] == 4
+    rooms.decode_failed(5, lease, "127.0.0.1:2", "the room's own decode")
+    rooms.flush()
+    assert concluded == [(5, False, "decode: the room's own decode")]
+    rooms.close(5)
+    rooms.open(6)
+    rooms.metadata(6, {"room": 6, "endpoint": "127.0.0.1:2"})
+    rooms.decode_failed(6, None, "127.0.0.1:2", "before any chunk")  # no lease yet: a lease-less report holds
+    rooms.flush()
+    assert concluded[-1] == (6, False, "decode: before any chunk")
+
+
+def test_leases_are_random_and_a_reused_slot_never_shows_its_last_lease():
+    table = LeaseTable(torch.zeros(4, dtype=torch.int64))
+    seen, slots = set(), []
+    for _ in range(400):
+        slot, lease = table.take()
+        assert 0 < lease < 1 << 63 and lease not in seen and int(table.table[slot]) == lease
+        seen.add(lease)
+        slots.append(slot)
+        table.revoke(slot, lease)
+        assert int(table.table[slot]) == -lease
+    assert min(seen) > 1 << 40 and len(set(slots)) == 4  # not 1, 2, 3, ...; every slot used, not only slot 0

@@ -31,6 +31,7 @@ Two flavours behind the one ``Guard`` interface:
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Optional, Protocol, Sequence
 
@@ -147,29 +148,51 @@ def lease_holds(seen: int, lease: int, *, pinned_at_offer: bool = False) -> bool
     """True when a lease slot read as ``seen`` proves ``lease`` had not been released.
 
     ``seen == lease``: pinned. With ``pinned_at_offer`` (SGLang: the slot is written before the
-    request is offered) nothing else holds. Without (vLLM: the ticket may reach the reader before
+    request is offered) nothing else holds, and the rule needs no order among leases (SGLang's are
+    random: ``LeaseSlots(random_leases=True)``). Without (vLLM: the ticket may reach the reader before
     the producer's worker pins), ``|seen| < lease`` also holds: an older lease (or 0), so ours is
-    not pinned yet and the engine still holds the blocks. ``seen == -lease`` (released) or
-    ``|seen| > lease`` (the slot went to a later export) never hold: the blocks may be reused.
+    not pinned yet and the engine still holds the blocks; that needs leases that grow (``LeaseSlots``
+    ordered). ``seen == -lease`` (released) or ``|seen| > lease`` (the slot went to a later export)
+    never hold: the blocks may be reused.
     """
     return seen == lease or (not pinned_at_offer and abs(seen) < lease)
 
 
 class LeaseSlots:
-    """A producer's lease slots: which are free, and the next (larger) token. Tokens grow with every
-    take, so a slot's later lease is always larger, and a reader of an old lease sees it moved."""
+    """A producer's lease slots: which are free, and each new export's lease (a positive int63;
+    ``-lease`` in the table marks it revoked). Two kinds of lease, chosen by the reader's rule:
 
-    def __init__(self, num_slots: int, first_token: int = 1) -> None:
+    * ordered (the default; vLLM, whose reader takes ``|seen| < lease`` as "an older lease, ours not
+      pinned yet": ``lease_holds`` without ``pinned_at_offer``): tokens grow with every take, so a
+      slot's later lease is always larger, and a reader of an old lease sees it moved;
+    * ``random_leases`` (SGLang, whose slot is pinned before the offer and whose reader takes only the
+      exact lease): each lease is a fresh random 63-bit value from ``secrets`` and the slot a random free
+      one, so a peer that was never told a lease cannot name one (unsigned frames carry it); a slot's
+      next lease always differs from its last, so a reader of the old one sees it moved.
+    """
+
+    def __init__(self, num_slots: int, first_token: int = 1, *, random_leases: bool = False) -> None:
         self._free = list(range(num_slots - 1, -1, -1))
         self._next = first_token
         self.num_slots = num_slots
+        self.random_leases = random_leases
+        self._last = [0] * num_slots if random_leases else None  # each slot's last lease (random mode)
 
     def take(self) -> Optional[tuple[int, int]]:
         """``(slot, lease)`` for a new export, or None when every slot is held."""
         if not self._free:
             return None
-        slot, lease = self._free.pop(), self._next
-        self._next += 1
+        if self._last is None:
+            slot, lease = self._free.pop(), self._next
+            self._next += 1
+            return slot, lease
+        pick = secrets.randbelow(len(self._free))  # a random free slot: swap it to the end, then pop
+        self._free[pick], self._free[-1] = self._free[-1], self._free[pick]
+        slot = self._free.pop()
+        lease = _random_lease()
+        while lease == self._last[slot]:
+            lease = _random_lease()
+        self._last[slot] = lease
         return slot, lease
 
     def give_back(self, slot: int) -> None:
@@ -178,6 +201,14 @@ class LeaseSlots:
     @property
     def in_use(self) -> int:
         return self.num_slots - len(self._free)
+
+
+def _random_lease() -> int:
+    """A lease no peer can guess: uniform in [1, 2**63), never one whose revocation reads as ``UNREAD``."""
+    while True:
+        lease = secrets.randbits(63)
+        if lease and -lease != UNREAD:
+            return lease
 
 
 def pin_lease(table: torch.Tensor, slot: int, lease: int) -> None:

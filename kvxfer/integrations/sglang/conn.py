@@ -3,8 +3,8 @@
 
 They subclass SGLang's ``Common*`` machinery, as SGLang's own NIXL backend does: SGLang's
 decode reads more than ``BaseKV*`` declares (``prefill_info_table``, ``try_ensure_parallel_info``,
-``bootstrap_infos``), and the bootstrap server, rank mapping, room table, heartbeats and
-status messages are SGLang's own. What changes is the data path: the prefill offers pages,
+``bootstrap_infos``), and the bootstrap server, rank mapping, room table and heartbeats
+are SGLang's own. What changes is the data path: the prefill offers pages,
 the decode reads them with kvxfer (``puller``), the prefill frees them on kvxfer's read-done
 (``source``). Only this module imports SGLang.
 """
@@ -72,7 +72,7 @@ class KvxferKVManager(CommonKVManager):
     pulls (decode) rooms. ``kvxfer_backend`` names the kvxfer transport."""
 
     kvxfer_backend: ClassVar[str] = "nixl"
-    kv_status_msg_tag = b"KVXFER_STATUS"
+    kv_status_msg_tag = b"KVXFER_STATUS"  # kvxfer sends none (KVXFER_REVOKED instead); a decode drops any
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
 
@@ -99,6 +99,8 @@ class KvxferKVManager(CommonKVManager):
         self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema (or its signature)
         self.kvxfer_frames = wire.FrameKey(meta_key_from_env())  # signs frames with the cluster key, if set
         self._kvxfer_junk_logged_at = float("-inf")
+        self.kvxfer_unsent = 0  # messages zmq would not take (the peer's queue full, no connection)
+        self._kvxfer_unsent_logged_at: dict[bytes, float] = {}
         self.kvxfer_rooms: Optional[SourceRooms] = None
         self.kvxfer_puller: Optional[Puller] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -110,7 +112,7 @@ class KvxferKVManager(CommonKVManager):
             self._kvxfer_threads(self._prefill_listen, self._prefill_service)
         else:
             self.kvxfer_puller = Puller(self.kvxfer_pool, self.kvxfer_layout, succeed=self._kvxfer_succeed,
-                                        fail=self._kvxfer_fail, send=self._kvxfer_push)
+                                        fail=self._kvxfer_fail, send=self._kvxfer_push, endpoint=self.kvxfer_key)
             self._kvxfer_threads(self._decode_listen)
             self.heartbeat_interval = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
             self._start_heartbeat_checker_thread()
@@ -135,18 +137,26 @@ class KvxferKVManager(CommonKVManager):
             if not self._kvxfer_stop.is_set():
                 logger.exception("kvxfer sglang: %s died; this rank's transfers will fail by timeout", target.__name__)
 
-    def _kvxfer_push(self, key: str, frames: list[bytes]) -> None:
-        """Send ``frames`` (signed) to the rank at ``key`` without blocking: SGLang's scheduler thread and
-        kvxfer's service threads call this, and a dead peer (no connection to queue on) must cost them
-        nothing. A message that cannot be queued is dropped and logged; its room fails by its timeout."""
+    def _kvxfer_push(self, key: str, frames: list[bytes]) -> bool:
+        """Send ``frames`` (signed) to the rank at ``key`` without blocking; True if zmq took them. SGLang's
+        scheduler thread and kvxfer's threads call this (``SourceRooms`` under its lock: this takes only
+        SGLang's socket locks), and a dead or stalled peer must cost them nothing. A message zmq will not
+        take is dropped and logged (one line per 10 s per kind of message); the caller decides what that means for its room
+        (a chunk fails it at once)."""
         try:
             _, tcp, ipv6 = _endpoint(key)
             sock = self._connect(tcp, is_ipv6=ipv6)
             with self._socket_send_locks[tcp]:
                 sock.send_multipart(self.kvxfer_frames.sign(frames), flags=zmq.NOBLOCK)
+            return True
         except Exception as exc:  # zmq.Again (no live connection, or its queue is full), a bad address, ...
-            logger.warning("kvxfer sglang: sending %s to %s failed: %s", bytes(frames[0][:16]), key,
-                           f"{type(exc).__name__}: {exc}")
+            self.kvxfer_unsent += 1
+            now, tag = time.monotonic(), bytes(frames[0][:16])  # kvxfer's own tags: a handful of keys
+            if now - self._kvxfer_unsent_logged_at.get(tag, float("-inf")) > 10.0:
+                self._kvxfer_unsent_logged_at[tag] = now
+                logger.warning("kvxfer sglang: sending %s to %s failed (%d so far): %s", bytes(frames[0][:16]), key,
+                               self.kvxfer_unsent, f"{type(exc).__name__}: {exc}")
+            return False
 
     def _recv(self) -> Optional[list[bytes]]:
         if not self.server_socket.poll(200):
@@ -196,7 +206,7 @@ class KvxferKVManager(CommonKVManager):
             if self.kvxfer_rooms.metadata(room, body):  # a room SGLang has a sender for (else kept, bounded)
                 self.update_status(room, KVPoll.WaitingForInput)
         elif tag == wire.FAILED:
-            self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["reason"])
+            self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["endpoint"], body["reason"])
         else:
             raise wire.WireError(f"{tag.decode()} is a message for a decode, not a prefill")
 
@@ -216,7 +226,8 @@ class KvxferKVManager(CommonKVManager):
             if not busy:
                 time.sleep(0.0005)
 
-    def _kvxfer_conclude(self, room: int, success: bool, reason: Optional[str], endpoint: Optional[str]) -> None:
+    def _kvxfer_conclude(self, room: int, success: bool, reason: Optional[str]) -> None:
+        """SGLang's status for a room ``SourceRooms`` concluded (it tells the decode itself: KVXFER_REVOKED)."""
         if success:
             self.update_status(room, KVPoll.Success)
             return
@@ -224,9 +235,6 @@ class KvxferKVManager(CommonKVManager):
         if room in self.request_status:  # a room with no sender (only the decode's metadata came) has no record
             self.record_failure(room, reason or "kvxfer transfer failed")
             self.update_status(room, KVPoll.Failed)
-        if endpoint is not None:  # SGLang's status message, signed and sent without blocking
-            self._kvxfer_push(endpoint, self._encode_kv_status_message(bootstrap_room=room, status=KVPoll.Failed,
-                                                                      failure_reason=reason))
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: np.ndarray, index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
@@ -244,22 +252,17 @@ class KvxferKVManager(CommonKVManager):
         parsed = wire.decode(msg, self.kvxfer_frames)
         if parsed is not None:
             tag, body = parsed
-            if tag in (wire.HELLO, wire.CHUNK):
-                self.kvxfer_puller.post("hello" if tag == wire.HELLO else "chunk", body)
-            else:
+            kinds = {wire.HELLO: "hello", wire.CHUNK: "chunk", wire.REVOKED: "revoked"}
+            if tag not in kinds:
                 raise wire.WireError(f"{tag.decode()} is a message for a prefill, not a decode")
+            self.kvxfer_puller.post(kinds[tag], body)
             return
         if msg[0] == ABORT_ACK_TAG:
             return
-        if msg[0] != self.kv_status_msg_tag:
-            raise wire.WireError(f"unexpected message {bytes(msg[0][:20])!r}")
-        status = self.parse_kv_status_message(self.kvxfer_frames.open(msg))
-        if status is None:
-            raise wire.WireError("a malformed status message")
-        room, code, prefill_rank, reason = status
-        if code != KVPoll.Failed:  # kvxfer's prefill reports only failures: the decode's own reads say Success
-            raise wire.WireError(f"a status {code} for room {room}: a kvxfer prefill sends only Failed")
-        self.apply_prefill_status(bootstrap_room=room, status=code, prefill_rank=prefill_rank, failure_reason=reason)
+        if msg[0] == self.kv_status_msg_tag:  # bound to no peer and no lease: a replay could fail any room
+            raise wire.WireError("a status message: a kvxfer prefill reports failures with KVXFER_REVOKED (bound to "
+                                 "the room's prefill and lease), and the decode's own reads say Success")
+        raise wire.WireError(f"unexpected message {bytes(msg[0][:20])!r}")
 
     def _kvxfer_succeed(self, room: int) -> None:
         self.update_status(room, KVPoll.Success)

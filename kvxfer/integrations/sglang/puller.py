@@ -5,8 +5,14 @@ SGLang's decode publishes a request's destination pages (``send_metadata``) and 
 that chunk's pages (kvxfer coalesces runs of adjacent pages into one descriptor), plus the aux
 row and state slots with the last chunk, all without read-done; once they are complete, one
 read of the room's lease slot carries the read-done to the prefill and proves the pages were
-still the room's when they were read (``kvxfer.handoff.guard.lease_holds``). The room is ``Success`` when its
-last chunk passed that check.
+still the room's when they were read (``kvxfer.handoff.guard.lease_holds``). The room is ``Success`` only
+when every chunk 0..last passed that check. The prefill numbers a room's chunks and sends them in
+order on one zmq connection, so chunk n arriving before chunk n-1 means n-1 is lost (the prefill
+could not send it, or the connection was replaced): the room fails at once, naming it.
+
+Failure reports are bound to the room's prefill: a ``KVXFER_REVOKED`` is taken only from the room's
+prefill, naming the room's lease (or any while the room has none yet), so a report replayed from
+another room or sent by another rank cannot end a live room.
 
 A failed read fails its room only once no byte of any of the room's reads can still land
 (``storage_safe``): SGLang frees the destination pages as soon as it sees ``KVPoll.Failed``.
@@ -27,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kvxfer.backends.transfer import abort_parts
-from kvxfer.handoff.guard import GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots, begin_data_read
+from kvxfer.handoff.guard import (UNREAD, GuardedRead, LeaseSlotGuard, LeaseTarget, Phase, ScratchSlots,
+                                  begin_data_read)
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
@@ -64,9 +71,12 @@ class _RoomPull:
     prefill: str  # the prefill rank's key
     lease: Optional[int] = None
     chunks: dict[int, _Chunk] = field(default_factory=dict)
-    seen: set[int] = field(default_factory=set)  # chunk numbers taken (a repeat is dropped)
+    next_chunk: int = 0  # the number the next chunk must carry (lower: a repeat, dropped; higher: a gap)
+    last: Optional[int] = None  # the number of the chunk marked last, once it came
+    judged: int = 0  # chunks whose reads completed and whose lease check passed
     last_done: bool = False
     failed: Optional[str] = None
+    told: bool = False  # the prefill failed the room itself (KVXFER_REVOKED): no FAILED goes back
     cancelled: bool = False
     retired: bool = False  # its room id went to a new request: settled without telling anyone
 
@@ -76,8 +86,9 @@ class Puller:
 
     def __init__(self, pool: PoolRegistration, layout: dict[str, Any], *,
                  succeed: Callable[[int], None], fail: Callable[[int, str], None],
-                 send: Callable[[str, list[bytes]], None], idle_s: float = 0.0005) -> None:
+                 send: Callable[[str, list[bytes]], Any], endpoint: str, idle_s: float = 0.0005) -> None:
         self._pool = pool
+        self._endpoint = endpoint  # this decode's name on the wire: its FAILED reports say who sends them
         self._layout = layout
         self._succeed, self._fail, self._send = succeed, fail, send
         self._idle_s = idle_s
@@ -93,7 +104,9 @@ class Puller:
         self._announced: dict[int, int] = {}  # rooms whose "meta" is posted but not yet taken (how many)
         self._cancelling: set[int] = set()  # rooms with a "cancel" posted and not yet taken
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
-                         "stale_chunks": 0, "strangers": 0}
+                         "stale_chunks": 0, "strangers": 0, "chunk_gaps": 0, "revoked": 0, "foreign_reports": 0,
+                         "stale_reports": 0}
+        self._foreign_logged_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-sglang-puller", daemon=True)
         self._thread.start()
@@ -270,8 +283,12 @@ class Puller:
             return
         hello = self._hellos[prefill]
         if hello is None:
-            if len(self._parked) >= MAX_PARKED:
+            if len(self._parked) >= MAX_PARKED:  # the room cannot be whole without it: fail it, loudly
                 self.counters["stale_chunks"] += 1
+                state = self._rooms.get(room)
+                if state is not None and state.prefill == prefill and state.failed is None:
+                    state.failed = (f"chunk {body['chunk']} of room {room} dropped: {MAX_PARKED} chunks already wait "
+                                    f"for the HELLO of prefill {prefill}")
                 return
             self._parked.append(body)
             return
@@ -279,6 +296,7 @@ class Puller:
         if state is None or state.prefill != prefill or state.cancelled or state.failed is not None:
             self.counters["stale_chunks"] += 1
             self._send(prefill, wire.encode(wire.FAILED, {"room": room, "lease": body.get("lease"),
+                                                          "endpoint": self._endpoint,
                                                           "reason": "the decode has no live request for this room"}))
             return
         if state.lease is None:
@@ -287,10 +305,20 @@ class Puller:
             self.counters["stale_chunks"] += 1
             return
         number = int(body["chunk"])
-        if number in state.seen:  # a repeat (replayed, or a confused peer) would hide the first one's reads
+        if number < state.next_chunk:  # a repeat (replayed, or a confused peer) would hide the first one's reads
             self.counters["stale_chunks"] += 1
             return
-        state.seen.add(number)
+        if number > state.next_chunk or state.last is not None:  # one zmq connection keeps the prefill's order
+            self.counters["chunk_gaps"] += 1
+            state.failed = (f"chunk {state.next_chunk} of room {room} never came, chunk {number} did (the prefill "
+                            "sends them in order on one connection: it could not send that chunk, or the connection "
+                            "was replaced); the room cannot be whole" if state.last is None else
+                            f"chunk {number} of room {room} came after its last chunk {state.last}")
+            logger.error("kvxfer sglang: %s", state.failed)
+            return
+        state.next_chunk += 1
+        if body.get("last"):
+            state.last = number
         chunk = _Chunk(room, body, request_id(room, state.lease, number))
         state.chunks[number] = chunk  # from here its reads count for the room's safety
         if hello.get("refused"):
@@ -304,10 +332,32 @@ class Puller:
             abort_parts(chunk.data, chunk.error)
             return
         chunk.lease = LeaseSlotGuard(self._slots, self._pool.table_backend, [target], int(body["lease"]),
-                                     pinned_at_offer=True, explain=lambda _, seen: (
-                                         f"the prefill gave the pages of chunk {body['chunk']} back before they were "
-                                         f"read (lease {body['lease']}, slot shows {seen}); the bytes are discarded"))
+                                     pinned_at_offer=True, explain=lambda _, seen: _lease_moved(body, seen))
         chunk.read = GuardedRead(chunk.data, chunk.lease, poll=_done)
+
+    def _on_revoked(self, body: dict[str, Any]) -> None:
+        """The prefill failed a room and revoked its lease (``KVXFER_REVOKED``): taken only from the room's
+        prefill, naming the room's lease (or any while no chunk brought one); the room then fails once no
+        read of it can land. Anything else (another prefill's, a replayed one of another incarnation) is
+        dropped and counted."""
+        room, prefill, lease = int(body["room"]), body["prefill"], body.get("lease")
+        state = self._rooms.get(room)
+        if state is None:  # concluded here already (or never this decode's)
+            self.counters["stale_reports"] += 1
+            return
+        if state.prefill != prefill or (state.lease is not None and lease != state.lease):
+            self.counters["foreign_reports"] += 1
+            now = time.monotonic()
+            if now - self._foreign_logged_at > 10.0:
+                self._foreign_logged_at = now
+                logger.warning("kvxfer sglang: a REVOKED for room %s from %s (lease %s) dropped: the room's prefill "
+                               "is %s, its lease %s (%d dropped so far)", room, prefill, lease, state.prefill,
+                               state.lease, self.counters["foreign_reports"])
+            return
+        self.counters["revoked"] += 1
+        state.told = True
+        if state.failed is None:
+            state.failed = f"the prefill failed the room: {body.get('reason') or 'no reason given'}"
 
     def _post_data(self, chunk: _Chunk, state: _RoomPull, metas: dict[str, Any]) -> None:
         body, meta = chunk.body, state.meta
@@ -345,6 +395,7 @@ class Puller:
                 if chunk.error is None and chunk.read is not None and chunk.read.phase is Phase.JUDGED:
                     del state.chunks[idx]
                     self.counters["chunks_pulled"] += 1
+                    state.judged += 1
                     if chunk.body.get("last"):
                         state.last_done = True
             busy |= self._settle(room, state)
@@ -380,7 +431,9 @@ class Puller:
 
     def _settle(self, room: int, state: _RoomPull) -> bool:
         if state.failed is None and not state.cancelled:
-            if state.last_done and not state.chunks:
+            # chunks are taken only in order (0, 1, ...), each judged before it leaves ``chunks``: with the
+            # last one judged and none left, every chunk 0..last was read and passed its lease check
+            if state.last_done and not state.chunks and state.last is not None and state.judged == state.last + 1:
                 del self._rooms[room]
                 self.counters["rooms_succeeded"] += 1
                 self._succeed(room)
@@ -413,8 +466,10 @@ class Puller:
         if not state.cancelled:
             self.counters["rooms_failed"] += 1
             self._fail(room, state.failed or "failed")
-        self._send(state.prefill, wire.encode(wire.FAILED, {"room": room, "lease": state.lease,
-                                                            "reason": state.failed or "aborted by the decode"}))
+        if not state.told:  # the prefill failed it itself: nothing to tell it
+            self._send(state.prefill, wire.encode(wire.FAILED, {"room": room, "lease": state.lease,
+                                                                "endpoint": self._endpoint,
+                                                                "reason": state.failed or "aborted by the decode"}))
 
     def _cancel(self, state: _RoomPull, reason: str) -> None:
         for chunk in state.chunks.values():
@@ -423,6 +478,17 @@ class Puller:
             abort_parts(chunk.handles, reason)
         if state.failed is None:
             state.failed = reason
+
+
+def _lease_moved(body: dict[str, Any], seen: int) -> str:
+    """Why a chunk's lease check failed, without the value the slot showed: that is another room's live
+    lease, which a report must not carry to whoever reads it (an unsigned chunk naming it would pass)."""
+    lease = int(body["lease"])
+    now = ("revoked" if seen == -lease else "not pinned" if seen == 0 else "unread" if seen == UNREAD
+           else "another lease")
+    return (f"chunk {body['chunk']}'s lease check failed: slot {body['slot']} shows {now}, not the chunk's lease (the "
+            "prefill gave the pages back before they were read, or the chunk named a lease it was never given); "
+            "the bytes are discarded")
 
 
 def _by_buffer(entries: list) -> dict[int, dict[str, Any]]:

@@ -4,25 +4,35 @@ SGLang's backends push: the decode sends its destination pages and the prefill w
 kvxfer pulls, so the flow is turned around on the same sockets, with tagged frames SGLang's
 own messages never start with:
 
-======================  ===============  =================================================================
-tag                     direction        body (JSON)
-======================  ===============  =================================================================
+======================  =================  ===============================================================
+tag                     direction          body (JSON)
+======================  =================  ===============================================================
 ``KVXFER_REG``          decode -> prefill  the decode's endpoint and layout (SGLang's receiver registration)
 ``KVXFER_HELLO``        prefill -> decode  the prefill's kvxfer metas (pool, aux, state, lease table) and
                                            layout, or the reason it refused the decode's layout
 ``KVXFER_META``         decode -> prefill  one room: destination pages, aux row, state slots
-``KVXFER_CHUNK``        prefill -> decode  one chunk is ready: source pages, where they go, lease slot
-``KVXFER_FAILED``       decode -> prefill  a room's pull failed or was aborted, and no read of it is in flight
-======================  ===============  =================================================================
+``KVXFER_CHUNK``        prefill -> decode  chunk n (0, 1, ... in the order sent) is ready: source pages,
+                                           where they go, lease slot and lease
+``KVXFER_FAILED``       decode -> prefill  a room's pull failed or was aborted, and no read of it is in
+                                           flight: the room, its lease (None if no chunk came), the
+                                           sender's endpoint
+``KVXFER_REVOKED``      prefill -> decode  the prefill failed a room and revoked its lease (a chunk it
+                                           could not send, a bound passed, an abort): the room, its lease
+                                           (None if it had none), the prefill's endpoint, the reason
+======================  =================  ===============================================================
 
-Terminal failures the prefill reports go through SGLang's own status message, so SGLang's
-decode records their reason the way it does for its own backends.
+Both failure reports are bound to the room's peer: the prefill takes a FAILED only from the room's
+decode endpoint with the room's lease (a lease-less one while the room has no lease), the decode takes
+a REVOKED only from the room's prefill with the room's lease (or while it holds none); anything
+else is dropped and counted. So a frame replayed to another rank (which answers for a room it does not
+hold) cannot end a live room. SGLang's own status message is not used: it names no peer and no lease.
 
 SGLang's sockets carry no authentication. With the cluster key (``KVXFER_SECRET_FILE``) every
-kvxfer frame, and the prefill's status message, gets one more part: an HMAC-SHA256 over its
-parts under a key derived for these frames (``FrameKey``), checked before anything is parsed;
-without the key they go unsigned, as SGLang's own. Signed frames are not replay-proof: each
-names its room and (where it matters) its lease, so a replayed one is stale.
+kvxfer frame gets one more part: an HMAC-SHA256 over its parts under a key derived for these frames
+(``FrameKey``), checked before anything is parsed; without the key they go unsigned, as SGLang's own,
+and the lease a chunk names is a random 63-bit value a stranger cannot guess. Signed frames are not
+replay-proof: each names its room, its peer and (where it matters) its lease, so a replayed one is stale
+or foreign.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ HELLO = b"KVXFER_HELLO"
 META = b"KVXFER_META"
 CHUNK = b"KVXFER_CHUNK"
 FAILED = b"KVXFER_FAILED"
+REVOKED = b"KVXFER_REVOKED"
 
 #: The largest body accepted (a HELLO carries every registered buffer's meta; a CHUNK one id per page).
 MAX_BODY_BYTES = 8 << 20
@@ -85,11 +96,20 @@ class Chunk(_Body):
 
 class Failed(_Body):
     room: int
+    endpoint: str  # the decode that sends it: the prefill takes it only from the room's decode
     lease: Optional[int] = None
     reason: str = ""
 
 
-SCHEMAS: dict[bytes, type[_Body]] = {REG: Reg, HELLO: Hello, META: Meta, CHUNK: Chunk, FAILED: Failed}
+class Revoked(_Body):
+    room: int
+    prefill: str  # the prefill that sends it: the decode takes it only from the room's prefill
+    lease: Optional[int] = None
+    reason: str = ""
+
+
+SCHEMAS: dict[bytes, type[_Body]] = {REG: Reg, HELLO: Hello, META: Meta, CHUNK: Chunk, FAILED: Failed,
+                                     REVOKED: Revoked}
 TAGS = tuple(SCHEMAS)
 
 
@@ -168,7 +188,7 @@ def decode(frames: list[bytes], key: FrameKey = UNSIGNED) -> Optional[tuple[byte
 
 #: The fields of each message that name a rank's ``ip:port``.
 _ENDPOINTS: dict[bytes, tuple[str, ...]] = {REG: ("endpoint",), HELLO: ("prefill",), META: ("endpoint",),
-                                            CHUNK: ("prefill",), FAILED: ()}
+                                            CHUNK: ("prefill",), FAILED: ("endpoint",), REVOKED: ("prefill",)}
 
 
 def check_endpoint(text: str, what: str) -> None:

@@ -1,0 +1,315 @@
+"""Attacks from outside on kvxfer's SGLang backend, each with real ranks and real zmq frames (issue 38, item 6).
+
+Each SGLang rank is a real process (``sglang_peer.py``: SGLang's own queues make the managers, as in
+``test_sglang_backend.py``); the frames are made here with pyzmq and ``kvxfer.integrations.sglang.wire``
+and sent to the rank endpoint each rank reports in its ready line, as a stranger on the network (no
+key: unsigned) or a holder of the cluster key (signed) would send them. Nothing is mocked: the one
+condition that needs a stopped process (a decode that cannot take frames) is a real ``SIGSTOP``.
+
+Without the key (the default):
+* a CHUNK naming a guessed lease slot and lease (the first a fresh prefill hands out) must not make a
+  waiting room ``Success`` holding another request's pages, and a chunk that comes after a gap (chunk 1
+  before chunk 0) fails its room at once, with nothing read;
+* metadata from a stranger for rooms it will never own must not crowd a genuine room out of the
+  prefill's early-metadata table.
+
+With the key (a signed frame can be captured and replayed, or made by any key holder):
+* a genuine CHUNK replayed to another decode (which answers the prefill with a FAILED), and a
+  lease-less FAILED, must not fail a live room: only the room's own decode, with the room's lease, can;
+* a prefill's status frame (what kvxfer's prefill sent before) and a revocation from another prefill
+  must not fail a waiting room at the decode;
+* a chunk the prefill cannot hand to zmq (``zmq.Again``: replayed registrations queue thousands of
+  HELLOs to a decode that is stopped) fails its room on both sides at once, naming the chunk, instead
+  of a Success with that chunk's pages never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from sglang_support import POOL, Peer, free_port, peer_env  # noqa: E402
+
+from kvxfer.integrations.sglang import wire  # noqa: E402
+from kvxfer.security.auth import load_secret, new_secret_file  # noqa: E402
+
+BACKEND = "kvxfer_ucx"
+FAILED, SUCCESS = 0, 4
+#: The bytes of one page of one layer in the test pool, all zero: what a decode page holds until written.
+ZERO_PAGE = hashlib.sha256(bytes(POOL["page_size"] * POOL["heads"] * POOL["head_dim"] * 2)).hexdigest()[:16]
+
+
+@dataclass
+class Ranks:
+    port: int
+    prefill: Peer
+    first: Peer
+    second: Peer
+    key: wire.FrameKey
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _ranks(env: dict[str, str], prefill_env: dict[str, str], key: wire.FrameKey):
+    port = free_port()
+    peers = [Peer("prefill", BACKEND, port, env={**env, **prefill_env}), Peer("decode", BACKEND, port, env=env),
+             Peer("decode", BACKEND, port, env=env)]
+    try:
+        for peer in peers:
+            peer.ready()
+        yield Ranks(port, *peers, key)
+    finally:
+        for peer in peers:
+            if peer.proc.poll() is None:
+                os.kill(peer.proc.pid, signal.SIGCONT)  # a test that failed with a rank stopped
+            peer.close()
+
+
+@pytest.fixture(scope="module")
+def keyless():
+    """A prefill and two decodes without the cluster key (kvxfer's default); the prefill serves at most
+    four rooms at once (``KVXFER_SGLANG_MAX_ROOMS``: lease slots and early-metadata entries)."""
+    yield from _ranks(peer_env(), {"KVXFER_SGLANG_MAX_ROOMS": "4"}, wire.UNSIGNED)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """A prefill and two decodes holding one cluster key; this test process holds it too."""
+    secret = new_secret_file(str(tmp_path_factory.mktemp("secret")))
+    yield from _ranks(peer_env(KVXFER_SECRET_FILE=secret), {}, wire.FrameKey(load_secret(secret_file=secret)))
+
+
+def rank_key(peer: Peer) -> str:
+    """A rank's name on kvxfer's wire (``ip:port``), from the endpoint its ready line reports."""
+    return peer.info["endpoint"].removeprefix("tcp://")
+
+
+def push(peer: Peer, messages: list[list[bytes]], settle_s: float = 0.5) -> None:
+    """Send ``messages`` to ``peer``'s SGLang socket as any host on the network can (a zmq PUSH)."""
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 10_000)
+        sock.connect(peer.info["endpoint"])
+        for message in messages:
+            sock.send_multipart(message)
+        sock.close()
+    finally:
+        context.term()  # waits (LINGER) until every frame went out
+    time.sleep(settle_s)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    if what:
+        raise AssertionError(f"timed out waiting for {what}")
+    return False
+
+
+def early(prefill: Peer) -> int:
+    """Rooms whose metadata the prefill keeps without a sender."""
+    return prefill.ask(op="sizes")["sizes"]["source_early"]
+
+
+def counters(peer: Peer) -> dict[str, Any]:
+    return peer.ask(op="sizes")["counters"]
+
+
+def room(number: int, pages: list[int], aux: int, chunks: tuple[int, ...] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {"room": number, "pages": pages, "aux_index": aux}
+    if chunks:
+        out["chunks"] = list(chunks)
+    return out
+
+
+def chunk_body(prefill: Peer, room_id: int, number: int, src: list[int], *, slot: int, lease: int,
+               last: bool = True) -> dict[str, Any]:
+    return {"room": room_id, "prefill": rank_key(prefill), "chunk": number, "src": src, "dst_start": 0,
+            "dst_end": len(src), "last": last, "slot": slot, "lease": lease, "aux_index": None, "state": None}
+
+
+def check_same_pages(served: dict, received: dict, key: str, logs: str) -> None:
+    assert served["rooms"][key]["status"] == SUCCESS, (served["rooms"][key], logs)
+    assert received["rooms"][key]["status"] == SUCCESS, (received["rooms"][key], logs)
+    assert served["digests"][key]["pages"] == received["digests"][key]["pages"], f"room {key}: pages differ"
+
+
+def logs(*peers: Peer) -> str:
+    return "".join(f"\n--- {p.role} {p.info.get('endpoint')}:\n{p.log()}" for p in peers)
+
+
+# --- without the cluster key ---------------------------------------------------------------------------------
+def test_keyless_guessed_lease_or_a_gap_cannot_make_a_waiting_room_succeed(keyless):
+    """Room 1000 is offered to a decode that is stopped, so its lease stays pinned on the prefill. Two
+    rooms wait at the other decode (their metadata sent, no sender on the prefill yet). A stranger sends
+    that decode one unsigned CHUNK per waiting room, naming room 1000's source pages and the lease a
+    fresh prefill used to hand out first (slot 0, lease 1): chunk 0 (last) for room 2000, and chunk 1
+    (last) with no chunk 0 for room 2001. Neither room may end ``Success``: 2000's read fails its lease
+    check (leases are random 63-bit values), 2001 fails at once naming the missing chunk 0, with nothing
+    read into its pages. Room 1000 then completes byte for byte once its decode runs again."""
+    ranks = keyless
+    prefill, stopped, victim = ranks.prefill, ranks.first, ranks.second
+    prefill.ask(op="bound", seconds=60)  # the stopped decode's room stays pinned well past this test
+    src = list(range(1, 8))
+    base = early(prefill)
+    stopped.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(1000, list(range(40, 47)), 8)], timeout=90)
+    wait_until(lambda: early(prefill) > base, what="room 1000's metadata at the prefill")
+    os.kill(stopped.proc.pid, signal.SIGSTOP)
+    try:
+        victim.send(op="receive", bootstrap=ranks.bootstrap, timeout=30,
+                    rooms=[room(2000, list(range(50, 57)), 9), room(2001, list(range(57, 64)), 10)])
+        wait_until(lambda: early(prefill) > base + 2, what="the waiting rooms' metadata at the prefill")
+        prefill.send(op="serve", rooms=[room(1000, src, 0, (3, 4))], timeout=90)
+        time.sleep(1.5)  # room 1000's chunks are offered (queued for the stopped decode): its lease is pinned
+        push(victim, [wire.encode(wire.CHUNK, chunk_body(prefill, 2000, 0, src, slot=0, lease=1)),
+                      wire.encode(wire.CHUNK, chunk_body(prefill, 2001, 1, src, slot=0, lease=1))])
+        attacked = victim.read(timeout_s=60)
+    finally:
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+    served, received = prefill.read(timeout_s=90), stopped.read(timeout_s=90)
+    text = logs(prefill, stopped, victim)
+    guessed, gap = attacked["rooms"]["2000"], attacked["rooms"]["2001"]
+    assert guessed["status"] == FAILED and "lease check failed" in (guessed["reason"] or ""), (guessed, text)
+    assert gap["status"] == FAILED and "chunk 0" in (gap["reason"] or ""), (gap, text)
+    assert gap["at_s"] < 5.0, gap  # at once, not by a timeout
+    assert all(d == ZERO_PAGE for layer in attacked["digests"]["2001"]["pages"] for d in layer), \
+        ("room 2001's pages were written by a chunk that came after a gap", attacked["digests"]["2001"])
+    check_same_pages(served, received, "1000", text)
+
+
+def test_keyless_stranger_metadata_cannot_crowd_out_a_genuine_room(keyless):
+    """A stranger sends the prefill unsigned metadata for eight rooms it will never own, four before and
+    four after a genuine decode's room (the prefill keeps at most four rooms without a sender): the
+    stranger's oldest entries are evicted (counted, logged), the genuine room is kept and completes byte
+    for byte, instead of waiting for SGLang's bootstrap timeout."""
+    ranks = keyless
+    prefill, decode = ranks.prefill, ranks.first
+    stranger = "127.0.0.1:9"
+
+    def metas(first: int) -> list[list[bytes]]:
+        return [wire.encode(wire.META, {"room": first + i, "endpoint": stranger}) for i in range(4)]
+
+    push(prefill, metas(3000))
+    evicted = counters(prefill).get("early_evicted", 0)
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(3100, list(range(20, 27)), 11)], timeout=40)
+    wait_until(lambda: counters(prefill).get("early_evicted", 0) > evicted, timeout_s=15)  # the genuine room kept
+    push(prefill, metas(3004))
+    prefill.send(op="serve", rooms=[room(3100, list(range(10, 17)), 1, (3, 4))], timeout=30)
+    served, received = prefill.read(), decode.read()
+    text = logs(prefill, decode)
+    check_same_pages(served, received, "3100", text)
+    after = counters(prefill)
+    assert after.get("early_evicted", 0) >= evicted + 5, after
+    assert early(prefill) <= 4
+    assert "evicted" in "".join(prefill.stderr), text
+
+
+# --- with the cluster key --------------------------------------------------------------------------------------
+def test_signed_replayed_chunk_or_lease_less_failed_cannot_fail_a_live_room(keyed):
+    """This process plays room 4000's decode (its metadata names a zmq socket here), so it receives the
+    prefill's genuine signed CHUNKs. It replays chunk 0 unchanged to the other decode, which holds no such
+    room and answers the prefill with a FAILED; and it sends a signed FAILED without a lease for the room
+    (which has one). Neither may fail room 4000: the prefill takes a FAILED only from the room's decode
+    with the room's lease. The room ends only with this decode's own FAILED (its endpoint, its lease),
+    with that reason; room 4001, served at the same time to the other decode, completes byte for byte."""
+    ranks = keyed
+    prefill, other, key = ranks.prefill, ranks.second, ranks.key
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    mine = f"127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    give_up = "this test's decode gives up on room 4000"
+    try:
+        base = early(prefill)
+        push(prefill, [key.sign(wire.encode(wire.META, {"room": 4000, "endpoint": mine}))])
+        other.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(4001, list(range(40, 47)), 9)], timeout=40)
+        wait_until(lambda: early(prefill) >= base + 2, what="both rooms' metadata at the prefill")
+        prefill.send(op="serve", timeout=40, timing=True,
+                     rooms=[room(4000, list(range(1, 8)), 0, (3, 4)), room(4001, list(range(10, 17)), 1, (3, 4))])
+        captured = []
+        while len(captured) < 2:
+            assert pull.poll(20_000), "no CHUNK from the prefill for room 4000"
+            captured.append(pull.recv_multipart())
+        tag, body = wire.decode(captured[0], key)
+        assert tag == wire.CHUNK and body["room"] == 4000 and body["chunk"] == 0, body
+        push(other, [captured[0]])  # replayed unchanged: the other decode answers the prefill with a FAILED
+        push(prefill, [key.sign(wire.encode(wire.FAILED, {"room": 4000, "endpoint": mine, "reason": "no lease"}))])
+        time.sleep(0.5)
+        push(prefill, [key.sign(wire.encode(wire.FAILED, {"room": 4000, "lease": body["lease"], "endpoint": mine,
+                                                          "reason": give_up}))])
+        served, received = prefill.read(), other.read()
+    finally:
+        pull.close(linger=0)
+        context.term()
+    text = logs(prefill, other)
+    live = served["rooms"]["4000"]
+    assert live["status"] == FAILED and give_up in (live["reason"] or ""), (live, text)
+    check_same_pages(served, received, "4001", text)
+    assert counters(prefill).get("foreign_reports", 0) >= 2, text
+
+
+def test_signed_status_or_another_prefills_revocation_cannot_fail_a_waiting_room(keyed):
+    """A room waits at a decode for its prefill. A key holder sends the decode a signed ``KVXFER_STATUS``
+    ``Failed`` for it (the message kvxfer's prefill used to report failures with, bound to no peer), and
+    a revocation for it in the name of another prefill: the decode drops both, and the room then
+    completes byte for byte."""
+    ranks = keyed
+    prefill, decode, key = ranks.prefill, ranks.second, ranks.key
+    base = early(prefill)
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(4100, list(range(50, 57)), 12)], timeout=40)
+    wait_until(lambda: early(prefill) > base, what="room 4100's metadata at the prefill")
+    revoked = [b"KVXFER_REVOKED", json.dumps({"room": 4100, "prefill": "127.0.0.1:9", "lease": None,
+                                               "reason": "another prefill says the room failed"}).encode()]
+    push(decode, [key.sign([b"KVXFER_STATUS", b"4100", str(FAILED).encode(), b"0", b"a forged prefill failure"]),
+                  key.sign(revoked)], settle_s=1.0)
+    prefill.send(op="serve", rooms=[room(4100, list(range(20, 27)), 2, (3, 4))], timeout=30)
+    served, received = prefill.read(), decode.read()
+    check_same_pages(served, received, "4100", logs(prefill, decode))
+
+
+def test_a_chunk_the_prefill_cannot_send_fails_the_room_on_both_sides_at_once(keyed):
+    """Room 4200's decode is stopped (``SIGSTOP``) after publishing its pages; a key holder then replays
+    that decode's registration to the prefill thousands of times, and each answer (a HELLO) queues for
+    the stopped decode until zmq refuses more (``zmq.Again``). The prefill then offers the room's two
+    chunks, which zmq refuses too. The prefill fails the room at once (not at its bound, twice the
+    transfer timeout), naming chunk 0, its lease revoked; once the decode runs again it learns the
+    room failed, with that reason, instead of waiting for SGLang's timeout, and never says Success."""
+    ranks = keyed
+    prefill, decode, key = ranks.prefill, ranks.first, ranks.key
+    base = early(prefill)
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(4200, list(range(30, 37)), 13)], timeout=90)
+    wait_until(lambda: early(prefill) > base, what="room 4200's metadata at the prefill")
+    reg = key.sign(wire.encode(wire.REG, {"endpoint": rank_key(decode), "layout": decode.info["layout"]}))
+    os.kill(decode.proc.pid, signal.SIGSTOP)
+    try:
+        sent = 0
+        while "b'KVXFER_HELLO'" not in "".join(prefill.stderr):  # the prefill's HELLOs no longer fit
+            assert sent < 40_000, "zmq never refused a HELLO to the stopped decode" + logs(prefill)
+            push(prefill, [reg] * 1000, settle_s=0.3)
+            sent += 1000
+        prefill.send(op="serve", rooms=[room(4200, list(range(30, 37)), 3, (3, 4))], timeout=40, timing=True)
+        time.sleep(2.0)
+    finally:
+        os.kill(decode.proc.pid, signal.SIGCONT)
+    served, received = prefill.read(timeout_s=90), decode.read(timeout_s=120)
+    text = logs(prefill, decode)
+    mine, theirs = served["rooms"]["4200"], received["rooms"]["4200"]
+    assert mine["status"] == FAILED and "chunk 0" in (mine["reason"] or ""), (mine, text)
+    assert mine["at_s"] < 3.0, (f"the prefill failed the room {mine['at_s']:.1f}s after the offer", mine)
+    assert theirs["status"] == FAILED and "chunk 0" in (theirs["reason"] or ""), (theirs, text)
+    print(f"{sent} replayed registrations; prefill failed the room after {mine['at_s']:.2f}s: {mine['reason']}; "
+          f"decode: {theirs['reason']}")
