@@ -25,6 +25,7 @@ from engine_integration.descriptor import HandoffDescriptor, RequestId
 from engine_integration.handoff_engine import PREFILL, ROLES, StateHandoffDynamicInferenceEngine
 from engine_integration.reference.engine import InferenceRequest
 from engine_integration.sink import PullStats, SinkEvent
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.handoff.poll import KVPoll
 
 __all__ = ["DisaggDynamicInferenceEngine"]
@@ -93,7 +94,7 @@ class DisaggDynamicInferenceEngine(StateHandoffDynamicInferenceEngine):
         return self._spawned.secret_file if self._spawned is not None else None
 
     def connect(self, plane: Any = None, *, role: Optional[str] = None, name: Optional[str] = None,
-                backend: str = "local", transfer_timeout_s: float = 30.0, queue_timeout_s: float = 120.0,
+                backend: str = "local", transfer_timeout_s: float = TRANSFER_TIMEOUT_S, queue_timeout_s: float = 120.0,
                 verify_reads: bool = True, register_timeout_s: float = 30.0, **plane_options: Any) -> None:
         """Set up the transport and register with the control plane; raises ``RegistrationRefused``.
 

@@ -33,6 +33,7 @@ from engine_integration.reference_adapter import ReferenceEngineAdapter
 from engine_integration.sink import HandoffSink, SinkEvent
 from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.handoff.poll import KVPoll
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
@@ -56,7 +57,7 @@ class InferenceStateHandoffMixin:
     _handoff_sink: Optional[HandoffSink] = None
 
     def setup_kv_transfer(self, role: str, backend: str = "local", *, identity: Optional[str] = None,
-                          timeout_s: float = 30.0, queue_timeout_s: float = 120.0, verify_reads: bool = True) -> None:
+                          timeout_s: float = TRANSFER_TIMEOUT_S, queue_timeout_s: float = 120.0, verify_reads: bool = True) -> None:
         """Register the KV pool with the transport named ``backend`` and take ``role``.
 
         The transfer meta is exported here, once; descriptors only reference it. With

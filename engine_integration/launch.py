@@ -29,10 +29,8 @@ from engine_integration.control_plane import (GenerationClient, GenerationResult
                                               push_refusal)
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.security.auth import SECRET_FILE_ENV, load_secret
-
-#: Transports that only reach registrations in their own process.
-IN_PROCESS_BACKENDS = frozenset({"local"})
 
 
 def default_cluster_secret() -> str:
@@ -55,7 +53,7 @@ class ClusterConfig:
     decode_blocks: int = 512
     heartbeat_timeout_s: float = 3.0
     request_timeout_s: float = 120.0
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     #: cluster secret keying every control connection: $KVXFER_SECRET_FILE's, else a fresh one per cluster.
     #: It reaches the processes started here on inherited pipes, never in their argv.
     secret: Optional[str] = field(default_factory=lambda: default_cluster_secret())
@@ -90,6 +88,8 @@ class DisaggCluster:
         cls = construct_kv_transfer_backend_class(config.backend)
         self.backend = cls.name
         self.is_push = bool(cls.is_push)
+        #: False (``local``): both engines must run in one host process, where the transport reaches.
+        self.reads_other_processes = bool(cls.reads_other_processes)
         refused = push_refusal(config.control_plane, config.backend)
         if refused:
             raise BackendUnavailableError(f"{refused} (choose a pull backend, or leave control_plane unset for the "
@@ -126,7 +126,7 @@ class DisaggCluster:
         prefill, decode = self.spec("prefill", "prefill-0"), self.spec("decode", "decode-0")
         if self.is_push:
             prefill, decode = self._join_world([prefill, decode])
-        groups = [[prefill, decode]] if self.backend in IN_PROCESS_BACKENDS else [[prefill], [decode]]
+        groups = [[prefill], [decode]] if self.reads_other_processes else [[prefill, decode]]
         self.hosts.extend(start_engine_hosts(groups, self.service.url))
         return self
 

@@ -34,7 +34,7 @@ from kvxfer.errors import KVXferError, TornReadError
 from kvxfer.handoff.poll import KVPoll
 from kvxfer.handoff.quarantine import Quarantine
 
-log = logging.getLogger("kvxfer.engine.sink")
+log = logging.getLogger(__name__)
 
 #: (source identity, meta index) -> that source's registered transfer meta, or None if not known yet.
 PeerMetaLookup = Callable[[str, int], Optional[Mapping[str, Any]]]

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from engine_integration.reference.config import ModelConfig
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class EngineSpec:
     backend: str = "local"
     model: ModelConfig = field(default_factory=ModelConfig)
     device: str = "cpu"
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     queue_timeout_s: float = 120.0
     heartbeat_interval_s: float = 0.2
     coordinator_timeout_s: float = 10.0

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 
-logger = logging.getLogger("kvxfer.megatron")
+logger = logging.getLogger(__name__)
 
 #: The module whose name lookup is replaced (the pinned commit's layout).
 HANDOFF_MODULE = "megatron.core.inference.disaggregation.inference_state_handoff"

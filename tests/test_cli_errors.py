@@ -12,6 +12,7 @@ import sys
 import pytest
 
 SMALL = ["--layers", "4", "--heads", "2", "--head-dim", "32", "--pool-blocks", "64", "--blocks", "24"]
+UNWRITABLE = "/proc/no/such/dir/x.json"
 
 
 def _kvxfer(*args: str, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -76,6 +77,16 @@ USAGE_MISTAKES = [
     ("bench empty block list", ["bench", "--blocks", ","], "empty list"),
     ("bench missing interpreter", ["bench", "--mooncake-python", "/nonexistent/python"], "does not exist"),
     ("bench json is a folder", ["bench", "--json", "{tmp}"], "is a directory"),
+    # An output path that cannot be written is found before the run, not after it (issue 41): every
+    # command's every output path. /proc takes no new folder, even from root (whom access() tells yes).
+    ("loopback json unwritable", ["loopback", *SMALL, "--json", UNWRITABLE], "cannot write"),
+    ("soak json unwritable", ["soak", "--json", UNWRITABLE], "cannot write"),
+    ("bench json unwritable", ["bench", "--json", UNWRITABLE], "cannot write"),
+    ("bench plot unwritable", ["bench", "--plot", UNWRITABLE], "cannot write"),
+    ("bench markdown unwritable", ["bench", "--markdown", UNWRITABLE], "cannot write"),
+    ("bench-vllm json unwritable", ["bench-vllm", "--json", UNWRITABLE], "cannot write"),
+    ("bench-prefix-routing json unwritable", ["bench-prefix-routing", "--json", UNWRITABLE], "cannot write"),
+    ("bench-fleet-scale out unwritable", ["bench-fleet-scale", "--out", UNWRITABLE], "cannot write"),
 ]
 
 
@@ -138,3 +149,15 @@ def test_a_usage_error_answers_before_torch_is_imported():
             "status = main(['frobnicate'])\n" "print(status, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
+
+
+def test_checking_an_output_path_leaves_nothing_behind(tmp_path):
+    """The check writes to find out (folders made, the file created), then removes what it made; a file
+    already there keeps its bytes."""
+    from kvxfer.cli.args import writable_file
+
+    assert writable_file(str(tmp_path / "a" / "b" / "out.json")) == str(tmp_path / "a" / "b" / "out.json")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept.json").write_text("old")
+    writable_file(str(tmp_path / "kept.json"))
+    assert (tmp_path / "kept.json").read_text() == "old"

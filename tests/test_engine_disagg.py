@@ -19,9 +19,10 @@ import time
 import pytest
 
 from engine_integration.engine import RegistrationRefused
-from engine_integration.launch import IN_PROCESS_BACKENDS, ClusterConfig, DisaggCluster, generate_colocated
+from engine_integration.launch import ClusterConfig, DisaggCluster, generate_colocated
 from engine_integration.reference import ModelConfig
-from kvxfer.backends import available_backends
+from kvxfer.backends import available_backends, construct_kv_transfer_backend_class
+from kvxfer.errors import BackendUnavailableError
 
 from engine_helpers import ETCD_PLANE, build_engine_here, varied_prompts
 
@@ -29,7 +30,16 @@ _INFOS = available_backends()
 # Push backends (nccl) have their own engine tests (tests/test_engine_push.py): a Gloo world cannot restart an engine.
 # Every registered pull backend; one that cannot run here fails with its install hint (not skipped).
 RUNNABLE = [info.name for info in _INFOS if not info.is_push]
-CROSS_PROCESS = [name for name in RUNNABLE if name not in IN_PROCESS_BACKENDS]
+
+
+def _reads_other_processes(name: str) -> bool:
+    try:
+        return construct_kv_transfer_backend_class(name).reads_other_processes
+    except BackendUnavailableError:
+        return True  # kept: its tests fail with the install hint
+
+
+CROSS_PROCESS = [name for name in RUNNABLE if _reads_other_processes(name)]
 DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests must queue
 # The etcd control plane with every cross-process backend (ucx, nixl): the engine's behaviour must
 # not depend on the plane. ``-etcd`` ids; the coordinator runs every backend. Skipped (with the

@@ -1,41 +1,53 @@
-"""The library's layout keeps showing its architecture (issue 28; docs/architecture.md, "The rules").
+"""The library's layout keeps showing its architecture (issue 28; docs/architecture.md, "Layers").
 
-Read from the source, every import included (the lazy ones inside functions too):
+``LAYERS`` below is the one statement of which part of ``kvxfer`` may import which: docs/architecture.md
+shows it (a section generated from it, which ``test_the_doc_shows_the_layers`` compares, and
+``python tests/test_library_layout.py`` rewrites), and the packages' docstrings point here. Read from
+the source, every import included (the lazy ones inside functions too):
 - no import circle anywhere in ``kvxfer``;
-- each part imports only the parts below it in ``LAYERS`` (a part may always import itself);
+- each part imports only the parts ``LAYERS`` gives it (a part may always import itself);
 - nothing in ``kvxfer`` but the command line (the front door) imports ``engine_integration``;
-- no module imports another part's private names (``_name``, or a ``_module``).
+- no module imports another part's private names (``_name``, or a ``_module``);
+- every module logs under its own name.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 
 from import_graph import ROOT, cycle, imports, modules
 
 #: part -> the parts it may import. A part is ``kvxfer.<first name>``, or ``engine_integration``.
 LAYERS: dict[str, set[str]] = {
     "kvxfer.errors": set(),
+    "kvxfer.defaults": set(),
     "kvxfer.plan": {"kvxfer.errors"},
     "kvxfer.security": {"kvxfer.errors"},
     "kvxfer.meta": {"kvxfer.errors", "kvxfer.plan", "kvxfer.security"},
-    "kvxfer.backends": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security"},
-    "kvxfer.handoff": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends"},
-    "kvxfer.runtime": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends",
-                       "kvxfer.handoff"},
-    "kvxfer.integrations": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends",
-                            "kvxfer.handoff", "kvxfer.runtime"},
+    "kvxfer.backends": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security"},
+    "kvxfer.handoff": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                       "kvxfer.backends"},
+    "kvxfer.runtime": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                       "kvxfer.backends", "kvxfer.handoff"},
+    "kvxfer.integrations": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                            "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"},
     "kvxfer.megatron": {"kvxfer.errors", "kvxfer.backends"},
-    "kvxfer.harness": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends",
-                       "kvxfer.handoff", "kvxfer.runtime"},
-    "kvxfer.bench": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends",
-                     "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.integrations"},
-    "kvxfer.cli": {"kvxfer.errors", "kvxfer.plan", "kvxfer.meta", "kvxfer.security", "kvxfer.backends",
-                   "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.bench", "kvxfer.integrations",
-                   "kvxfer.megatron", "engine_integration"},
+    "kvxfer.harness": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                       "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"},
+    "kvxfer.bench": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                     "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.integrations"},
+    "kvxfer.cli": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
+                   "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.bench",
+                   "kvxfer.integrations", "kvxfer.megatron", "engine_integration"},
     "kvxfer": {"kvxfer.errors", "kvxfer.backends"},  # the package's own __init__: the public names, lazily
     "kvxfer.__main__": {"kvxfer.cli"},
 }
+
+DOC = ROOT / "docs" / "architecture.md"
+#: The generated section of ``DOC``: everything between these two lines.
+DOC_BEGIN = "<!-- layers: generated from LAYERS in tests/test_library_layout.py; run that file to rewrite -->"
+DOC_END = "<!-- /layers -->"
 
 
 def part(module: str) -> str:
@@ -88,8 +100,97 @@ def test_the_rules_can_fail():
     assert (ROOT / "kvxfer" / "plan").is_dir()
 
 
-def test_every_part_says_what_it_may_import():
-    """Each package's ``__init__`` docstring says what it owns and what it may import (a reader starts there)."""
-    silent = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "kvxfer").glob("*/__init__.py"))
-              if "May import" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
-    assert silent == [], silent
+#: Package docstrings being edited apart from this test (issue 41) that still restate their imports.
+DOCSTRINGS_PENDING = {"kvxfer/integrations/__init__.py"}
+
+
+def test_every_part_points_to_the_one_statement_of_the_layers():
+    """Each package's ``__init__`` docstring (where a reader starts) points to ``LAYERS`` rather than restating
+    it: a second copy of the rules is one that drifts."""
+    inits = [p for p in sorted((ROOT / "kvxfer").glob("*/__init__.py"))
+             if str(p.relative_to(ROOT)) not in DOCSTRINGS_PENDING]
+    wrong = [str(p.relative_to(ROOT)) for p in inits
+             if "tests/test_library_layout.py" not in (doc := ast.get_docstring(ast.parse(p.read_text())) or "")
+             or "May import" in doc]
+    assert wrong == [], f"say 'Its imports: LAYERS in tests/test_library_layout.py', and no 'May import': {wrong}"
+
+
+def test_every_part_with_a_rule_exists():
+    present = set(map(part, _graph()))
+    assert set(LAYERS) <= present, f"rules for parts that are gone: {set(LAYERS) - present}"
+
+
+# --- the doc shows LAYERS ---------------------------------------------------------------------------------
+
+def heights() -> dict[str, int]:
+    """Each part's height: 0 for one that may import no other part, else one above the highest it may import."""
+    assert cycle(LAYERS) == [], "LAYERS itself has a circle"
+    memo: dict[str, int] = {}
+
+    def height(p: str) -> int:
+        if p not in memo:
+            memo[p] = 1 + max((height(d) for d in LAYERS[p] if d in LAYERS), default=-1)
+        return memo[p]
+
+    return {p: height(p) for p in LAYERS}
+
+
+def layers_section() -> str:
+    """docs/architecture.md's section on the layers, from ``LAYERS``: the parts by height (the picture: a part
+    may import only parts on rows below its own), then what each may import, nearest first."""
+    height = heights()
+    top = max(height.values())
+    label = {"kvxfer": "kvxfer (its __init__)"}
+    lines = [DOC_BEGIN, "", "```"]
+    for h in range(top, -1, -1):
+        lines.append("   ".join(label.get(p, p) for p in sorted(p for p in LAYERS if height[p] == h)))
+    lines += ["```", "", "| part | may import (besides itself) |", "|---|---|"]
+    for p in sorted(LAYERS, key=lambda p: (-height[p], p)):
+        allowed = sorted(LAYERS[p], key=lambda d: (-height.get(d, top + 1), d))
+        lines.append(f"| `{label.get(p, p)}` | {', '.join(f'`{d}`' for d in allowed) or 'nothing'} |")
+    return "\n".join([*lines, "", DOC_END])
+
+
+def _doc_section(text: str) -> str:
+    begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    assert 0 <= begin < end, f"{DOC.name} has no section between {DOC_BEGIN!r} and {DOC_END!r}"
+    return text[begin:end + len(DOC_END)]
+
+
+def test_the_doc_shows_the_layers():
+    shown = _doc_section(DOC.read_text())
+    assert shown == layers_section(), (f"{DOC.relative_to(ROOT)} and LAYERS disagree: change LAYERS, then run "
+                                       "'python tests/test_library_layout.py' to rewrite the doc's section")
+    assert "kvxfer.integrations" in shown and "| `kvxfer.cli` | `engine_integration`" in shown
+
+
+# --- loggers ----------------------------------------------------------------------------------------------
+
+#: Modules being edited apart from this test (issue 41) whose logger is still named by hand: tolerated until
+#: they move to ``__name__`` (``kvxfer.integrations``, with the same hand-typed names, is not checked yet).
+LOGGERS_PENDING = {"kvxfer.backends.ucx.binding", "kvxfer.backends.ucx.served"}
+
+
+def test_every_module_logs_under_its_own_name():
+    """``logging.getLogger(__name__)``: a name typed by hand drifts (``kvxfer.engine.etcd`` beside
+    ``kvxfer.engine.control_plane.etcd`` for one package). A module run with ``python -m`` spells out its
+    own name (there ``__name__`` is ``"__main__"``)."""
+    typed = []
+    for name, path in sorted({**modules("kvxfer"), **modules("engine_integration")}.items()):
+        if name.startswith("kvxfer.integrations") or name in LOGGERS_PENDING:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            call = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "logging.getLogger"):
+                continue
+            arg = call.args[0] if call.args else None
+            if not ((isinstance(arg, ast.Name) and arg.id == "__name__")
+                    or (isinstance(arg, ast.Constant) and arg.value == name)):
+                typed.append(f"{name}: {ast.unparse(call)}")
+    assert typed == [], typed
+
+
+if __name__ == "__main__":  # rewrite docs/architecture.md's section from LAYERS
+    text = DOC.read_text()
+    DOC.write_text(text.replace(_doc_section(text), layers_section()))
+    print(f"rewrote the layers in {DOC.relative_to(ROOT)}", file=sys.stderr)

@@ -218,7 +218,7 @@ def test_no_secret_means_no_coordinator_unless_insecure_by_name(monkeypatch, cap
         start_coordinator_process(CoordinatorConfig())
     with pytest.raises(InsecureNotRequested):
         CoordinatorClient("tcp://127.0.0.1:1")
-    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+    with caplog.at_level(logging.WARNING, logger="engine_integration"):
         coord = Coordinator(CoordinatorConfig(insecure=True))
     coord.channel.close()
     coord.ctx.term()
@@ -348,7 +348,7 @@ def test_big_frames_are_dropped_before_buffering_and_the_loop_keeps_serving():
 
 def test_connection_cap_refuses_more_with_a_log_line(coordinator, caplog):
     coord, address = coordinator  # max_connections=6
-    with caplog.at_level(logging.ERROR, logger="kvxfer"):
+    with caplog.at_level(logging.ERROR, logger="engine_integration"):
         channels = [ClientChannel(address, KEY, handshake_timeout_s=2.0) for _ in range(6)]
         with pytest.raises(AuthenticationError):
             ClientChannel(address, KEY, handshake_timeout_s=1.0)

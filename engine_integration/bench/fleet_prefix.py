@@ -40,8 +40,9 @@ ETCD_URL = "etcd:///fleet-prefix?ttl=2&poll=0.1"
 
 def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
     """Problems with the arguments, as ``(what, how to fix)``; empty when fine."""
-    from engine_integration.launch import IN_PROCESS_BACKENDS
     from engine_integration.reference.config import ModelConfig
+    from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.errors import BackendUnavailableError
 
     problems = []
     planes = [p.strip() for p in args.planes.split(",") if p.strip()]
@@ -50,9 +51,12 @@ def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
     for name in ("families", "requests", "prefix_tokens", "suffix_tokens", "new_tokens", "decode_blocks"):
         if getattr(args, name) < 1:
             problems.append((f"--{name.replace('_', '-')} {getattr(args, name)}", "give a number >= 1"))
-    if args.backend in IN_PROCESS_BACKENDS:
-        problems.append((f"--backend {args.backend}", "the decodes run in processes of their own: choose a "
-                                                      "cross-process transport (ucx, nixl)"))
+    try:  # the decodes run in processes of their own: the transport must read another process's pool
+        if not construct_kv_transfer_backend_class(args.backend).reads_other_processes:
+            problems.append((f"--backend {args.backend}", "the decodes run in processes of their own: choose a "
+                                                          "cross-process transport (ucx, nixl)"))
+    except BackendUnavailableError as exc:
+        problems.append((f"--backend {args.backend}: {exc}", "choose a cross-process transport (ucx, nixl)"))
     tpb = ModelConfig().tokens_per_block
     if args.prefix_tokens % tpb:
         problems.append((f"--prefix-tokens {args.prefix_tokens}",

@@ -508,6 +508,7 @@ def run_fleet_scale(args: argparse.Namespace) -> list[str]:
             server.stop()
     report = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "points": results,
               "etcd_ops": op_figures}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the command line accepts a folder it can make
     Path(args.out).write_text(json.dumps(report, indent=1))
     _table(results, op_figures)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+#: its module's name, written out: run with ``python -m`` (a process of its own), ``__name__`` is "__main__"
 log = logging.getLogger("engine_integration.bench.fleet_sim")
 
 TOKENS_PER_BLOCK = 4

@@ -13,9 +13,11 @@ constructed. A plugin can break only itself: whatever its import, its ``availabi
 as the reason, and ``available_backends()``, ``default_backend_name()``, ``transport_probes()`` and
 ``kvxfer info`` go on. Nothing here reads the environment to choose a backend.
 
-Owns the transports (one package each) and the contract they implement (``base.py``). May import:
-``kvxfer.meta``, ``kvxfer.plan``, ``kvxfer.security``, ``kvxfer.errors``; a backend package never
-imports another backend package.
+Owns the transports (one package each) and the contract they implement (``base.py``), with what
+each can do as class attributes (``is_push``, ``reads_other_processes``, ...) that callers read from
+the class returned here rather than keeping lists of names. A backend package never imports
+another backend package.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Mapping, TypeVar
 from kvxfer.backends.base import KVTransportBackend, TransferHandle, TransferState, checked_availability
 from kvxfer.errors import BackendUnavailableError
 
-logger = logging.getLogger("kvxfer.backends")
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvxfer.backends"
 #: Preference order for the default backend: the best transport that can run here.

@@ -52,6 +52,7 @@ from kvxfer.backends.transfer import (  # the handle and request types: importab
     abort_parts,
     failure_for_caller,
 )
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
@@ -66,19 +67,19 @@ from kvxfer.meta.seal import (
     unauthenticated_metas_allowed_by_env,
 )
 
-logger = logging.getLogger("kvxfer.backends")
+logger = logging.getLogger(__name__)
 
 __all__ = ["CompletedHandle", "GroupHandle", "KVTransportBackend", "PullRequest", "ReadFailure", "RequestId",
            "TransferHandle", "TransferStartError", "TransferState", "abort_parts", "checked_availability",
            "failure_for_caller"]
 
-DEFAULT_TIMEOUT_S = 30.0
 _MAX_COPIERS = 64  # prepared peers whose copier is kept (a vLLM decode: a few per prefill it reads from)
 TIMEOUT_ENV = "KVXFER_TRANSFER_TIMEOUT_S"
 
 
 def transfer_timeout_from_env() -> float:
-    """The handle timeout when the caller names none: ``KVXFER_TRANSFER_TIMEOUT_S`` (seconds), else 30.
+    """The handle timeout when the caller names none: ``KVXFER_TRANSFER_TIMEOUT_S`` (seconds), else
+    ``kvxfer.defaults.TRANSFER_TIMEOUT_S`` (30).
 
     Megatron constructs backends with fixed arguments and its waiter blocks the decode's
     scheduling step on ``wait()`` up to this long for a stalled source: this is how its users
@@ -86,7 +87,7 @@ def transfer_timeout_from_env() -> float:
     """
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return TRANSFER_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:
@@ -122,6 +123,8 @@ class KVTransportBackend(ABC):
     #: The transport can read into a registered staging region (``local_base``), enabling staged reshard.
     supports_staging: ClassVar[bool] = False
     #: A peer meta can point this transport at another process's memory (so metas need authenticating).
+    #: False (``local``): it reaches only its own process, so both sides run in one; the harness, the
+    #: bench and the launcher ask the class this (and ``is_push``) rather than keep lists of names.
     reads_other_processes: ClassVar[bool] = True
     #: ``begin_chained_pull`` may post the guard read itself (else it always answers None).
     chains_guard_reads: ClassVar[bool] = False

@@ -21,7 +21,7 @@ import torch
 from kvxfer.errors import BackendUnavailableError
 from kvxfer.plan.staged_reshard import DEFAULT_STAGING_BYTES
 
-logger = logging.getLogger("kvxfer.backends.staging")
+logger = logging.getLogger(__name__)
 
 STAGING_ENV = "KVXFER_STAGING_BYTES"
 _SIZE = re.compile(r"^\s*(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib)\s*$", re.IGNORECASE)

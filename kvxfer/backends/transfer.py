@@ -26,7 +26,7 @@ from kvxfer.plan.geometry import PeerGeometry
 from kvxfer.plan.request import RecordPlan
 from kvxfer.plan.staged_reshard import StagedChunk
 
-logger = logging.getLogger("kvxfer.backends")
+logger = logging.getLogger(__name__)
 
 RequestId = Hashable  # an int or a str in practice; it travels in notifications
 

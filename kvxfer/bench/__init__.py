@@ -2,8 +2,7 @@
 
 Owns the sweep's axes (``config``), running backends and baselines in worker processes (``run``,
 ``worker``, ``sweep``, ``source``, ``baselines/``), the targets, the machine description and the report.
-It knows nothing of the command line (``kvxfer.cli`` is its face) nor of the engine layer (the fleet
-benches live in ``engine_integration.bench``). May import: ``kvxfer.harness``, ``kvxfer.integrations``,
-``kvxfer.runtime``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``, ``kvxfer.security``,
-``kvxfer.errors``.
+``kvxfer.cli`` is its face (``vllm_bench`` takes the ``argparse.Namespace`` the CLI parsed); the
+fleet benches, which drive the engine layer, live in ``engine_integration.bench``.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

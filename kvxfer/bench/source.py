@@ -33,8 +33,6 @@ from kvxfer.harness.child import (
 )
 from kvxfer.harness.loopback import LoopbackConfig, make_backend, make_pool
 
-#: Backends that can only reach registrations in their own process.
-IN_PROCESS_ONLY = frozenset({"local"})
 CONTROL_TIMEOUT_S = 120.0
 #: The source's read-done poll: fine enough for a 0.1 ms figure, coarse enough not to
 #: take CPU from the transfer it is measuring.
@@ -300,11 +298,12 @@ class ChildSource(SourceClient):
 
 def open_source(backend: str, timeout_s: float) -> SourceClient:
     """A child-process source for network backends (in one process group with this one for a push
-    backend), an in-process one for ``local``."""
-    if backend in IN_PROCESS_ONLY:
+    backend), an in-process one for a backend that reads only its own process (``local``: the class's
+    ``reads_other_processes``)."""
+    cls = construct_kv_transfer_backend_class(backend)
+    if not cls.reads_other_processes:
         return InProcessSource()
-    push = construct_kv_transfer_backend_class(backend).is_push
-    return ChildSource(timeout_s=max(timeout_s, CONTROL_TIMEOUT_S), push=push)
+    return ChildSource(timeout_s=max(timeout_s, CONTROL_TIMEOUT_S), push=cls.is_push)
 
 
 def agent_name(role: str, tag: str) -> str:

@@ -4,8 +4,9 @@ Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
 ``kvxfer: error: <what> (<how to fix>)``; ``--debug`` adds the traceback.
 
-Owns the command line, logging setup and terminal output: the front door. May import every part
-of ``kvxfer`` and ``engine_integration`` (the only part of ``kvxfer`` that may); nothing imports it.
+Owns the command line, its process's logging setup and the console: the front door, the only
+part of ``kvxfer`` that imports ``engine_integration``; nothing imports it.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvxfer.cli.args import (HelpFormatter, Parser, add_common, backend_name, co
                              positive_seconds,
                              readable_file, writable_file)
 from kvxfer.cli.errors import INTERRUPTED, CommandError, one_line, report
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -67,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--handoffs", type=int_at_least(1), default=2000, help="handoffs to run and verify")
     soak.add_argument("--in-flight", type=int_at_least(1), default=8, help="handoffs in flight at once")
     soak.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the request sizes and bytes")
-    soak.add_argument("--timeout", type=positive_seconds, default=30.0, help="per-transfer timeout, seconds")
+    soak.add_argument("--timeout", type=positive_seconds, default=TRANSFER_TIMEOUT_S,
+                      help="per-transfer timeout, seconds")
     soak.add_argument("--json", type=writable_file, metavar="PATH", help="also write the report to this JSON file")
     soak.set_defaults(func=commands.run_soak_command)
 

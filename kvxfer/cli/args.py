@@ -84,7 +84,12 @@ def positive_seconds(text: str) -> float:
 
 
 def writable_file(text: str) -> str:
-    """A type: a path a file can be written to (its folder exists, or can be created, and is writable)."""
+    """A type: a path a file can be written to (its folder exists, or can be created, and is writable).
+
+    Checked by trying, while the command line is read: a run writes its output only at its end,
+    and a path found unwritable then has cost the whole run (``access()`` alone says yes to root
+    under ``/proc`` or on a read-only mount). The try leaves nothing behind (``_try_writing``).
+    """
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory (give a file name, e.g. {path / 'out.json'})")
@@ -98,7 +103,44 @@ def writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {existing} is not a directory (choose another path)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {existing} is not writable (choose a writable folder)")
+    why = _try_writing(path)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {why} (choose another path)")
     return text
+
+
+def _try_writing(path: Path) -> str:
+    """Why ``path`` cannot be written ("" if it can), found by doing it: the missing folders made and
+    the file created (an existing one opened to append, its bytes untouched), then whatever this
+    made removed again, so a usage error found later leaves no trace."""
+    missing = []
+    folder = path.parent if str(path.parent) else Path(".")
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            made.append(path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for item in reversed(made):
+            try:
+                if item == path:
+                    item.unlink()
+                else:
+                    item.rmdir()
+            except OSError:
+                pass
+    return ""
 
 
 def readable_file(text: str) -> str:

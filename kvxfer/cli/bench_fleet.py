@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvxfer.cli.args import writable_file
 from kvxfer.cli.errors import RunFailed, UsageError
 
 
@@ -21,7 +22,8 @@ def add_prefix_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--decode-blocks", type=int, default=64, help="KV blocks of each decode's pool")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the rounds' order")
-    parser.add_argument("--json", default="bench-results/fleet-prefix.json", help="where to write the report")
+    parser.add_argument("--json", type=writable_file, default="bench-results/fleet-prefix.json", metavar="PATH",
+                        help="where to write the report")
 
 
 def run_prefix_routing(args: argparse.Namespace, console: Any) -> int:
@@ -55,7 +57,7 @@ def add_fleet_scale_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=0, help="engine host processes (0: one per 8 instances, >= 2)")
     parser.add_argument("--meta-pad", type=int, default=0, help="extra bytes per instance's transfer meta")
     parser.add_argument("--no-ops", action="store_true", help="skip the per-operation etcd latencies")
-    parser.add_argument("--out", default="fleet_scale.json", help="JSON output")
+    parser.add_argument("--out", type=writable_file, default="fleet_scale.json", metavar="PATH", help="JSON output")
 
 
 def run_fleet_scale(args: argparse.Namespace, console: Any = None) -> int:

@@ -1,6 +1,8 @@
-"""The command's logging: the ``kvxfer`` logger hierarchy to stderr, at the level ``-v``/``-q`` ask for.
+"""The command's logging: the ``kvxfer`` and ``engine_integration`` logger hierarchies to stderr, at the
+level ``-v``/``-q`` ask for.
 
-The library only creates loggers (``kvxfer.backends.nixl``, ``kvxfer.engine``, ...);
+The library only creates loggers, one per module, named by it (``logging.getLogger(__name__)``:
+``kvxfer.backends.nixl.backend``, ``engine_integration.control_plane.etcd.plane``, ...);
 configuring them is the application's job, and here the application is the CLI.
 An engine that embeds kvxfer routes or silences the same loggers its own way.
 Python warnings (``warnings.warn``) are routed through logging too, so ``-q``
@@ -13,6 +15,8 @@ import logging
 import sys
 
 FORMAT = "kvxfer: %(levelname)s: %(name)s: %(message)s"
+#: The hierarchies the command configures: the library's, the engine layer's, Python's warnings.
+LOGGERS = ("kvxfer", "engine_integration", "py.warnings")
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -38,13 +42,14 @@ def level_for(verbose: int, quiet: bool) -> int:
 
 
 def configure(verbose: int = 0, quiet: bool = False) -> None:
-    """Send ``kvxfer.*`` (and Python warnings) to stderr at the chosen level; safe to call again."""
+    """Send ``kvxfer.*`` and ``engine_integration.*`` (``kvxfer generate``'s engines), and Python warnings,
+    to stderr at the chosen level; safe to call again."""
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.set_name("kvxfer-cli")
     level = level_for(verbose, quiet)
     logging.captureWarnings(True)
-    for name in ("kvxfer", "py.warnings"):
+    for name in LOGGERS:
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if h.get_name() == "kvxfer-cli"]:
             logger.removeHandler(old)

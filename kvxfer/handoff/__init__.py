@@ -5,6 +5,6 @@ the vLLM connector's sender and receiver, SGLang's source and puller) would othe
 ``poll`` (``KVPoll``, the states of a hand-off on either side), ``guard`` (the data read, then a
 guard read that carries the read-done, judged by generation counters or a lease slot; the order
 kept in one place) and ``quarantine`` (storage a failed read may still write, held until every
-handle is ``storage_safe``). May import: ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
-``kvxfer.security``, ``kvxfer.errors``.
+handle is ``storage_safe``).
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

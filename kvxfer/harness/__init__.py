@@ -4,6 +4,5 @@
 error delivered to the parent) that loopback, soak and the bench share;
 ``progress`` is the delayed progress display the CLI wraps around them.
 
-May import: ``kvxfer.runtime``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
-``kvxfer.security``, ``kvxfer.errors``; never ``bench`` or ``cli``.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

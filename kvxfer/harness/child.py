@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional
 
-logger = logging.getLogger("kvxfer.harness")
+logger = logging.getLogger(__name__)
 
 #: Message kind the child uses to report a failure; :meth:`Child.recv` raises on it.
 ERROR = "error"

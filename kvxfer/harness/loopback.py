@@ -243,7 +243,7 @@ def _pull_and_verify(cfg: LoopbackConfig, decode: KVTransportBackend, pool: torc
 OnPhase = Callable[[str], None]
 
 
-logger = logging.getLogger("kvxfer.harness.loopback")
+logger = logging.getLogger(__name__)
 
 
 def _no_phase(_: str) -> None:
@@ -265,14 +265,15 @@ def run_loopback(cfg: LoopbackConfig, on_phase: Optional[OnPhase] = None) -> Loo
     result = LoopbackResult(cfg)
     decode = None
     try:
-        if construct_kv_transfer_backend_class(cfg.backend).is_push:
+        backend_cls = construct_kv_transfer_backend_class(cfg.backend)
+        if backend_cls.is_push:
             result.direction = "push"
             with run_key_file() as key_file:
                 _run_push(cfg, result, phase, key_file)
             return result
         phase("allocating the decode pool")
         pool = make_pool(cfg, random_seed=None)
-        if cfg.backend == "local":
+        if not backend_cls.reads_other_processes:  # its peer must be in this process (``local``)
             phase(f"registering the decode pool with {cfg.backend}")
             decode = make_backend(cfg, "decode", pool)
             _run_in_process(cfg, decode, pool, result, phase)

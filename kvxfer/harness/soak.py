@@ -26,13 +26,14 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
-from kvxfer.errors import KVXferError
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
+from kvxfer.errors import BackendUnavailableError, KVXferError
 from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.harness.loopback import run_key_file
 from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
 
 CONTROL_TIMEOUT_S = 60.0
-logger = logging.getLogger("kvxfer.harness.soak")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class SoakConfig:
     num_heads: int = 2
     head_dim: int = 64
     seed: int = 0
-    timeout_s: float = 30.0
+    timeout_s: float = TRANSFER_TIMEOUT_S
 
     @property
     def pool_shape(self) -> tuple[int, ...]:
@@ -256,13 +257,24 @@ def run_soak(cfg: SoakConfig, on_progress: Optional[OnProgress] = None) -> SoakR
     report = SoakReport(cfg)
     logger.info("soak on %s: %d handoffs, %d in flight", cfg.backend, cfg.handoffs, cfg.in_flight)
     start = time.monotonic()
-    if cfg.backend == "local":
+    if _in_process_only(cfg.backend):
         _soak_in_process(cfg, report, progress)
     else:
         _soak_two_processes(cfg, report, progress)
     progress(report.handoffs_done, cfg.handoffs)
     report.duration_s = time.monotonic() - start
     return report
+
+
+def _in_process_only(backend: str) -> bool:
+    """Whether the backend reaches only its own process (``local``), so both sides run here.
+
+    A name that does not resolve goes the two-process way, where it fails as the prefill child's own
+    error in ``report.failures`` (not as an exception out of ``run_soak``)."""
+    try:
+        return not construct_kv_transfer_backend_class(backend).reads_other_processes
+    except BackendUnavailableError:
+        return False
 
 
 def _soak_in_process(cfg: SoakConfig, report: SoakReport, on_progress: OnProgress) -> None:

@@ -9,7 +9,7 @@
 A transport's own section of the meta (NIXL agent metadata, UCX worker address and rkeys) is
 typed beside its backend and stamped with the same version.
 
-May import: ``kvxfer.errors``, ``kvxfer.plan`` (the typed records it parses into) and
-``kvxfer.security`` (the cluster key the seal signs with). Nothing here does I/O beyond reading
-the key file.
+``kvxfer.plan`` gives it the typed records it parses into, ``kvxfer.security`` the cluster key the
+seal signs with. Nothing here does I/O beyond reading the key file.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

@@ -4,5 +4,6 @@ Nothing here does I/O or imports a transport: every function takes numbers (or
 frozen dataclasses) and returns a plan, so the planners are tested by applying
 their plans to tensors and comparing bytes.
 
-May import: ``kvxfer.errors`` only (and numpy, torch dtypes).
+Beyond ``kvxfer.errors`` it uses only numpy and torch dtypes.
+Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

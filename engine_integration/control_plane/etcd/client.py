@@ -38,7 +38,7 @@ from engine_integration.control_plane.etcd.requests import (DECODING, DONE, FAIL
                                                             decode_result, decode_stats)
 from engine_integration.control_plane.etcd.store import EtcdStore
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from engine_integration.control_plane.etcd.records import FleetView, HandoffStat
 from engine_integration.control_plane.etcd.requests import DECODING, DONE, FAILED, ResultRecord
 from engine_integration.control_plane.etcd.store import LeaseGone, LeaseLost
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+log = logging.getLogger(__name__)
 
 #: gRPC status codes etcd answers with (``code`` in an error body)
 CODE_INVALID_ARGUMENT, CODE_NOT_FOUND, CODE_PERMISSION_DENIED, CODE_FAILED_PRECONDITION = 3, 5, 7, 9

@@ -30,7 +30,7 @@ from engine_integration.control_plane.base import ControlPlaneError, Health, Pla
 from engine_integration.control_plane.etcd.records import InstanceRecord
 from engine_integration.control_plane.etcd.store import EtcdStore, NameTaken
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 PREFILL, DECODE = "prefill", "decode"
 

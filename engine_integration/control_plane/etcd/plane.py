@@ -46,7 +46,7 @@ from engine_integration.control_plane.etcd.store import PLANE_QUERY_KEYS, EtcdSt
 
 __all__ = ["DECODE", "PREFILL", "EtcdPlane", "member"]
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 
 class EtcdPlane(Membership, PrefillRole, DecodeRole, ControlPlane):

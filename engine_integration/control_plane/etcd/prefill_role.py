@@ -35,7 +35,7 @@ from engine_integration.control_plane.etcd.membership import DECODE, SharedState
 from engine_integration.control_plane.etcd.records import FleetView, InstanceRecord, RecordRefused
 from engine_integration.control_plane.etcd.requests import FAILED, RequestRecord, decode_request, decode_stats
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 
 @dataclass

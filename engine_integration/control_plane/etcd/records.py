@@ -44,7 +44,7 @@ from engine_integration.control_plane.limits import TooDeep, check_json
 from kvxfer.errors import PeerMetadataError
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
-log = logging.getLogger("kvxfer.engine.control_plane")
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 

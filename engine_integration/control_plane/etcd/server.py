@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient, b64, prefix_end
 
-log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+log = logging.getLogger(__name__)
 
 BIN_ENV = "KVXFER_ETCD_BIN"
 

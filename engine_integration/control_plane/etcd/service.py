@@ -30,7 +30,7 @@ from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpCli
 from engine_integration.control_plane.etcd.server import EtcdServer
 from engine_integration.control_plane.etcd.store import EtcdStore, parse_etcd_url
 
-log = logging.getLogger("kvxfer.engine.etcd")
+log = logging.getLogger(__name__)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 

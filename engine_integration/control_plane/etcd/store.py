@@ -59,7 +59,7 @@ from engine_integration.control_plane.etcd.records import (MAX_RECORD_BYTES, ROL
                                                            decode_instance, diff_views, encode_record)
 from engine_integration.control_plane.limits import check_json
 
-log = logging.getLogger("kvxfer.engine.control_plane.etcd")
+log = logging.getLogger(__name__)
 
 
 class LeaseLost(ControlPlaneError):

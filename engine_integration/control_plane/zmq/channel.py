@@ -44,7 +44,7 @@ from kvxfer.errors import AuthenticationError, KVXferError
 from kvxfer.security.auth import (FrameDropped, SessionChannel, SessionClient, SessionServer, curve_server_keys,
                                   load_secret)
 
-log = logging.getLogger("kvxfer.engine.channel")
+log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
 MAX_CONNECTIONS = 512

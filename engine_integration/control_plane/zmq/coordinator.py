@@ -61,7 +61,8 @@ from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES,
                                                           SESSION_GRACE_S, ServerChannel, resolve_secret)
 
-log = logging.getLogger("kvxfer.engine.coordinator")
+#: its module's name, written out: run with ``python -m`` (a process of its own), ``__name__`` is "__main__"
+log = logging.getLogger("engine_integration.control_plane.zmq.coordinator")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.channel import ClientChannel, resolve_secret
 from kvxfer.errors import KVXferError
 
-log = logging.getLogger("kvxfer.engine")
+log = logging.getLogger(__name__)
 
 
 class CoordinatorPlane(ControlPlane):

@@ -44,7 +44,7 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed
     dist = None  # type: ignore[assignment]
 
-logger = logging.getLogger("kvxfer.backends.nccl")
+logger = logging.getLogger(__name__)
 
 #: Gloo matches on it, keeping kvxfer's messages apart from an engine's own tag-0 traffic.
 #: NCCL ignores tags: there, only post order pairs messages (give kvxfer its own group).

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from kvxfer.errors import TransferError
 
-logger = logging.getLogger("kvxfer.backends.nccl")
+logger = logging.getLogger(__name__)
 
 
 def describe(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-logger = logging.getLogger("kvxfer.backends.nccl")
+logger = logging.getLogger(__name__)
 
 #: Plans with at most this many rows are copied row by row (no index tensor to build).
 FEW_ROWS = 8

@@ -21,7 +21,7 @@ from kvxfer.backends.same_host import SourceWatch
 from kvxfer.errors import BackendUnavailableError, PeerMetadataError, TransferError
 from kvxfer.plan.geometry import BufferGeometry
 
-logger = logging.getLogger("kvxfer.backends.nixl")
+logger = logging.getLogger(__name__)
 
 #: Remote-agent table bounds (issue 26, row 6: 41 sources met one after another left 41 remote
 #: agents). A peer whose process exited (pidfd, same host) is removed at once; one unused for

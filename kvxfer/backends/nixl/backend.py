@@ -95,7 +95,7 @@ from kvxfer.meta.seal import HOST_FIELD, host_identity
 __all__ = ["NixlBackend", "NixlHandle", "NixlPeer", "NixlTransportInfo", "nixl_transport_info", "parked_registrations",
            "nixl_transport_probe", "slice_indices"]
 
-logger = logging.getLogger("kvxfer.backends.nixl")
+logger = logging.getLogger(__name__)
 
 #: How long ``close()`` waits for READs that failed while active to end before parking the registration.
 CLOSE_SETTLE_S = 1.0

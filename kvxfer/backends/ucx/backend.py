@@ -57,7 +57,7 @@ from kvxfer.meta import notice as notify
 from kvxfer.meta.records import transfer_peer_records
 from kvxfer.meta.seal import HOST_FIELD, SEAL_FIELD, host_identity
 
-logger = logging.getLogger("kvxfer.backends.ucx")
+logger = logging.getLogger(__name__)
 
 AM_ID = 0x4B56  # "KV": the active-message id of read-done / read-failed notices
 _CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force-closing the endpoint

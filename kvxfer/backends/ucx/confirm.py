@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 from kvxfer.backends.same_host import PID_FIELD, START_FIELD, process_start_time
 from kvxfer.errors import PeerMetadataError, TransferError
 
-logger = logging.getLogger("kvxfer.backends.ucx")
+logger = logging.getLogger(__name__)
 
 #: The sealed meta field naming the exporter's confirmation socket (abstract namespace).
 CONFIRM_FIELD = "ucx_confirm_socket"
