@@ -171,9 +171,26 @@ def bootstrap_server(backend, cfg: dict):
     from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
 
     port = cfg["bootstrap_port"]
-    if CFG["role"] == "prefill" and port not in SERVERS:
+    if CFG["role"] == "prefill" and port not in SERVERS and int(cfg.get("attn_tp_rank", 0)) == 0:
         SERVERS[port] = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
     return SERVERS.get(port)
+
+
+def await_bootstrap_server(cfg: dict, timeout_s: float = 120.0) -> None:
+    """A prefill rank other than 0 registers with the bootstrap server rank 0 runs (in another process here, as on
+    a multi-GPU node): wait until it answers, as a launcher starts rank 0's server before the other ranks register
+    (SGLang's own registration retries too, for about 15 s)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{cfg['bootstrap_port']}/health", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def is_kvxfer(manager) -> bool:
@@ -285,48 +302,112 @@ def request_pool(cfg: dict):
                                 enable_memory_saver=False, pre_alloc_size=0)
 
 
+def kv_pool(cfg: dict):
+    """SGLang's real KV pool: ``MHATokenToKVPool`` (``cfg["heads"]`` heads on this rank), or with ``cfg["mla"]``
+    its ``MLATokenToKVPool`` (one latent per token: ``kv_lora_rank`` + ``qk_rope_head_dim``, any TP)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if cfg.get("mla"):
+        return MLATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
+                                kv_lora_rank=cfg.get("kv_lora_rank", 32), qk_rope_head_dim=cfg.get("qk_rope", 8),
+                                layer_num=cfg["layers"], device="cpu", enable_memory_saver=False)
+    return MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
+                            head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
+                            enable_memory_saver=False, enable_alt_stream=False)
+
+
+#: Host buffers the host-destination stand-in hands SGLang (raw pointers: kept for the rank's life).
+HOST_BUFFERS: list = []
+
+
+def host_receive_tree_cache(pool):
+    """The stand-in for a decode's HiCache tree cache, as SGLang's ``DecodePreallocQueue._init_kv_manager``
+    reads it with ``--disaggregation-decode-host-receive-threshold`` below 1, before it makes the manager:
+    ``host_pool_group.get_pool`` (a host pool's ``logical_size``), ``host_pool_group.get_contiguous_buf_infos``
+    (the device pool's buffers, which SGLang checks are its KV transfer layout, and host buffers of the same
+    shape) and ``sidecar_pool_specs`` (none); nothing else."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
+
+    host = [torch.empty_like(buf) for buf in pool_buffers(pool)]
+    HOST_BUFFERS.append(host)
+    device = get_kv_transfer_buf_infos(pool)
+    host_infos = ([t.data_ptr() for t in host], [t.nbytes for t in host], list(device[2]))
+    group = SimpleNamespace(get_pool=lambda name: SimpleNamespace(logical_size=4 * pool.size),
+                            get_contiguous_buf_infos=lambda names: (device, host_infos))
+    return SimpleNamespace(host_pool_group=group, sidecar_pool_specs=[])
+
+
+@contextmanager
+def sglang_modes(cfg: dict):
+    """SGLang's modes a manager's config asks for, in force while its queue is made: ``env`` (environment
+    variables such as ``SGLANG_DISAGG_STAGING_BUFFER``, which SGLang's ``envs`` reads at each use) and
+    ``host_receive_threshold`` (``--disaggregation-decode-host-receive-threshold``, through SGLang's scoped
+    ``override``)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    env = {k: str(v) for k, v in (cfg.get("env") or {}).items()}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with ExitStack() as stack:
+            if cfg.get("host_receive_threshold") is not None:
+                stack.enter_context(get_disagg().override(
+                    disaggregation_decode_host_receive_threshold=float(cfg["host_receive_threshold"])))
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def build(backend, cfg: dict):
     """One rank's pool, metadata buffers and manager, shaped by ``cfg``; the manager made by SGLang's own
     queue (``PrefillBootstrapQueue.__init__`` / ``DecodePreallocQueue.__init__``, each calling its
     ``_init_kv_manager``), around ``rank_scheduler``'s stand-in. A config with ``attn_tp_size`` > 1 builds
-    this rank as attention-TP rank 0 of that size: SGLang reads the widths from ``get_parallel()``, so they
-    are stated with its scoped ``override`` while the queue is made (no process group of that size is
-    built: the stand-in for the other TP ranks, which a kvxfer manager never contacts before bootstrap),
-    and the pool holds this rank's share of the heads."""
+    this rank as attention-TP rank ``attn_tp_rank`` (0 unless given) of that size: SGLang reads the widths and
+    ranks from ``get_parallel()``, so they are stated with its scoped ``override`` while the queue is made (the
+    manager and queue keep them; no process group of that size is built: the other TP ranks are other
+    processes, or not run at all, and a manager never contacts them), and the pool holds this rank's share of
+    the heads. A prefill rank other than 0 first waits for rank 0's bootstrap server."""
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
 
-    pool = MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
-                            head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
-                            enable_memory_saver=False, enable_alt_stream=False)
+    pool = kv_pool(cfg)
     meta = MetadataBuffers(size=cfg["aux_rows"], hidden_size=cfg["hidden"], hidden_states_dtype=torch.bfloat16,
                            max_sampling_mask_tokens=0)
     slots = ReqToMetadataIdxAllocator(cfg["aux_rows"])
     hybrid = mamba_pool(cfg) if cfg.get("mamba") else None
-    tp = int(cfg.get("attn_tp_size", 1))
+    tp, rank = int(cfg.get("attn_tp_size", 1)), int(cfg.get("attn_tp_rank", 0))
     scheduler = rank_scheduler(cfg, hybrid, tp)
-    widths = {"tp_size": tp, "attn_tp_size": tp, "moe_tp_size": tp} if tp > 1 else {}
+    widths = {"tp_size": tp, "attn_tp_size": tp, "moe_tp_size": tp, "tp_rank": rank, "attn_tp_rank": rank,
+              "moe_tp_rank": rank} if tp > 1 else {}
+    if CFG["role"] == "prefill" and rank > 0:
+        await_bootstrap_server(cfg)
     shared = dict(req_to_metadata_buffer_idx_allocator=slots, metadata_buffers=meta, scheduler=scheduler, gpu_id=0,
                   bootstrap_port=cfg["bootstrap_port"], max_total_num_tokens=cfg["tokens"], transfer_backend=backend)
     if CFG["role"] == "prefill":
-        with backend_flags(backend, cfg), get_parallel().override(**widths):
+        with backend_flags(backend, cfg), get_parallel().override(**widths), sglang_modes(cfg):
             queue = PrefillBootstrapQueue(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
                                           scheduler_stage_metrics=None, **shared)
     else:  # the queues keep the attention-TP group's gloo group: a real one-rank group here
-        with backend_flags(backend, cfg), \
+        tree_cache = host_receive_tree_cache(pool) if cfg.get("host_receive_threshold") is not None else None
+        with backend_flags(backend, cfg), sglang_modes(cfg), \
                 get_parallel().override(attn_tp_group=SimpleNamespace(cpu_group=one_rank_group()), **widths):
             transfer = DecodeTransferQueue(slots, meta, scheduler, tree_cache=None)
             allocator = PagedTokenToKVPoolAllocator(size=cfg["tokens"], page_size=cfg["page_size"],
                                                     dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
             queue = DecodePreallocQueue(req_to_token_pool=hybrid or request_pool(cfg),
                                         token_to_kv_pool_allocator=allocator, draft_token_to_kv_pool=None,
-                                        transfer_queue=transfer, tree_cache=None, num_reserved_decode_tokens=0,
+                                        transfer_queue=transfer, tree_cache=tree_cache, num_reserved_decode_tokens=0,
                                         **shared)
     manager = queue.kv_manager
     OWNED[id(manager)] = meta  # KVArgs holds only its raw pointers: the rank owns the buffers for its life
@@ -336,25 +417,40 @@ def build(backend, cfg: dict):
     return pool, manager.kv_args, manager
 
 
-def fill(pool, kv_args, seed: int) -> None:
+def pool_buffers(pool) -> list:
+    """The pool's per-layer tensors in ``KVArgs`` order: K layers then V layers (MHA), or the latent (MLA)."""
+    return list(pool.k_buffer) + list(pool.v_buffer) if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
+
+
+def fill(pool, kv_args, seed: int, rank: int = 0) -> None:
+    """Random KV bytes, other on each attention-TP rank (each holds other heads), and random aux and state rows,
+    the same on every rank of an instance (SGLang's TP ranks compute the same first token and metadata)."""
     from kvxfer.integrations.sglang.regions import raw_view
 
-    gen = torch.Generator().manual_seed(seed)
-    for buf in list(pool.k_buffer) + list(pool.v_buffer):
+    gen = torch.Generator().manual_seed(seed + 7919 * rank)
+    for buf in pool_buffers(pool):
         buf.view(torch.int16).copy_(torch.randint(-2**15, 2**15, buf.shape, dtype=torch.int16, generator=gen))
+    gen = torch.Generator().manual_seed(seed)
     state = [(p, n) for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens) for p, n in zip(ptrs, lens)]
     for ptr, n in list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)) + state:
         raw_view(ptr, n, "cpu").copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
 
 
+def _digest(tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def page_digests(pool, pages: list[int]) -> list[list[str]]:
     size = pool.page_size
-    out = []
-    for buf in list(pool.k_buffer) + list(pool.v_buffer):
-        raw = buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
-        out.append([hashlib.sha256(raw[p * size:(p + 1) * size].contiguous().numpy().tobytes()).hexdigest()[:16]
-                    for p in pages])
-    return out
+    return [[_digest(buf.view(torch.uint8)[p * size:(p + 1) * size]) for p in pages] for buf in pool_buffers(pool)]
+
+
+def head_digests(pool, pages: list[int]) -> list[list[list[str]]]:
+    """Per buffer, per page, per head on this rank: the digest of that head's rows in the page (SGLang's MHA layout
+    is ``[tokens, heads, head_dim]`` per layer, so a head's bytes are strided in a page)."""
+    size = pool.page_size
+    return [[[_digest(buf[p * size:(p + 1) * size, h].view(torch.uint8)) for h in range(buf.shape[1])]
+             for p in pages] for buf in pool_buffers(pool)]
 
 
 def aux_digests(kv_args, row: int) -> list[str]:
@@ -452,14 +548,15 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         result[str(room)] = {"status": int(status), "reason": reason}
         if cmd.get("timing"):
             result[str(room)].update(at_s=at - offered.get(room, started), lease_revoked=revoked)
-    digests = room_digests(cmd["rooms"], pool, kv_args)
+    digests = room_digests(cmd["rooms"], pool, kv_args, cmd.get("per_head", False))
     return {"rooms": result, "digests": digests, "elapsed_s": time.monotonic() - started,
             "leases_held": len(held) if table is not None else None}
 
 
-def room_digests(rooms: list[dict], pool, kv_args) -> dict:
+def room_digests(rooms: list[dict], pool, kv_args, per_head: bool = False) -> dict:
+    """Per room: each buffer's page digests, aux rows and state slots; with ``per_head``, each page's heads too."""
     return {str(r["room"]): {
-        "pages": page_digests(pool, r["pages"]),
+        "pages": page_digests(pool, r["pages"]), **({"heads": head_digests(pool, r["pages"])} if per_head else {}),
         "aux": aux_digests(kv_args, r["aux_index"]) if r.get("aux_index") is not None else [],
         "state": state_digests(kv_args, r["mamba_slot"]) if r.get("mamba_slot") is not None else []} for r in rooms}
 
@@ -516,7 +613,7 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         status, at, _ = ended[room]
         result[str(room)] = {"status": int(status), "reason": reason_of(rcv, status), "at_s": at - started}
         rcv.clear()
-    return {"rooms": result, "digests": room_digests(cmd["rooms"], pool, kv_args),
+    return {"rooms": result, "digests": room_digests(cmd["rooms"], pool, kv_args, cmd.get("per_head", False)),
             "elapsed_s": time.monotonic() - started, "state_written_slots": state_written_slots(kv_args)}
 
 # --- SGLang's own queues moving requests: the rank's ``PrefillBootstrapQueue`` or ``DecodePreallocQueue``
@@ -813,11 +910,28 @@ def model_decode(cmd, manager, pool) -> dict:
     return {"tokens": generate(model_for_pool(), pool, cmd["pages"], cmd["prompt_len"], first, cmd["new_tokens"])}
 
 
+def try_build(cfg: dict) -> dict:
+    """Make a manager as ``build`` does and report how SGLang's queue failed to: the error and the call path
+    (functions and modules of the traceback), or that it was made."""
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    backend = TransferBackend(cfg["backend"])
+    try:
+        bootstrap_server(backend, cfg)
+        build(backend, cfg)
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        return {"refused": f"{type(exc).__name__}: {exc}",
+                "path": [f"{os.path.basename(os.path.dirname(f.filename))}/{os.path.basename(f.filename)}:{f.name}"
+                         for f in frames]}
+    return {"refused": None}
+
+
 def main() -> None:
     try:
         backend, server, pool, kv_args, manager = setup()
         if CFG["role"] == "prefill":
-            fill(pool, kv_args, CFG.get("seed", 1))
+            fill(pool, kv_args, CFG.get("seed", 1), int(CFG.get("attn_tp_rank", 0)))
         reply({"ready": True, "pid": os.getpid(), "layout": getattr(manager, "kvxfer_layout", None),
                "manager": type(manager).__name__, "endpoint": f"tcp://{manager.local_ip}:{manager.rank_port}"})
     except Exception as exc:
@@ -830,6 +944,9 @@ def main() -> None:
         cmd = json.loads(line)
         try:
             which = cmd.get("manager", "main")
+            if cmd["op"] == "try_build":  # a manager whose making must fail: where, and why (SGLang's own path)
+                reply(try_build({**CFG, **CFG[which]}))
+                continue
             if which not in ranks:  # a further manager; its config may name its own backend and bootstrap port
                 from sglang.srt.disaggregation.utils import TransferBackend
 
@@ -838,7 +955,7 @@ def main() -> None:
                 bootstrap_server(other, cfg)
                 ranks[which] = build(other, cfg)
                 if CFG["role"] == "prefill":
-                    fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1))
+                    fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1), int(cfg.get("attn_tp_rank", 0)))
             pool, kv_args, manager = ranks[which]
             if cmd["op"] == "build":  # made above, if it was not yet
                 reply({"built": which, "manager": type(manager).__name__})

@@ -131,8 +131,9 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        tokens the prefill produced co-located, and other tokens without the prompt's KV;
     3. nothing left in any table on either side;
     4. a decode whose pool differs is refused, naming what differs (other heads: each layer's page
-       length, from SGLang's item lengths); a decode of another attention TP
-       size (rank 0 of TP 2) is refused at bootstrap naming both sizes, with nothing read or kept;
+       length, from SGLang's item lengths); a decode of another attention TP size (rank 0 of TP 2) that
+       holds Mamba state is refused at bootstrap naming both sizes (kvxfer does not slice state across TP;
+       KV across TP sizes is ``test_sglang_tp.py``), with nothing read or kept;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
        no table keeps an entry;
     6. the decode is SIGKILLed with its first page read in flight (one room mid-read, one published
@@ -155,7 +156,7 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
                                                   "KVXFER_SGLANG_MAX_ROOMS": str(MAX_ROOMS)}, mamba=8)
     decode = Peer("decode", backend, port, env=secret_env, mamba=8)
     other = Peer("decode", backend, port, env=secret_env, mamba=8, mismatch=mismatch,
-                 tp2={"heads": 1, "attn_tp_size": 2})  # attention-TP rank 0 of 2: half the prefill's heads
+                 tp2={"heads": 1, "attn_tp_size": 2})  # attention-TP rank 0 of 2: half the prefill's heads, and state
     try:
         prefill.ready(), decode.ready(), other.ready()
         _assert_no_unset_reads(prefill, decode, other)  # kvxfer's layout is read when the manager is made
@@ -207,10 +208,12 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             lens = ", ".join(["256"] * 6), ", ".join(["512"] * 6)
             assert f"kv_item_lens: prefill=[{lens[0]}] decode=[{lens[1]}]" in reason, reason
 
-        # a decode of attention TP 2 (rank 0) bootstraps against the TP-1 prefill: refused before any receiver
+        # a decode of attention TP 2 (rank 0) with Mamba state bootstraps against the TP-1 prefill: refused before
+        # any receiver (kvxfer does not slice state across TP sizes)
         began = time.monotonic()
         refused = other.ask(op="receive", manager="tp2", bootstrap=bootstrap, rooms=rooms_plan(310, 1)[1], timeout=15)
         assert "attn_tp_size=1" in refused.get("refused", "") and "attn_tp_size=2" in refused["refused"], refused
+        assert "does not slice state" in refused["refused"] and "mamba" in refused["refused"], refused
         tp2 = other.ask(op="sizes", manager="tp2")
         assert tp2["attn_tp_size"] == 2 and tp2["prefill_info_table"] == 0, tp2  # not cached as usable
         assert not any(tp2["sizes"].values()) and not any(tp2["counters"].values()), tp2  # nothing read or kept

@@ -12,10 +12,12 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from kvxfer.integrations.sglang import wire
-from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
+from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms, request_id
+from kvxfer.integrations.sglang.tp import MAX_READERS
 
 EMPTY = {"rooms": 0, "leases_in_use": 0, "early": 0, "early_peers": 0, "tells": 0}
 
@@ -157,3 +159,66 @@ def test_leases_are_random_and_a_reused_slot_never_shows_its_last_lease():
         table.revoke(slot, lease)
         assert int(table.table[slot]) == -lease
     assert min(seen) > 1 << 40 and len(set(slots)) == 4  # not 1, 2, 3, ...; every slot used, not only slot 0
+
+
+# --- several decode ranks reading one room (a decode of larger attention TP: SGLang's required_dst_info_num)
+
+def _chunks(sent, endpoint=None, tag=wire.CHUNK):
+    return [wire.decode(frames)[1] for to, frames in sent if frames[0] == tag and endpoint in (None, to)]
+
+
+A, B, C = "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"
+
+
+def test_a_room_read_by_two_decode_ranks_succeeds_only_when_both_read_every_chunk():
+    rooms, sent, concluded = _rooms(max_early=8)
+    assert rooms.open(5) is False
+    assert rooms.metadata(5, {"room": 5, "endpoint": A, "readers": 2}) is False  # one of two: not bootstrapped
+    rooms.add_chunk(5, np.array([1, 2]), 0, 2, False, None, None)  # sent to A now, to B when its metadata comes
+    assert rooms.metadata(5, {"room": 5, "endpoint": B, "readers": 2}) is True
+    assert rooms.metadata(5, {"room": 5, "endpoint": C, "readers": 2}) is False  # a third: ignored, counted
+    assert rooms.counters["foreign_metas"] == 1
+    rooms.add_chunk(5, np.array([3]), 2, 3, True, 4, None)
+    a, b = _chunks(sent, A), _chunks(sent, B)
+    assert [c["chunk"] for c in a] == [c["chunk"] for c in b] == [0, 1] and [c["src"] for c in b] == [[1, 2], [3]]
+    assert a[0]["lease"] != b[0]["lease"] and a[0]["slot"] != b[0]["slot"]  # each reader its own lease
+    assert not _chunks(sent, C) and rooms.sizes()["leases_in_use"] == 2
+    for c in a + b[:1]:
+        rooms.read_done(request_id(5, c["lease"], c["chunk"]))
+    rooms.flush()
+    assert not concluded  # B has not read its last chunk
+    rooms.read_done(request_id(5, b[1]["lease"], 1))
+    rooms.flush()
+    assert concluded == [(5, True, None)] and rooms.sizes()["leases_in_use"] == 0
+    rooms.close(5)
+    assert not rooms.sizes()["rooms"]
+
+
+def test_one_reader_failing_fails_the_room_and_tells_the_other():
+    rooms, sent, concluded = _rooms(max_early=8)
+    rooms.open(6)
+    for endpoint in (A, B):
+        rooms.metadata(6, {"room": 6, "endpoint": endpoint, "readers": 2})
+    rooms.add_chunk(6, np.array([1]), 0, 1, True, None, None)
+    b = _chunks(sent, B)[0]
+    rooms.decode_failed(6, _chunks(sent, A)[0]["lease"], B, "B names A's lease")  # foreign: each has its own
+    assert rooms.counters["foreign_reports"] == 1
+    rooms.decode_failed(6, b["lease"], B, "its read failed")
+    rooms.flush()
+    assert concluded == [(6, False, "decode: its read failed")] and rooms.sizes()["leases_in_use"] == 0
+    told = _chunks(sent, tag=wire.REVOKED)
+    assert [(t["room"], t["lease"]) for t in told] == [(6, _chunks(sent, A)[0]["lease"])]  # A told, B not (it said)
+
+
+def test_dummy_readers_read_nothing_and_metadata_bounds():
+    rooms, sent, concluded = _rooms(max_early=8)
+    rooms.open(7)
+    assert rooms.metadata(7, {"room": 7, "endpoint": A, "readers": 1, "dummy": True}) is True
+    rooms.add_chunk(7, np.array([1]), 0, 1, False, None, None)
+    rooms.add_chunk(7, np.array([2]), 1, 2, True, 3, None)
+    rooms.flush()
+    assert not _chunks(sent) and concluded == [(7, True, None)]  # nothing offered, nothing held
+    with pytest.raises(wire.WireError):  # more readers than any TP ratio: refused by the schema
+        wire.decode(wire.encode(wire.META, {"room": 1, "endpoint": A, "readers": MAX_READERS + 1}))
+    with pytest.raises(wire.WireError):
+        wire.decode(wire.encode(wire.META, {"room": 1, "endpoint": A, "readers": 0}))

@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg
 from sglang.srt.utils.network import NetworkAddress
 
@@ -38,8 +39,9 @@ from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
-from kvxfer.integrations.sglang.regions import describe_mismatch, kv_layout
+from kvxfer.integrations.sglang.regions import kv_layout
 from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
+from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
@@ -49,9 +51,22 @@ MAX_ROOMS_ENV = "KVXFER_SGLANG_MAX_ROOMS"
 HEARTBEAT_ENV = "KVXFER_SGLANG_HEARTBEAT_S"
 
 
-def unsupported_options(disagg: Any, role: str) -> Optional[str]:
-    """Why SGLang's disaggregation settings ``disagg`` (``get_disagg()``) need what kvxfer does not do,
-    naming the flag; None when kvxfer can serve them. Refused when the manager is made, before any request."""
+def unsupported_options(disagg: Any, role: str, *, staging: bool = False) -> Optional[str]:
+    """Why SGLang's disaggregation settings ``disagg`` (``get_disagg()``) and ``staging``
+    (``SGLANG_DISAGG_STAGING_BUFFER``) need what kvxfer does not do, naming the flag; None when kvxfer can
+    serve them. Refused when the manager is made (SGLang's queues make it in their ``__init__``), before any
+    request."""
+    if staging:
+        return ("kvxfer's SGLang backend does not take part in SGLang's staging buffer (SGLANG_DISAGG_STAGING_BUFFER=1: "
+                "the prefill gathers heads into a staging region its push backend writes from, and the decode "
+                "scatters them; the scheduler calls those backends' prefetch and staging handlers). kvxfer needs "
+                "none of it: across attention TP sizes each decode rank reads its own heads straight from the "
+                "prefill's pages. Unset SGLANG_DISAGG_STAGING_BUFFER on both roles")
+    if role == "decode" and float(getattr(disagg, "disaggregation_decode_host_receive_threshold", 1.0)) < 1:
+        return ("kvxfer's SGLang backend reads into the decode's device KV pool only, not into host (HiCache) "
+                "destinations: launch the decode without --disaggregation-decode-host-receive-threshold below 1 "
+                f"(got {disagg.disaggregation_decode_host_receive_threshold}); no SGLang 0.5.23 backend supports "
+                "host destinations either (supports_host_destination is False on all of them)")
     if getattr(disagg, "disaggregation_decode_allocation_policy", "early") != "early":
         return ("kvxfer's SGLang backend supports --disaggregation-decode-allocation-policy early only (got "
                 f"{disagg.disaggregation_decode_allocation_policy!r}): launch both roles with the default")
@@ -80,7 +95,7 @@ class KvxferKVManager(CommonKVManager):
                  is_mla_backend: Optional[bool] = False) -> None:
         self._kvxfer_status_lock = threading.Lock()  # before SGLang's init, which may set a status
         refused = unsupported_options(get_disagg(), "prefill" if disaggregation_mode == DisaggregationMode.PREFILL
-                                      else "decode")
+                                      else "decode", staging=bool(envs.SGLANG_DISAGG_STAGING_BUFFER.get()))
         if refused:
             raise RuntimeError(refused)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -92,8 +107,13 @@ class KvxferKVManager(CommonKVManager):
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.kvxfer_pool = PoolRegistration(args, self.kvxfer_backend, device=device, table_slots=slots, role=role,
                                             timeout_s=self.kvxfer_timeout_s)
+        # SGLang sets the KV head counts on a non-MLA prefill only (the decode's KVArgs has none): read them there
+        heads = ((int(args.kv_head_num), int(args.total_kv_head_num))
+                 if role == "prefill" and not is_mla_backend else None)
         self.kvxfer_layout = kv_layout(args, model=str(getattr(server_args, "model_path", "")),
-                                       tp_size=self.attn_tp_size, pp_size=self.pp_size)
+                                       tp_size=self.attn_tp_size, pp_size=self.pp_size,
+                                       tp_rank=self.attn_tp_rank % max(1, self.attn_tp_size),
+                                       mla=bool(is_mla_backend), heads=heads)
         self.kvxfer_key = wire.peer_key(self.local_ip, self.rank_port)
         self._kvxfer_stop = threading.Event()
         self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema (or its signature)
@@ -189,13 +209,15 @@ class KvxferKVManager(CommonKVManager):
         if parsed is None:
             if msg[0] == b"ABORT":
                 note = AbortNotification.from_zmq(msg)
-                if note is not None:
-                    self.kvxfer_rooms.abort(note.room, "the decode aborted the request", tell_decode=False)
+                if note is not None:  # the room's other decode ranks (if any) are told; the aborting one need not be
+                    aborter = (None if note.decode_ip is None or note.decode_port is None
+                               else wire.peer_key(note.decode_ip, note.decode_port))
+                    self.kvxfer_rooms.abort(note.room, "the decode aborted the request", skip=aborter)
                 return
             raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
         tag, body = parsed
         if tag == wire.REG:
-            refused = describe_mismatch(self.kvxfer_layout, body["layout"])
+            refused, _ = plan_pair(self.kvxfer_layout, body["layout"])
             if refused:
                 logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", body["endpoint"], refused)
             self._kvxfer_push(body["endpoint"], wire.encode(wire.HELLO, {
@@ -273,18 +295,21 @@ class KvxferKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's checks (page size, KV dtype, ...), then kvxfer's: pages are read whole, so both
-        sides need one attention TP size and no PP (resharding is not offered here)."""
+        """SGLang's checks (page size, KV dtype, ...) and its rank mapping, then kvxfer's: PP 1 on both sides,
+        attention TP sizes that divide one another, and no state across different TP sizes (what the layouts
+        say, heads included, is checked when the prefill's HELLO comes: ``tp.plan_pair``)."""
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         info = self.prefill_info_table[bootstrap_addr]
-        if info.attn_tp_size != self.attn_tp_size or info.pp_size != 1 or self.pp_size != 1:
+        refused = parallel_refusal(prefill_tp=info.attn_tp_size, prefill_pp=info.pp_size, decode_tp=self.attn_tp_size,
+                                   decode_pp=self.pp_size, decode_state=list(self.kv_args.state_types))
+        if refused:
             self.prefill_info_table.pop(bootstrap_addr, None)
             raise RuntimeError(
-                f"kvxfer ({self.kvxfer_backend}) reads whole KV pages, so prefill and decode need the same attention "
-                f"TP size and PP 1: prefill {bootstrap_addr} has attn_tp_size={info.attn_tp_size} pp_size="
-                f"{info.pp_size}, this decode has attn_tp_size={self.attn_tp_size} pp_size={self.pp_size}. "
-                "Launch both with the same --tp (or use SGLang's nixl/mooncake backend for mixed TP)")
+                f"kvxfer ({self.kvxfer_backend}) cannot read from this prefill: {refused}; prefill {bootstrap_addr} "
+                f"has attn_tp_size={info.attn_tp_size} pp_size={info.pp_size}, this decode has attn_tp_size="
+                f"{self.attn_tp_size} pp_size={self.pp_size}. Launch both with matching --tp / --pp-size (or use "
+                "SGLang's nixl/mooncake backend)")
         return True
 
     def build_receiver_registration_message(self) -> list[bytes]:
@@ -296,8 +321,9 @@ class KvxferKVManager(CommonKVManager):
                                         state_indices: Optional[list], decode_prefix_len: Optional[int],
                                         is_dummy: bool, device_kv_indices: Optional[np.ndarray] = None,
                                         ) -> list[bytes]:
-        return self.kvxfer_frames.sign(wire.encode(wire.META, {"room": int(bootstrap_room),
-                                                               "endpoint": self.kvxfer_key}))
+        return self.kvxfer_frames.sign(wire.encode(wire.META, {
+            "room": int(bootstrap_room), "endpoint": self.kvxfer_key, "readers": int(required_dst_info_num or 1),
+            "dummy": bool(is_dummy)}))
 
     # --- for tests and operators -------------------------------------------------------------
     def kvxfer_sizes(self) -> dict[str, int]:
@@ -343,7 +369,7 @@ class KvxferKVSender(CommonKVSender):
 
     def abort(self) -> None:
         super().abort()
-        self.kv_mgr.kvxfer_rooms.abort(self.bootstrap_room, "aborted by the prefill", tell_decode=True)
+        self.kv_mgr.kvxfer_rooms.abort(self.bootstrap_room, "aborted by the prefill")
         self.kv_mgr.kvxfer_rooms.flush()
 
 
@@ -373,14 +399,14 @@ class KvxferKVReceiver(CommonKVReceiver):
                       state_indices: Optional[list] = None, decode_prefix_len: Optional[int] = None,
                       destination: Any = None, device_kv_indices: Optional[np.ndarray] = None) -> None:
         infos = getattr(self, "bootstrap_infos", None)
-        if infos:
-            info = infos[0]
+        if infos:  # the prefill ranks SGLang pairs this decode rank with for the room, its dummy pairings left out
             meta = {"dst_pages": [int(p) for p in np.asarray(kv_indices).reshape(-1)],
                     "aux_index": None if aux_index is None else int(aux_index),
                     "state_indices": None if not state_indices else
                     [None if s is None else [int(x) for x in np.asarray(s).reshape(-1)] for s in state_indices]}
-            self.kv_mgr.kvxfer_puller.post_meta(self.bootstrap_room, wire.peer_key(info["rank_ip"], info["rank_port"]),
-                                                meta)
+            sources = list(dict.fromkeys(wire.peer_key(info["rank_ip"], info["rank_port"]) for info in infos
+                                         if not info.get("is_dummy")))
+            self.kv_mgr.kvxfer_puller.post_meta(self.bootstrap_room, sources, meta)
         kwargs = {} if destination is None else {"destination": destination}
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
 

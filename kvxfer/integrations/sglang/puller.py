@@ -10,8 +10,15 @@ when every chunk 0..last passed that check. The prefill numbers a room's chunks 
 order on one zmq connection, so chunk n arriving before chunk n-1 means n-1 is lost (the prefill
 could not send it, or the connection was replaced): the room fails at once, naming it.
 
-Failure reports are bound to the room's prefill: a ``KVXFER_REVOKED`` is taken only from the room's
-prefill, naming the room's lease (or any while the room has none yet), so a report replayed from
+With a prefill of larger attention TP, a room is read from several prefill ranks (SGLang's
+``bootstrap_infos``, its dummy MLA pairings left out): each is a *source* with its own lease and chunk
+numbers, and the room is ``Success`` only when every source's chunks 0..last passed their checks. Which
+bytes of a page come from which source is ``tp.plan_pair``'s answer for the pair, taken when the
+source's HELLO comes (whole pages, or each token's run of heads). The aux row and state slots are read
+from the first source only.
+
+Failure reports are bound to the room's prefill: a ``KVXFER_REVOKED`` is taken only from one of the room's
+prefill ranks, naming that source's lease (or any while it has none yet), so a report replayed from
 another room or sent by another rank cannot end a live room.
 
 A failed read fails its room only once no byte of any of the room's reads can still land
@@ -38,8 +45,8 @@ from kvxfer.handoff.guard import (UNREAD, GuardedRead, LeaseSlotGuard, LeaseTarg
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
-from kvxfer.integrations.sglang.regions import describe_mismatch
 from kvxfer.integrations.sglang.source import request_id
+from kvxfer.integrations.sglang.tp import plan_pair
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
@@ -66,19 +73,40 @@ class _Chunk:
 
 
 @dataclass
-class _RoomPull:
-    meta: dict[str, Any]  # what send_metadata published: dst pages, aux_index, state_indices
-    prefill: str  # the prefill rank's key
+class _Source:
+    """One prefill rank a room is read from: its lease, its chunks and their numbers."""
+
     lease: Optional[int] = None
     chunks: dict[int, _Chunk] = field(default_factory=dict)
     next_chunk: int = 0  # the number the next chunk must carry (lower: a repeat, dropped; higher: a gap)
     last: Optional[int] = None  # the number of the chunk marked last, once it came
     judged: int = 0  # chunks whose reads completed and whose lease check passed
     last_done: bool = False
+    told: bool = False  # this prefill failed the room itself (KVXFER_REVOKED): no FAILED goes back to it
+
+    @property
+    def done(self) -> bool:
+        """Chunks are taken only in order (0, 1, ...), each judged before it leaves ``chunks``: with the last
+        one judged and none left, every chunk 0..last was read and passed its lease check."""
+        return self.last_done and not self.chunks and self.last is not None and self.judged == self.last + 1
+
+
+@dataclass
+class _RoomPull:
+    meta: dict[str, Any]  # what send_metadata published: dst pages, aux_index, state_indices
+    sources: dict[str, _Source]  # prefill rank key -> its part of the room; the first gives the aux row and state
     failed: Optional[str] = None
-    told: bool = False  # the prefill failed the room itself (KVXFER_REVOKED): no FAILED goes back
     cancelled: bool = False
     retired: bool = False  # its room id went to a new request: settled without telling anyone
+
+    @property
+    def chunks(self) -> list[_Chunk]:
+        """Every chunk of every source still held (their reads may still land)."""
+        return [chunk for source in self.sources.values() for chunk in source.chunks.values()]
+
+    @property
+    def first(self) -> str:
+        return next(iter(self.sources))
 
 
 class Puller:
@@ -105,7 +133,7 @@ class Puller:
         self._cancelling: set[int] = set()  # rooms with a "cancel" posted and not yet taken
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
                          "stale_chunks": 0, "strangers": 0, "chunk_gaps": 0, "revoked": 0, "foreign_reports": 0,
-                         "stale_reports": 0}
+                         "stale_reports": 0, "descriptors": 0}  # descriptors: posted by every read, after merging
         self._foreign_logged_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-sglang-puller", daemon=True)
@@ -115,12 +143,13 @@ class Puller:
     def post(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
 
-    def post_meta(self, room: int, prefill: str, meta: dict[str, Any]) -> None:
-        """SGLang published ``room``'s destination pages: from now on the room is held (``holds``) until
-        the puller lets go of it, even before this thread has taken the message."""
+    def post_meta(self, room: int, prefills: list[str], meta: dict[str, Any]) -> None:
+        """SGLang published ``room``'s destination pages, to be read from ``prefills`` (its prefill ranks for
+        the room, in SGLang's order): from now on the room is held (``holds``) until the puller lets go of
+        it, even before this thread has taken the message."""
         with self._lock:
             self._announced[room] = self._announced.get(room, 0) + 1
-        self.post("meta", (room, prefill, meta))
+        self.post("meta", (room, list(prefills), meta))
 
     def cancel(self, room: int) -> None:
         """Abort ``room``'s reads (SGLang polls a held room every step: at most one cancel waits per room)."""
@@ -194,7 +223,7 @@ class Puller:
             return
         self._hellos[prefill] = None
         if len(self._hellos) > MAX_PREFILLS:
-            busy = {state.prefill for state in self._rooms.values()}
+            busy = {key for state in self._rooms.values() for key in state.sources}
             for old in [key for key in self._hellos if key not in busy][:len(self._hellos) - MAX_PREFILLS]:
                 del self._hellos[old]
 
@@ -204,10 +233,15 @@ class Puller:
             return
         if body.get("metas") is None and not body.get("refused"):
             raise ValueError(f"HELLO from {body['prefill']} carries neither metas nor a refusal")
-        refused = body.get("refused") or describe_mismatch(body.get("layout") or {}, self._layout)
+        refused, plan = body.get("refused"), None
+        if not refused:
+            refused, plan = plan_pair(body.get("layout") or {}, self._layout)
         if refused:
             logger.error("kvxfer sglang: prefill %s cannot serve this decode: %s", body["prefill"], refused)
-            body = {**body, "refused": refused}
+        elif plan is not None and not plan.whole_pages:
+            logger.info("kvxfer sglang: prefill %s: its heads %s read into this decode's (source head, destination "
+                        "head, heads), each token of a page", body["prefill"], plan.heads)
+        body = {**body, "refused": refused, "plan": plan}  # the plan stays here: it is this decode's
         self._hellos[body["prefill"]] = body
         parked, self._parked = self._parked, []
         for chunk in parked:
@@ -217,20 +251,20 @@ class Puller:
                 logger.exception("kvxfer sglang: a parked chunk of room %s could not be taken", chunk.get("room"))
         if refused:
             for room, state in self._rooms.items():
-                if state.prefill == body["prefill"] and state.failed is None:
+                if body["prefill"] in state.sources and state.failed is None:
                     state.failed = f"kvxfer refused the prefill's layout: {refused}"
 
-    def _on_meta(self, payload: tuple[int, str, dict[str, Any]]) -> None:
-        room, prefill, meta = payload
+    def _on_meta(self, payload: tuple[int, list[str], dict[str, Any]]) -> None:
+        room, prefills, meta = payload
         try:
-            self._take_meta(room, prefill, meta)
+            self._take_meta(room, prefills, meta)
         finally:
             with self._lock:  # taken: the room is in _rooms now (held while it is), so no gap for ``holds``
                 left = self._announced.pop(room, 0) - 1
                 if left > 0:
                     self._announced[room] = left
 
-    def _take_meta(self, room: int, prefill: str, meta: dict[str, Any]) -> None:
+    def _take_meta(self, room: int, prefills: list[str], meta: dict[str, Any]) -> None:
         old = self._rooms.get(room)  # replaced below, once it is held: never out of both at once
         if old is not None:
             old.cancelled = True
@@ -240,10 +274,13 @@ class Puller:
             for held in self._held:
                 if held.key == room:
                     held.item.retired = True  # settled (its reads over) without telling SGLang
-        state = self._rooms[room] = _RoomPull(meta=meta, prefill=prefill)
-        refused = self.refusal(prefill)
-        if refused:
-            state.failed = f"kvxfer refused the prefill's layout: {refused}"
+        state = self._rooms[room] = _RoomPull(meta=meta, sources={key: _Source() for key in prefills})
+        if not prefills:
+            state.failed = "SGLang named no prefill rank to read this room from"
+        for key in prefills:
+            refused = self.refusal(key)
+            if refused and state.failed is None:
+                state.failed = f"kvxfer refused the prefill's layout: {refused}"
 
     def _drop_parked(self, room: int) -> None:
         if self._parked:
@@ -262,7 +299,7 @@ class Puller:
     def _on_clear(self, room: int) -> None:
         self._drop_parked(room)
         state = self._rooms.get(room)
-        if state is not None and not state.chunks:
+        if state is not None and not state.chunks:  # nothing posted: nothing can land
             del self._rooms[room]
         elif state is not None:
             state.cancelled = True
@@ -286,46 +323,47 @@ class Puller:
             if len(self._parked) >= MAX_PARKED:  # the room cannot be whole without it: fail it, loudly
                 self.counters["stale_chunks"] += 1
                 state = self._rooms.get(room)
-                if state is not None and state.prefill == prefill and state.failed is None:
+                if state is not None and prefill in state.sources and state.failed is None:
                     state.failed = (f"chunk {body['chunk']} of room {room} dropped: {MAX_PARKED} chunks already wait "
                                     f"for the HELLO of prefill {prefill}")
                 return
             self._parked.append(body)
             return
         state = self._rooms.get(room)
-        if state is None or state.prefill != prefill or state.cancelled or state.failed is not None:
+        source = None if state is None else state.sources.get(prefill)
+        if source is None or state.cancelled or state.failed is not None:
             self.counters["stale_chunks"] += 1
             self._send(prefill, wire.encode(wire.FAILED, {"room": room, "lease": body.get("lease"),
                                                           "endpoint": self._endpoint,
                                                           "reason": "the decode has no live request for this room"}))
             return
-        if state.lease is None:
-            state.lease = int(body["lease"])
-        elif state.lease != int(body["lease"]):
+        if source.lease is None:
+            source.lease = int(body["lease"])
+        elif source.lease != int(body["lease"]):
             self.counters["stale_chunks"] += 1
             return
         number = int(body["chunk"])
-        if number < state.next_chunk:  # a repeat (replayed, or a confused peer) would hide the first one's reads
+        if number < source.next_chunk:  # a repeat (replayed, or a confused peer) would hide the first one's reads
             self.counters["stale_chunks"] += 1
             return
-        if number > state.next_chunk or state.last is not None:  # one zmq connection keeps the prefill's order
+        if number > source.next_chunk or source.last is not None:  # one zmq connection keeps the prefill's order
             self.counters["chunk_gaps"] += 1
-            state.failed = (f"chunk {state.next_chunk} of room {room} never came, chunk {number} did (the prefill "
-                            "sends them in order on one connection: it could not send that chunk, or the connection "
-                            "was replaced); the room cannot be whole" if state.last is None else
-                            f"chunk {number} of room {room} came after its last chunk {state.last}")
+            state.failed = (f"chunk {source.next_chunk} of room {room} from {prefill} never came, chunk {number} did "
+                            "(the prefill sends them in order on one connection: it could not send that chunk, or the "
+                            "connection was replaced); the room cannot be whole" if source.last is None else
+                            f"chunk {number} of room {room} from {prefill} came after its last chunk {source.last}")
             logger.error("kvxfer sglang: %s", state.failed)
             return
-        state.next_chunk += 1
+        source.next_chunk += 1
         if body.get("last"):
-            state.last = number
-        chunk = _Chunk(room, body, request_id(room, state.lease, number))
-        state.chunks[number] = chunk  # from here its reads count for the room's safety
+            source.last = number
+        chunk = _Chunk(room, body, request_id(room, source.lease, number))
+        source.chunks[number] = chunk  # from here its reads count for the room's safety
         if hello.get("refused"):
             chunk.error = f"kvxfer refused the prefill's layout: {hello['refused']}"
             return
         try:
-            self._post_data(chunk, state, hello["metas"])
+            self._post_data(chunk, state, hello, first=prefill == state.first)
             target = LeaseTarget(hello["metas"]["table"], int(body["slot"]), chunk.key)
         except Exception as exc:  # KVXferError, or a prefill's metas of the wrong shape: this chunk fails alone
             chunk.error = f"{type(exc).__name__}: {exc}"
@@ -336,31 +374,34 @@ class Puller:
         chunk.read = GuardedRead(chunk.data, chunk.lease, poll=_done)
 
     def _on_revoked(self, body: dict[str, Any]) -> None:
-        """The prefill failed a room and revoked its lease (``KVXFER_REVOKED``): taken only from the room's
-        prefill, naming the room's lease (or any while no chunk brought one); the room then fails once no
-        read of it can land. Anything else (another prefill's, a replayed one of another incarnation) is
-        dropped and counted."""
+        """A prefill failed a room and revoked its lease (``KVXFER_REVOKED``): taken only from one of the room's
+        prefill ranks, naming that source's lease (or any while no chunk brought one); the room then fails
+        once no read of it can land. Anything else (another prefill's, a replayed one of another incarnation)
+        is dropped and counted."""
         room, prefill, lease = int(body["room"]), body["prefill"], body.get("lease")
         state = self._rooms.get(room)
         if state is None:  # concluded here already (or never this decode's)
             self.counters["stale_reports"] += 1
             return
-        if state.prefill != prefill or (state.lease is not None and lease != state.lease):
+        source = state.sources.get(prefill)
+        if source is None or (source.lease is not None and lease != source.lease):
             self.counters["foreign_reports"] += 1
             now = time.monotonic()
             if now - self._foreign_logged_at > 10.0:
                 self._foreign_logged_at = now
                 logger.warning("kvxfer sglang: a REVOKED for room %s from %s (lease %s) dropped: the room's prefill "
-                               "is %s, its lease %s (%d dropped so far)", room, prefill, lease, state.prefill,
-                               state.lease, self.counters["foreign_reports"])
+                               "ranks are %s, each with its own lease (%d dropped so far)", room, prefill, lease,
+                               sorted(state.sources), self.counters["foreign_reports"])
             return
         self.counters["revoked"] += 1
-        state.told = True
+        source.told = True
         if state.failed is None:
             state.failed = f"the prefill failed the room: {body.get('reason') or 'no reason given'}"
 
-    def _post_data(self, chunk: _Chunk, state: _RoomPull, metas: dict[str, Any]) -> None:
-        body, meta = chunk.body, state.meta
+    def _post_data(self, chunk: _Chunk, state: _RoomPull, hello: dict[str, Any], *, first: bool) -> None:
+        """Post the chunk's data reads (no read-done): its pages of every KV buffer (whole, or the head runs
+        ``hello``'s plan names), and with the last chunk of the ``first`` source the aux row and state slots."""
+        body, meta, metas, plan = chunk.body, state.meta, hello["metas"], hello.get("plan")
         src = [int(p) for p in body["src"]]
         dst = meta["dst_pages"][int(body["dst_start"]):int(body["dst_end"])]
         if len(src) != len(dst):
@@ -369,14 +410,16 @@ class Puller:
         by_buffer = {"kv": _by_buffer(metas["kv"]), "aux": _by_buffer(metas["aux"])}
         if src:
             for region in self._pool.kv_regions:
-                chunk.data.append(begin_data_read(self._pool.backend(region), by_buffer["kv"][region.buffers[0]],
-                                                  src, dst, request_id=chunk.key))
-        if body.get("aux_index") is not None and meta.get("aux_index") is not None:
+                index = region.buffers[0]
+                parts = None if plan is None else plan.parts[index]
+                chunk.data.append(begin_data_read(self._pool.backend(region), by_buffer["kv"][index], src, dst,
+                                                  request_id=chunk.key, parts=parts))
+        if first and body.get("aux_index") is not None and meta.get("aux_index") is not None:
             for region in self._pool.aux_regions:
                 chunk.data.append(begin_data_read(
                     self._pool.backend(region), by_buffer["aux"][region.buffers[0]], [int(body["aux_index"])],
                     [int(meta["aux_index"])], request_id=chunk.key))
-        for c, src_slots in enumerate(body.get("state") or []):
+        for c, src_slots in enumerate((body.get("state") or []) if first else []):
             dst_slots = (meta.get("state_indices") or [])[c] if c < len(meta.get("state_indices") or []) else None
             if not src_slots or not dst_slots:
                 continue
@@ -384,20 +427,22 @@ class Puller:
             for region in self._pool.state_regions[c]:
                 chunk.data.append(begin_data_read(self._pool.backend(region), comp_metas[region.buffers[0]],
                                                   list(src_slots), list(dst_slots), request_id=chunk.key))
+        self.counters["descriptors"] += sum(int(getattr(h, "descriptors_posted", 0)) for h in chunk.data)
 
     def _advance(self) -> bool:
         busy = False
         for room, state in list(self._rooms.items()):
-            for idx, chunk in list(state.chunks.items()):
-                busy |= self._step(state, chunk)
-                if chunk.error is not None and state.failed is None:
-                    state.failed = chunk.error
-                if chunk.error is None and chunk.read is not None and chunk.read.phase is Phase.JUDGED:
-                    del state.chunks[idx]
-                    self.counters["chunks_pulled"] += 1
-                    state.judged += 1
-                    if chunk.body.get("last"):
-                        state.last_done = True
+            for source in state.sources.values():
+                for idx, chunk in list(source.chunks.items()):
+                    busy |= self._step(state, chunk)
+                    if chunk.error is not None and state.failed is None:
+                        state.failed = chunk.error
+                    if chunk.error is None and chunk.read is not None and chunk.read.phase is Phase.JUDGED:
+                        del source.chunks[idx]
+                        self.counters["chunks_pulled"] += 1
+                        source.judged += 1
+                        if chunk.body.get("last"):
+                            source.last_done = True
             busy |= self._settle(room, state)
         with self._lock:
             released = self._held.reclaim()
@@ -431,17 +476,15 @@ class Puller:
 
     def _settle(self, room: int, state: _RoomPull) -> bool:
         if state.failed is None and not state.cancelled:
-            # chunks are taken only in order (0, 1, ...), each judged before it leaves ``chunks``: with the
-            # last one judged and none left, every chunk 0..last was read and passed its lease check
-            if state.last_done and not state.chunks and state.last is not None and state.judged == state.last + 1:
+            if all(source.done for source in state.sources.values()):  # every source's chunks 0..last judged
                 del self._rooms[room]
                 self.counters["rooms_succeeded"] += 1
                 self._succeed(room)
                 return True
             return False
-        for chunk in state.chunks.values():
+        for chunk in state.chunks:
             abort_parts(chunk.handles, chunk.error or state.failed or "cancelled")
-        safe = all(h.storage_safe for c in state.chunks.values() for h in c.handles)
+        safe = all(h.storage_safe for c in state.chunks for h in c.handles)
         if not safe:  # held before it leaves the rooms: ``holds`` always sees it active or unsafe
             self._quarantine(room, state)
         del self._rooms[room]
@@ -452,13 +495,13 @@ class Puller:
     def _quarantine(self, room: int, state: _RoomPull) -> None:
         """Hold a failed or retired room until no byte of its reads can land (its scratch slots too)."""
         with self._lock:
-            self._held.hold(room, [h for c in state.chunks.values() for h in c.handles],
+            self._held.hold(room, [h for c in state.chunks for h in c.handles],
                             state.failed or "cancelled", state)
 
     def _release(self, room: int, state: _RoomPull) -> None:
         """No read of ``state`` can land any more: its scratch slots back, and (unless its room id went to
         a new request) SGLang and the prefill told."""
-        for chunk in state.chunks.values():
+        for chunk in state.chunks:
             if chunk.lease is not None:
                 chunk.lease.drop(chunk.error or "settled")
         if state.retired:
@@ -466,13 +509,14 @@ class Puller:
         if not state.cancelled:
             self.counters["rooms_failed"] += 1
             self._fail(room, state.failed or "failed")
-        if not state.told:  # the prefill failed it itself: nothing to tell it
-            self._send(state.prefill, wire.encode(wire.FAILED, {"room": room, "lease": state.lease,
-                                                                "endpoint": self._endpoint,
-                                                                "reason": state.failed or "aborted by the decode"}))
+        for key, source in state.sources.items():
+            if not source.told:  # a prefill that failed it itself needs no telling
+                self._send(key, wire.encode(wire.FAILED, {"room": room, "lease": source.lease,
+                                                          "endpoint": self._endpoint,
+                                                          "reason": state.failed or "aborted by the decode"}))
 
     def _cancel(self, state: _RoomPull, reason: str) -> None:
-        for chunk in state.chunks.values():
+        for chunk in state.chunks:
             if chunk.error is None:
                 chunk.error = reason
             abort_parts(chunk.handles, reason)

@@ -8,8 +8,9 @@ owns it and outlives the manager). The view's shape is ``[items, a, b]`` with ``
 length, chosen so that exactly one axis has ``items`` entries: kvxfer finds a pool's blocks axis
 by its size. One registration per buffer (``buffer_regions`` says why).
 
-``layout`` is what a peer's pool must match for a page to mean the same bytes on both sides;
-pool lengths are left out (each instance sizes its pool from its own memory).
+``kv_layout`` is what a peer's pool must match for a page to mean the same bytes on both sides
+(``tp.plan_pair`` compares two, and plans a head split across attention TP sizes); pool lengths are
+left out (each instance sizes its pool from its own memory).
 """
 
 from __future__ import annotations
@@ -94,36 +95,37 @@ def buffer_regions(kind: str, buffers: Sequence[RawBuffer], device: str) -> list
             for i, b in enumerate(buffers)]
 
 
-def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int) -> dict[str, Any]:
-    """What the two sides must agree on (``describe_mismatch`` names what differs).
+def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int, tp_rank: int = 0, mla: bool = False,
+              heads: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """What the two sides must agree on (``tp.plan_pair`` compares them, naming what differs).
 
     Read from ``kv_args``: only fields SGLang 0.5.23's ``_init_kv_manager`` sets on both roles in every
     mode (``PrefillBootstrapQueue``'s and ``DecodePreallocQueue``'s; the state fields through
     ``setup_state_kv_args``, which both call). ``kv_head_num`` / ``total_kv_head_num`` are not among
     them: SGLang's decode sets them only with ``SGLANG_DISAGG_STAGING_BUFFER`` on, its prefill only for
-    non-MLA pools. Heads need no field of their own: an item (one page of one layer) is ``page_size x
-    heads x head_dim x dtype size`` bytes, so pools of other heads or head sizes differ in
-    ``kv_item_lens``."""
+    non-MLA pools, so the caller passes ``heads`` (``(kv_head_num, total_kv_head_num)``) only where SGLang
+    set them (a non-MLA prefill). Heads need no field of their own to be compared: an item (one page of one
+    layer) is ``page_size x heads x head_dim x dtype size`` bytes, so pools of other heads or head sizes
+    differ in ``kv_item_lens``; across TP sizes the prefill's head count says how a page splits.
+    ``tp_rank``, ``mla``: the manager's attention-TP rank and SGLang's ``is_mla_backend``."""
     return {
         "model": model,
         "page_size": int(kv_args.page_size),
         "kv_cache_dtype": str(kv_args.kv_cache_dtype_str),
         "kv_layout": kv_args.kv_layout,
         "attn_tp_size": int(tp_size),
+        "attn_tp_rank": int(tp_rank),
         "pp_size": int(pp_size),
+        "mla": bool(mla),
+        "kv_head_num": None if heads is None else int(heads[0]),
+        "total_kv_head_num": None if heads is None else int(heads[1]),
+        "num_draft_entries": int(kv_args.num_draft_entries or 0),
         "kv_buffers": len(kv_args.kv_data_ptrs),
         "kv_item_lens": [int(x) for x in kv_args.kv_item_lens],
         "aux_item_lens": [int(x) for x in kv_args.aux_item_lens],
         "state_types": [str(getattr(t, "value", t)) for t in kv_args.state_types],
         "state_item_lens": [[int(x) for x in comp] for comp in kv_args.state_item_lens],
     }
-
-
-def describe_mismatch(prefill: dict[str, Any], decode: dict[str, Any]) -> Optional[str]:
-    """None when the layouts match, else one line naming every field that differs, with both values."""
-    diffs = [f"{key}: prefill={prefill.get(key)!r} decode={decode.get(key)!r}"
-             for key in sorted(set(prefill) | set(decode)) if prefill.get(key) != decode.get(key)]
-    return "; ".join(diffs) if diffs else None
 
 
 def region_bytes(regions: Sequence[Region]) -> int:

@@ -3,12 +3,13 @@
 SGLang's prefill frees a request's pages once its sender polls ``KVPoll.Success`` or
 ``KVPoll.Failed``. Here that happens only when no read of them can still matter:
 
-* every chunk's pages were read: the decode's last read of each chunk is of the room's *lease*
-  slot, and kvxfer's read-done for it (``drain_read_done`` on the lease table) is what marks
-  the chunk read; after the last chunk the room is ``Success``;
-* the decode reported failure or abort (kvxfer's ``drain_read_failed``, ``KVXFER_FAILED`` from the
-  room's own decode naming the room's lease, or SGLang's ``ABORT``): its reads are over, or their
-  bytes will be discarded;
+* every chunk's pages were read by every decode rank reading the room (one, or with a decode of larger
+  attention TP, SGLang's ``required_dst_info_num`` of them): a decode's last read of each chunk is of its
+  *lease* slot, and kvxfer's read-done for it (``drain_read_done`` on the lease table) is what marks
+  the chunk read by that decode; after the last chunk, read by all, the room is ``Success``;
+* a decode reported failure or abort (kvxfer's ``drain_read_failed``, ``KVXFER_FAILED`` from one of the
+  room's own decodes naming its lease, or SGLang's ``ABORT``): its reads are over, or their bytes will be
+  discarded (the room's other decodes are told);
 * a chunk saw neither within twice the transfer timeout (a decode that died or stalls);
 * a chunk could not be handed to zmq (the decode's queue full, no connection): at once, since the
   decode must not take the room without it.
@@ -64,17 +65,38 @@ class LeaseTable:
 
 
 @dataclass
-class _Room:
-    decode: Optional[dict[str, Any]] = None  # the decode's KVXFER_META body
+class _Reader:
+    """One decode rank reading a room: its own lease and its own chunk numbers."""
+
+    endpoint: str
+    dummy: bool = False  # SGLang's dummy rank (MLA, prefill TP > decode TP): it reads nothing from this rank
     lease: Optional[tuple[int, int]] = None  # (slot, token)
     next_chunk: int = 0
     announced: dict[int, float] = field(default_factory=dict)  # chunk -> when it was announced
+
+
+@dataclass
+class _Room:
+    readers: dict[str, _Reader] = field(default_factory=dict)  # decode endpoint -> its reads
+    expected: Optional[int] = None  # decode ranks SGLang pairs with this rank for the room (their metadata says)
+    chunks: list[dict[str, Any]] = field(default_factory=list)  # chunks so far, replayed to a reader yet to come
+    sent: int = 0  # chunks SGLang has sent for the room
     last_sent: bool = False
-    pending: list[dict[str, Any]] = field(default_factory=list)  # chunks sent before the decode's metadata came
     concluded: bool = False
     opened: bool = False  # SGLang made a sender for it (else only the decode's metadata came, so far)
     early_peer: Optional[str] = None  # while only the metadata came: the decode endpoint it is counted for
     since: float = field(default_factory=time.monotonic)
+
+    @property
+    def complete(self) -> bool:
+        """Every decode rank SGLang pairs with this rank for the room has sent its metadata."""
+        return self.expected is not None and len(self.readers) >= self.expected
+
+    def reader_by_lease(self, token: int) -> Optional[_Reader]:
+        for reader in self.readers.values():
+            if reader.lease is not None and reader.lease[1] == token:
+                return reader
+        return None
 
 
 @dataclass
@@ -97,6 +119,12 @@ class SourceRooms:
     A room's chunks are numbered 0, 1, ... and handed to zmq in that order, under the lock (chunks
     that came before the decode's metadata are sent, in order, when it comes), so the decode can
     tell a missing chunk from one still on its way. A chunk zmq will not take fails the room at once.
+
+    A room may have several readers: with a decode of larger attention TP, SGLang pairs ``D/P`` decode
+    ranks with each prefill rank, and each one's metadata says how many (SGLang's
+    ``required_dst_info_num``). Each reader gets every chunk, under its own lease and numbers; the room is
+    bootstrapped once all of them sent their metadata, ``Success`` once each read every chunk, and fails
+    (every lease revoked, every other reader told) when any of them fails.
     """
 
     def __init__(self, leases: LeaseTable, *, prefill_key: str, timeout_s: float,
@@ -119,12 +147,12 @@ class SourceRooms:
         self._early_by_peer: dict[str, dict[int, None]] = {}  # endpoint -> its early rooms, oldest first
         self._lock = threading.Lock()
         self._outbox: list[tuple[int, bool, Optional[str]]] = []  # conclusions, told to SGLang outside the lock
-        self._tells: dict[int, _Tell] = {}  # room -> the REVOKED its decode has not been handed yet (bounded)
+        self._tells: dict[tuple[int, str], _Tell] = {}  # (room, decode) -> a REVOKED not handed to zmq yet (bounded)
         self._max_tells = max(64, 2 * max_early)
         self._logged_at: dict[str, float] = {}
         self.counters = {"chunks_announced": 0, "chunks_read": 0, "rooms_succeeded": 0, "rooms_failed": 0,
                          "rooms_timed_out": 0, "stale_reports": 0, "chunks_unsent": 0, "foreign_reports": 0,
-                         "early_evicted": 0, "tells_lost": 0}
+                         "early_evicted": 0, "tells_lost": 0, "foreign_metas": 0}
 
     # --- from SGLang ----------------------------------------------------------------------
     def open(self, room: int) -> bool:
@@ -140,12 +168,14 @@ class SourceRooms:
             if not old.opened:
                 old.opened = True
                 self._early_drop_locked(room, old)
-            return old.decode is not None
+            return old.complete
 
     def metadata(self, room: int, body: dict[str, Any]) -> bool:
-        """The decode's destination for ``room``; True when SGLang has a sender for it (the room is then
-        bootstrapped). Metadata for a room without a sender is kept for the sender to come, bounded."""
-        endpoint = body["endpoint"]
+        """A decode rank's destination for ``room``; True when SGLang has a sender for it and every decode rank
+        the metadata says to expect (``readers``) has sent its own (the room is then bootstrapped). Metadata
+        for a room without a sender is kept for the sender to come, bounded. A ``dummy`` reader (SGLang's,
+        for MLA with fewer decode ranks than prefill ranks) counts, and reads nothing here."""
+        endpoint, expected, dummy = body["endpoint"], int(body.get("readers") or 1), bool(body.get("dummy"))
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
@@ -154,15 +184,29 @@ class SourceRooms:
                     return False
                 state = self._rooms[room] = _Room()
                 self._early_add_locked(room, state, endpoint)
-            elif state.decode is not None and state.decode.get("endpoint") != endpoint:
-                self._log_limited("meta", logging.WARNING, "kvxfer sglang: room %s: metadata from %s ignored, the "
-                                  "room's decode is %s", room, endpoint, state.decode.get("endpoint"))
-                return False
-            state.decode = body
-            pending, state.pending = state.pending, []
-            for chunk in pending:  # in order, before any chunk SGLang's scheduler sends from now on
-                self._add_chunk_locked(room, state, **chunk)
-            return state.opened
+            else:
+                why = ("the room is concluded" if state.concluded else
+                       "it sent the room's metadata already" if endpoint in state.readers else
+                       f"it names {expected} decode ranks, the room's first metadata {state.expected}"
+                       if state.expected is not None and expected != state.expected else
+                       f"the room's {state.expected} decode rank(s) are {sorted(state.readers)}" if state.complete
+                       else None)
+                if why is not None:
+                    self.counters["foreign_metas"] += 1
+                    self._log_limited("meta", logging.WARNING, "kvxfer sglang: room %s: metadata from %s ignored: %s "
+                                      "(%d ignored so far)", room, endpoint, why, self.counters["foreign_metas"])
+                    return False
+            state.expected = expected
+            reader = state.readers[endpoint] = _Reader(endpoint, dummy=dummy)
+            if not dummy:  # in order, before any chunk SGLang's scheduler sends from now on
+                for chunk in state.chunks:
+                    self._send_chunk_locked(room, state, reader, chunk)
+                    if state.concluded:
+                        return False
+            if state.complete:
+                state.chunks = []  # no reader left to come: nothing more to replay
+                self._maybe_done_locked(room, state)
+            return state.opened and state.complete
 
     def _early_add_locked(self, room: int, state: _Room, endpoint: str) -> None:
         state.early_peer = endpoint
@@ -216,48 +260,62 @@ class SourceRooms:
 
     def add_chunk(self, room: int, pages: np.ndarray, start: int, end: int, last: bool,
                   aux_index: Optional[int], state_indices: Optional[list]) -> None:
+        """SGLang sent a chunk of the room: offer it to every reader that sent its metadata (the others get it,
+        in order, when theirs comes)."""
         with self._lock:
             state = self._rooms.get(room)
             if state is None or state.concluded:
                 return
-            if state.decode is None:  # sent with the decode's metadata (``metadata``), in order
-                state.pending.append(dict(pages=pages, start=start, end=end, last=last, aux_index=aux_index,
-                                          state_indices=state_indices))
-                return
-            self._add_chunk_locked(room, state, pages, start, end, last, aux_index, state_indices)
+            chunk = dict(pages=[int(p) for p in pages], start=int(start), end=int(end), last=bool(last),
+                         aux_index=None if aux_index is None else int(aux_index),
+                         state=None if state_indices is None else
+                         [None if x is None else [int(v) for v in np.asarray(x).reshape(-1)] for x in state_indices])
+            state.sent += 1
+            state.last_sent |= bool(last)
+            if not state.complete:
+                state.chunks.append(chunk)
+            for reader in list(state.readers.values()):
+                if not reader.dummy:
+                    self._send_chunk_locked(room, state, reader, chunk)
+                if state.concluded:
+                    return
+            self._maybe_done_locked(room, state)
 
-    def _add_chunk_locked(self, room: int, state: _Room, pages: np.ndarray, start: int, end: int, last: bool,
-                          aux_index: Optional[int], state_indices: Optional[list]) -> None:
-        """Number the chunk and hand it to zmq, under the lock: numbers go out in order. A chunk zmq will
-        not take fails the room at once (lease revoked, the decode told): the decode must never miss it."""
+    def _send_chunk_locked(self, room: int, state: _Room, reader: _Reader, chunk: dict[str, Any]) -> None:
+        """Number the chunk for ``reader`` and hand it to zmq, under the lock: numbers go out in order. A chunk
+        zmq will not take fails the room at once (leases revoked, the decodes told): no decode may miss it."""
         if state.concluded:
             return
-        if state.lease is None:
-            state.lease = self._leases.take()
-            if state.lease is None:
+        if reader.lease is None:
+            reader.lease = self._leases.take()
+            if reader.lease is None:
                 reason = f"all {self._leases.table.numel()} kvxfer lease slots are in use (raise KVXFER_SGLANG_MAX_ROOMS)"
-                self._finish_locked(room, state, False, reason, tell=True)
+                self._finish_locked(room, state, False, reason)
                 return
-        chunk = state.next_chunk
-        state.next_chunk += 1
-        state.last_sent |= last
-        slot, lease = state.lease
-        body = {"room": room, "prefill": self._prefill_key, "chunk": chunk, "src": [int(p) for p in pages],
-                "dst_start": int(start), "dst_end": int(end), "last": bool(last), "slot": slot, "lease": lease,
-                "aux_index": None if aux_index is None else int(aux_index),
-                "state": None if state_indices is None else
-                [None if s is None else [int(x) for x in np.asarray(s).reshape(-1)] for s in state_indices]}
-        endpoint = state.decode["endpoint"]
-        if not self._send(endpoint, wire.encode(wire.CHUNK, body)):
+        number = reader.next_chunk
+        reader.next_chunk += 1
+        slot, lease = reader.lease
+        body = {"room": room, "prefill": self._prefill_key, "chunk": number, "src": chunk["pages"],
+                "dst_start": chunk["start"], "dst_end": chunk["end"], "last": chunk["last"], "slot": slot,
+                "lease": lease, "aux_index": chunk["aux_index"], "state": chunk["state"]}
+        if not self._send(reader.endpoint, wire.encode(wire.CHUNK, body)):
             self.counters["chunks_unsent"] += 1
-            reason = (f"chunk {chunk} of room {room} could not be handed to zmq for the decode {endpoint} (its queue "
-                      "is full or there is no connection): the room fails at once, its lease revoked, so the decode "
-                      "cannot take the room without that chunk")
+            reason = (f"chunk {number} of room {room} could not be handed to zmq for the decode {reader.endpoint} (its "
+                      "queue is full or there is no connection): the room fails at once, its leases revoked, so no "
+                      "decode can take the room without that chunk")
             logger.error("kvxfer sglang: %s", reason)
-            self._finish_locked(room, state, False, reason, tell=True)
+            self._finish_locked(room, state, False, reason)
             return
-        state.announced[chunk] = time.monotonic()
+        reader.announced[number] = time.monotonic()
         self.counters["chunks_announced"] += 1
+
+    def _maybe_done_locked(self, room: int, state: _Room) -> None:
+        """``Success`` once the last chunk was sent, every reader came and each one's read-done for every
+        chunk came back (a room of dummy readers only: once its last chunk was sent)."""
+        if state.concluded or not state.last_sent or not state.complete:
+            return
+        if all(r.dummy or (not r.announced and r.next_chunk == state.sent) for r in state.readers.values()):
+            self._finish_locked(room, state, True, None)
 
     def close(self, room: int) -> None:
         """SGLang cleared the sender: forget the room (revoking its lease if it never concluded)."""
@@ -265,56 +323,63 @@ class SourceRooms:
             state = self._rooms.pop(room, None)
             if state is not None:
                 self._early_drop_locked(room, state)
-            if state is not None and state.lease is not None and not state.concluded:
-                self._leases.revoke(*state.lease)
+            if state is not None and not state.concluded:
+                for reader in state.readers.values():
+                    if reader.lease is not None:
+                        self._leases.revoke(*reader.lease)
 
-    def abort(self, room: int, reason: str, *, tell_decode: bool) -> None:
+    def abort(self, room: int, reason: str, *, skip: Optional[str] = None) -> None:
+        """Fail the room (SGLang's abort on either side): every reader but ``skip`` (the decode that aborted
+        it, when known) is told."""
         with self._lock:
             state = self._rooms.get(room)
             if state is not None and not state.concluded:
-                self._finish_locked(room, state, False, reason, tell=tell_decode)
+                self._finish_locked(room, state, False, reason, skip=skip)
 
     # --- from kvxfer and the decode ---------------------------------------------------------
     def read_done(self, request_id: str) -> None:
         parsed = _parse_request_id(request_id)
         with self._lock:
             state = self._rooms.get(parsed[0]) if parsed else None
-            if state is None or state.lease is None or state.lease[1] != parsed[1] or state.concluded:
+            reader = None if state is None or state.concluded else state.reader_by_lease(parsed[1])
+            if reader is None:
                 self.counters["stale_reports"] += 1
                 return
-            if state.announced.pop(parsed[2], None) is None:
+            if reader.announced.pop(parsed[2], None) is None:
                 return
             self.counters["chunks_read"] += 1
-            if state.last_sent and not state.announced:
-                self._finish_locked(parsed[0], state, True, None, tell=False)
+            self._maybe_done_locked(parsed[0], state)
 
     def read_failed(self, request_id: Any, reason: str) -> None:
         parsed = _parse_request_id(str(request_id))
         with self._lock:
             state = self._rooms.get(parsed[0]) if parsed else None
-            if state is None or state.concluded or state.lease is None or state.lease[1] != parsed[1]:
+            reader = None if state is None or state.concluded else state.reader_by_lease(parsed[1])
+            if reader is None:
                 return
-            self._finish_locked(parsed[0], state, False, f"the decode's read failed: {reason}", tell=False)
+            self._finish_locked(parsed[0], state, False, f"the decode {reader.endpoint}'s read failed: {reason}",
+                                skip=reader.endpoint)
 
     def decode_failed(self, room: int, lease: Optional[int], endpoint: str, reason: str) -> None:
-        """A decode's KVXFER_FAILED: taken only from the room's decode (``endpoint``) naming the room's
-        lease (None while the room has none). Any other (a rank answering a chunk replayed to it, a stale
-        room's report, a stranger) is dropped and counted."""
+        """A decode's KVXFER_FAILED: taken only from one of the room's decodes (``endpoint``) naming its lease
+        (None while it has none). Any other (a rank answering a chunk replayed to it, a stale room's report,
+        a stranger) is dropped and counted. The room's other decodes are told."""
         with self._lock:
             state = self._rooms.get(room)
             if state is None or state.concluded:
                 self.counters["stale_reports"] += 1
                 return
-            decode = None if state.decode is None else state.decode.get("endpoint")
-            own = None if state.lease is None else state.lease[1]
-            if endpoint != decode or lease != own:
+            reader = state.readers.get(endpoint)
+            own = None if reader is None or reader.lease is None else reader.lease[1]
+            if reader is None or lease != own:
                 self.counters["foreign_reports"] += 1
                 self._log_limited("foreign", logging.WARNING,
-                                  "kvxfer sglang: a FAILED for room %s from %s (lease %s) dropped: the room's decode is "
-                                  "%s, its lease %s (%d dropped so far)", room, endpoint, lease, decode,
-                                  "none yet" if own is None else "another", self.counters["foreign_reports"])
+                                  "kvxfer sglang: a FAILED for room %s from %s (lease %s) dropped: the room's decodes "
+                                  "are %s, %s (%d dropped so far)", room, endpoint, lease, sorted(state.readers) or
+                                  "none yet", "its lease none yet" if reader is not None and own is None else
+                                  "each with its own lease", self.counters["foreign_reports"])
                 return
-            self._finish_locked(room, state, False, f"decode: {reason}", tell=False)
+            self._finish_locked(room, state, False, f"decode: {reason}", skip=endpoint)
 
     def expire(self, now: Optional[float] = None) -> None:
         """Fail rooms with a chunk unread past the bound (twice the transfer timeout; lease revoked first);
@@ -323,38 +388,48 @@ class SourceRooms:
         with self._lock:
             self._expire_early_locked(now)
             for room, state in list(self._rooms.items()):
-                if state.concluded or not state.announced:
+                if state.concluded:
                     continue
-                oldest = min(state.announced.values())
+                offered = [(when, number, reader.endpoint) for reader in state.readers.values()
+                           for number, when in reader.announced.items()]
+                if not offered:
+                    continue
+                oldest, number, endpoint = min(offered)
                 if now - oldest > self.timeout_s:
                     self.counters["rooms_timed_out"] += 1
                     self._finish_locked(room, state, False,
-                                        f"no read-done from the decode {now - oldest:.1f}s after chunk "
-                                        f"{min(state.announced)} was offered (the bound: {self.timeout_s}s, twice the transfer timeout); "
-                                        "its lease is revoked, so a late read fails", tell=True)
+                                        f"no read-done from the decode {endpoint} {now - oldest:.1f}s after chunk "
+                                        f"{number} was offered (the bound: {self.timeout_s}s, twice the transfer "
+                                        "timeout); its lease is revoked, so a late read fails")
 
-    def _finish_locked(self, room: int, state: _Room, success: bool, reason: Optional[str], *, tell: bool) -> None:
+    def _finish_locked(self, room: int, state: _Room, success: bool, reason: Optional[str], *,
+                       skip: Optional[str] = None) -> None:
+        """Conclude the room: every lease revoked before SGLang may reuse a page; on failure every reader but
+        ``skip`` (the decode that reported it) is told."""
         state.concluded = True
-        if state.lease is not None:
-            self._leases.revoke(*state.lease)  # before SGLang may reuse a page
+        for reader in state.readers.values():
+            if reader.lease is not None:
+                self._leases.revoke(*reader.lease)
         self.counters["rooms_succeeded" if success else "rooms_failed"] += 1
         self._outbox.append((room, success, reason))
-        if tell and state.decode is not None:
-            self._tell_locked(room, state, reason or "failed on the prefill")
+        if not success:
+            for reader in state.readers.values():
+                if not reader.dummy and reader.endpoint != skip:
+                    self._tell_locked(room, reader, reason or "failed on the prefill")
 
-    def _tell_locked(self, room: int, state: _Room, reason: str) -> None:
-        """Queue a REVOKED for the room's decode (sent by ``flush``, again until zmq takes it)."""
-        body = {"room": room, "prefill": self._prefill_key, "lease": None if state.lease is None else state.lease[1],
+    def _tell_locked(self, room: int, reader: _Reader, reason: str) -> None:
+        """Queue a REVOKED for one of the room's decodes (sent by ``flush``, again until zmq takes it)."""
+        body = {"room": room, "prefill": self._prefill_key, "lease": None if reader.lease is None else reader.lease[1],
                 "reason": reason}
-        self._tells.pop(room, None)
+        key = (room, reader.endpoint)
+        self._tells.pop(key, None)
         if len(self._tells) >= self._max_tells:  # the oldest goes: its decode learns by its own timeout
             lost = next(iter(self._tells))
             del self._tells[lost]
             self.counters["tells_lost"] += 1
-            logger.warning("kvxfer sglang: room %s's failure not told to its decode: %d others wait to be sent",
-                           lost, self._max_tells)
-        self._tells[room] = _Tell(state.decode["endpoint"], wire.encode(wire.REVOKED, body),
-                                  time.monotonic() + self.timeout_s)
+            logger.warning("kvxfer sglang: room %s's failure not told to its decode %s: %d others wait to be sent",
+                           lost[0], lost[1], self._max_tells)
+        self._tells[key] = _Tell(reader.endpoint, wire.encode(wire.REVOKED, body), time.monotonic() + self.timeout_s)
 
     def flush(self) -> None:
         """Tell SGLang about rooms concluded since the last call, and their decodes about the failed ones
@@ -367,16 +442,17 @@ class SourceRooms:
             return
         now = time.monotonic()
         with self._lock:
-            due = [(room, tell) for room, tell in self._tells.items() if tell.next_try <= now]
-        for room, tell in due:
+            due = [(key, tell) for key, tell in self._tells.items() if tell.next_try <= now]
+        for key, tell in due:
             sent = self._send(tell.endpoint, tell.frames)
+            room = key[0]
             with self._lock:
-                if self._tells.get(room) is not tell:
+                if self._tells.get(key) is not tell:
                     continue
                 if sent:
-                    del self._tells[room]
+                    del self._tells[key]
                 elif now > tell.deadline:
-                    del self._tells[room]
+                    del self._tells[key]
                     self.counters["tells_lost"] += 1
                     logger.error("kvxfer sglang: room %s failed, but its decode %s could not be told for %.1fs; it "
                                  "learns by its own timeout", room, tell.endpoint, self.timeout_s)

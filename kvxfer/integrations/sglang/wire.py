@@ -10,7 +10,9 @@ tag                     direction          body (JSON)
 ``KVXFER_REG``          decode -> prefill  the decode's endpoint and layout (SGLang's receiver registration)
 ``KVXFER_HELLO``        prefill -> decode  the prefill's kvxfer metas (pool, aux, state, lease table) and
                                            layout, or the reason it refused the decode's layout
-``KVXFER_META``         decode -> prefill  one room: destination pages, aux row, state slots
+``KVXFER_META``         decode -> prefill  one room: the decode's endpoint, how many decode ranks read the
+                                           room from this prefill rank (``readers``), whether this one
+                                           is SGLang's dummy pairing (``dummy``: it reads nothing here)
 ``KVXFER_CHUNK``        prefill -> decode  chunk n (0, 1, ... in the order sent) is ready: source pages,
                                            where they go, lease slot and lease
 ``KVXFER_FAILED``       decode -> prefill  a room's pull failed or was aborted, and no read of it is in
@@ -40,9 +42,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import msgspec
+
+from kvxfer.integrations.sglang.tp import MAX_READERS
 
 REG = b"KVXFER_REG"
 HELLO = b"KVXFER_HELLO"
@@ -78,6 +82,9 @@ class Hello(_Body):
 class Meta(_Body):
     room: int
     endpoint: str
+    # how many decode ranks read this room from this prefill rank (SGLang's ``required_dst_info_num``)
+    readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
+    dummy: bool = False  # SGLang's dummy pairing (MLA, prefill TP > decode TP): this decode reads nothing here
 
 
 class Chunk(_Body):

@@ -1,0 +1,167 @@
+"""Different attention TP between an SGLang prefill and decode: which bytes of each page a decode
+rank reads from each prefill rank SGLang pairs it with. Pure: no SGLang import, no I/O.
+
+SGLang decides the pairing (``CommonKVManager._resolve_rank_mapping``, ``CommonKVReceiver``): with decode
+TP ``D`` and prefill TP ``P``, decode rank ``d`` registers with prefill rank ``d // (D/P)`` when ``D >= P``
+(each prefill rank then expects ``D/P`` decode ranks per room: ``required_dst_info_num``), else with ranks
+``d*(P/D) ... (d+1)*(P/D) - 1`` (all real for MHA/GQA; for MLA only the first, the others *dummy*: they
+expect one decode per room and hand nothing over). kvxfer keeps that pairing and plans the bytes here.
+
+SGLang's MHA/GQA pool (``MHATokenToKVPool``) is one ``[tokens, heads_on_rank, head_dim]`` tensor per layer
+for K and one for V; one *item* of ``KVArgs`` is a page of one of them, ``page_size`` token rows of
+``heads_on_rank * head_dim`` elements. So a rank's heads are strided within a page: a decode rank reads, per
+token of each page, the head run it shares with the prefill rank (``kvxfer.plan.parts.SlicePart``, one per
+token row; kvxfer's planner turns them into descriptors, adjacent ones merged). Which heads a rank holds is
+kvxfer's ``KVShardLayout`` (heads split evenly by TP, or each head on ``TP/K`` consecutive ranks when TP
+exceeds the ``K`` KV heads); the head size comes from the prefill's item length and its ``kv_head_num``
+(SGLang sets it on a non-MLA prefill; the decode's ``KVArgs`` has no head count, so the decode's heads are
+its item length over the prefill's head size, checked against ``K``). An MLA pool holds one latent copy per
+rank: whole pages, any TP.
+
+``plan_pair`` answers for one (prefill rank, decode rank) pair: why not (one line naming both layouts), or
+what to read. The layouts are ``regions.kv_layout`` dicts, one from each side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvxfer.errors import GeometryError
+from kvxfer.plan.layout import KVShardLayout
+from kvxfer.plan.parts import SlicePart
+from kvxfer.plan.reshard import kv_transfer_between
+
+#: Layout fields that may differ between the two sides when their attention TP differs (checked here);
+#: every other field must be equal.
+TP_FIELDS = ("attn_tp_size", "attn_tp_rank", "kv_head_num", "total_kv_head_num", "kv_item_lens", "state_item_lens")
+#: The most decode ranks one prefill rank serves per room (SGLang's ``required_dst_info_num``: decode TP over
+#: prefill TP): a bound on what a peer's metadata may claim.
+MAX_READERS = 64
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """What one decode rank reads from one prefill rank per page. ``parts``: per KV buffer (``kv_item_lens``
+    order), the byte ranges of a page to read, or None for the whole page. ``heads``: ``(src_head,
+    dst_head, num_heads)`` in each side's local heads when heads are resliced, else None."""
+
+    parts: tuple[Optional[tuple[SlicePart, ...]], ...]
+    heads: Optional[tuple[int, int, int]] = None
+
+    @property
+    def whole_pages(self) -> bool:
+        return all(p is None for p in self.parts)
+
+
+def describe(layout: dict[str, Any]) -> str:
+    """One side's layout in a line: TP size and rank, its heads (or MLA), page size and item lengths."""
+    if not layout:
+        return "no layout"
+    if layout.get("mla"):
+        heads = "MLA (one latent copy per rank)"
+    elif layout.get("kv_head_num") is not None:
+        heads = f"{layout['kv_head_num']} of {layout.get('total_kv_head_num')} KV heads"
+    else:
+        heads = "KV heads not stated (SGLang's decode sets none)"
+    lens = layout.get("kv_item_lens") or []
+    shown = f"{lens[:4]}{'...' if len(lens) > 4 else ''}"
+    return (f"attn_tp_size={layout.get('attn_tp_size')} rank {layout.get('attn_tp_rank')}, {heads}, page_size="
+            f"{layout.get('page_size')}, {len(lens)} KV buffers of {shown} B per page")
+
+
+def _field_diffs(prefill: dict[str, Any], decode: dict[str, Any], skip: tuple[str, ...]) -> list[str]:
+    return [f"{key}: prefill={prefill.get(key)!r} decode={decode.get(key)!r}"
+            for key in sorted(set(prefill) | set(decode)) if key not in skip and prefill.get(key) != decode.get(key)]
+
+
+def _both(prefill: dict[str, Any], decode: dict[str, Any]) -> str:
+    return f"prefill {describe(prefill)}; decode {describe(decode)}"
+
+
+def plan_pair(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional[str], Optional[PagePlan]]:
+    """``(refusal, None)`` when this decode rank cannot read this prefill rank's pages byte-exact, naming what
+    differs (and, for a TP difference, both layouts); else ``(None, plan)``."""
+    tp_p, tp_d = int(prefill.get("attn_tp_size") or 0), int(decode.get("attn_tp_size") or 0)
+    buffers = len(prefill.get("kv_item_lens") or [])
+    if tp_p == tp_d:
+        diffs = _field_diffs(prefill, decode, ("attn_tp_rank", "kv_head_num", "total_kv_head_num"))
+        if not diffs and not prefill.get("mla") and prefill.get("attn_tp_rank") != decode.get("attn_tp_rank"):
+            diffs.append(f"attn_tp_rank: prefill={prefill.get('attn_tp_rank')!r} decode={decode.get('attn_tp_rank')!r}"
+                         " (the same TP size pairs equal ranks: they hold the same heads)")
+        return ("; ".join(diffs), None) if diffs else (None, PagePlan((None,) * buffers))
+    diffs = _field_diffs(prefill, decode, TP_FIELDS)
+    if diffs:
+        return "; ".join(diffs), None
+    if min(tp_p, tp_d) < 1 or max(tp_p, tp_d) % min(tp_p, tp_d):
+        return f"attention TP sizes {tp_p} and {tp_d} do not divide one another: {_both(prefill, decode)}", None
+    if prefill.get("state_types"):
+        return (f"kvxfer does not slice state ({prefill['state_types']}) across attention TP sizes: "
+                f"{_both(prefill, decode)}"), None
+    page = int(prefill["page_size"])
+    src_lens, dst_lens = [int(x) for x in prefill["kv_item_lens"]], [int(x) for x in decode["kv_item_lens"]]
+    if prefill.get("mla"):  # one latent copy per rank: the same page on every rank of either side
+        if src_lens != dst_lens:
+            return (f"MLA pages differ in length (kv_item_lens: prefill={src_lens} decode={dst_lens}): "
+                    f"{_both(prefill, decode)}"), None
+        return None, PagePlan((None,) * buffers)
+    return _plan_heads(prefill, decode, page, src_lens, dst_lens)
+
+
+def _plan_heads(prefill: dict[str, Any], decode: dict[str, Any], page: int, src_lens: list[int],
+                dst_lens: list[int]) -> tuple[Optional[str], Optional[PagePlan]]:
+    tp_p, tp_d = int(prefill["attn_tp_size"]), int(decode["attn_tp_size"])
+    both = _both(prefill, decode)
+    if prefill.get("num_draft_entries"):
+        return f"kvxfer does not reslice draft-model KV buffers across attention TP sizes: {both}", None
+    heads_p, total = prefill.get("kv_head_num"), prefill.get("total_kv_head_num")
+    if not heads_p or not total:
+        return f"the prefill states no KV head count (SGLang sets it on a non-MLA prefill): {both}", None
+    heads_p, total = int(heads_p), int(total)
+    try:
+        src = KVShardLayout(num_layers=1, num_heads=total, tp_size=tp_p, tp_rank=int(prefill["attn_tp_rank"]))
+        dst = KVShardLayout(num_layers=1, num_heads=total, tp_size=tp_d, tp_rank=int(decode["attn_tp_rank"]))
+    except GeometryError as exc:  # heads that neither split nor replicate evenly over a TP size; a rank outside it
+        return f"{exc}: {both}", None
+    if src.heads_per_partition != heads_p:
+        return (f"the prefill holds {heads_p} KV heads, not the {src.heads_per_partition} that {total} heads over "
+                f"attention TP {tp_p} give: {both}"), None
+    if tp_d < tp_p and tp_p > total:
+        return (f"a decode of fewer ranks than a prefill that replicates its {total} KV heads (attention TP {tp_p}) "
+                f"would read each head from several ranks; refused as by vLLM's NixlConnector: {both}"), None
+    if len(src_lens) != len(dst_lens):
+        return f"{len(src_lens)} KV buffers on the prefill, {len(dst_lens)} on the decode: {both}", None
+    heads_d = dst.heads_per_partition
+    for i, (s, d) in enumerate(zip(src_lens, dst_lens)):
+        head_bytes, rest = divmod(s, page * heads_p)
+        if rest or not head_bytes or d != page * heads_d * head_bytes:
+            return (f"KV buffer {i}: a prefill page of {s} B is {page} tokens x {heads_p} heads, so the decode's "
+                    f"{heads_d} heads make {page * heads_d * (s // (page * heads_p))} B, but its page is {d} B: "
+                    f"{both}"), None
+    transfer = kv_transfer_between(src, dst)
+    if transfer is None:
+        return (f"prefill rank {src.tp_rank} holds heads {src.local_head_range()}, decode rank {dst.tp_rank} "
+                f"{dst.local_head_range()}: nothing in common (SGLang paired them): {both}"), None
+    s_head, d_head, n = transfer.src_head_offset, transfer.dst_head_offset, transfer.head_end - transfer.head_start
+    if n == heads_p == heads_d:
+        return None, PagePlan((None,) * len(src_lens), (s_head, d_head, n))
+    parts = []
+    for s in src_lens:
+        hb = s // (page * heads_p)
+        parts.append(tuple(SlicePart((t * heads_p + s_head) * hb, (t * heads_d + d_head) * hb, n * hb)
+                           for t in range(page)))
+    return None, PagePlan(tuple(parts), (s_head, d_head, n))
+
+
+def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode_pp: int,
+                     decode_state: list[Any]) -> Optional[str]:
+    """What kvxfer refuses at bootstrap, from SGLang's parallel info alone (before any layout is exchanged)."""
+    if prefill_pp != 1 or decode_pp != 1:
+        return "kvxfer reads from one pipeline stage: both sides need PP 1"
+    if prefill_tp != decode_tp:
+        if min(prefill_tp, decode_tp) < 1 or max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+            return "the attention TP sizes must divide one another"
+        if decode_state:
+            return (f"kvxfer does not slice state across attention TP sizes (this decode's state: "
+                    f"{[str(getattr(s, 'value', s)) for s in decode_state]})")
+    return None

@@ -1,0 +1,108 @@
+"""Different attention TP between an SGLang prefill and decode, in kvxfer's pure parts (no SGLang needed):
+the bytes of a page each decode rank reads from each prefill rank (``kvxfer.integrations.sglang.tp``). The
+prefill's room table with several decode ranks reading one room is in ``test_sglang_source_rooms.py``.
+
+The plan is checked by applying it to pages laid out as SGLang's ``MHATokenToKVPool`` lays them out
+(``[tokens, heads_on_rank, head_dim]`` per layer): each decode rank must end up holding exactly its heads.
+The real-process runs are ``test_sglang_tp.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
+
+PAGE, HEAD_DIM, LAYERS = 4, 8, 2  # bf16: 16 B per head per token
+
+
+def layout(tp: int, rank: int, heads_total: int, *, role: str, mla: bool = False, state=(), **over):
+    """A ``regions.kv_layout`` dict as each role's manager makes it (heads stated on a non-MLA prefill only)."""
+    heads = max(1, heads_total // tp)
+    item = PAGE * (1 if mla else heads) * (72 if mla else HEAD_DIM) * 2
+    out = {"model": "m", "page_size": PAGE, "kv_cache_dtype": "bfloat16", "kv_layout": None, "attn_tp_size": tp,
+           "attn_tp_rank": rank, "pp_size": 1, "mla": mla,
+           "kv_head_num": heads if role == "prefill" and not mla else None,
+           "total_kv_head_num": heads_total if role == "prefill" and not mla else None, "num_draft_entries": 0,
+           "kv_buffers": LAYERS * (1 if mla else 2), "kv_item_lens": [item] * (LAYERS * (1 if mla else 2)),
+           "aux_item_lens": [64], "state_types": list(state), "state_item_lens": [[32] for _ in state]}
+    out.update(over)
+    return out
+
+
+def read_page(src: np.ndarray, dst: np.ndarray, parts) -> None:
+    """What the transport does with a plan's parts for one page pair (flat byte views)."""
+    if parts is None:
+        dst[:] = src
+        return
+    for p in parts:
+        dst[p.dst_offset:p.dst_offset + p.length] = src[p.src_offset:p.src_offset + p.length]
+
+
+@pytest.mark.parametrize("tp_p,tp_d,heads", [(1, 2, 4), (2, 1, 4), (2, 4, 8), (4, 2, 8), (1, 4, 2), (1, 2, 1),
+                                             (2, 4, 2)])
+def test_each_decode_rank_ends_up_holding_exactly_its_heads(tp_p, tp_d, heads):
+    """Global pages of ``heads`` heads, split as SGLang's ranks hold them; every decode rank reads from the
+    prefill ranks SGLang pairs it with, through ``plan_pair``'s parts: its page is its heads, byte for byte."""
+    rng = np.random.default_rng(tp_p * 10 + tp_d)
+    page = rng.integers(0, 256, size=(PAGE, heads, HEAD_DIM * 2), dtype=np.uint8)  # one global page of one layer
+
+    def held(tp, rank):  # a rank's heads, as KVShardLayout places them (replicated when TP > heads)
+        per = max(1, heads // tp)
+        start = rank * per if tp <= heads else rank // (tp // heads)
+        return page[:, start:start + per].reshape(-1)
+
+    for d in range(tp_d):
+        sources = [d // (tp_d // tp_p)] if tp_d >= tp_p else list(range(d * (tp_p // tp_d), (d + 1) * (tp_p // tp_d)))
+        got = np.zeros_like(held(tp_d, d))
+        for p in sources:
+            refused, plan = plan_pair(layout(tp_p, p, heads, role="prefill"), layout(tp_d, d, heads, role="decode"))
+            assert refused is None, refused
+            assert len(plan.parts) == 2 * LAYERS
+            read_page(held(tp_p, p), got, plan.parts[0])
+        assert (got == held(tp_d, d)).all(), (tp_p, tp_d, d)
+
+
+def test_plans_name_their_heads_and_merge_nothing_they_need_not():
+    refused, plan = plan_pair(layout(1, 0, 4, role="prefill"), layout(2, 1, 4, role="decode"))
+    assert refused is None and plan.heads == (2, 0, 2) and not plan.whole_pages
+    assert len(plan.parts[0]) == PAGE  # one run of heads per token row of a page
+    same = plan_pair(layout(2, 1, 4, role="prefill"), layout(2, 1, 4, role="decode"))
+    assert same[0] is None and same[1].whole_pages  # the same TP: whole pages, as before
+    mla = plan_pair(layout(2, 1, 4, role="prefill", mla=True), layout(1, 0, 4, role="decode", mla=True))
+    assert mla[0] is None and mla[1].whole_pages  # MLA: one latent copy per rank, any TP
+    replicated = plan_pair(layout(1, 0, 1, role="prefill"), layout(2, 1, 1, role="decode"))
+    assert replicated[0] is None and replicated[1].whole_pages  # one KV head, on every decode rank
+
+
+@pytest.mark.parametrize("prefill,decode,words", [
+    (layout(1, 0, 6, role="prefill"), layout(4, 1, 6, role="decode"), ["6 KV heads do not divide evenly", "tp_size=4"]),
+    (layout(2, 0, 4, role="prefill"), layout(3, 0, 4, role="decode"), ["do not divide one another"]),
+    (layout(4, 0, 2, role="prefill"), layout(2, 0, 2, role="decode"), ["replicates its 2 KV heads"]),
+    (layout(1, 0, 4, role="prefill", state=["mamba"]), layout(2, 0, 4, role="decode", state=["mamba"]),
+     ["does not slice state"]),
+    (layout(1, 0, 4, role="prefill", mla=True), layout(2, 0, 4, role="decode", mla=True, kv_item_lens=[9] * 2),
+     ["MLA pages differ"]),
+    (layout(1, 0, 4, role="prefill", kv_head_num=None, total_kv_head_num=None), layout(2, 0, 4, role="decode"),
+     ["states no KV head count"]),
+    (layout(1, 0, 4, role="prefill"), layout(2, 0, 4, role="decode", kv_item_lens=[4 * 2 * 16 * 2] * 4),
+     ["KV buffer 0", "its page is 256 B"]),  # another head size on the decode
+    (layout(1, 0, 4, role="prefill", num_draft_entries=2), layout(2, 0, 4, role="decode", num_draft_entries=2),
+     ["draft-model"]),
+    (layout(1, 0, 4, role="prefill"), layout(2, 0, 4, role="decode", page_size=8), ["page_size: prefill=4 decode=8"]),
+    (layout(2, 1, 4, role="prefill"), layout(2, 0, 4, role="decode"), ["attn_tp_rank: prefill=1 decode=0"]),
+])
+def test_what_cannot_be_read_byte_exact_is_refused_naming_both_layouts(prefill, decode, words):
+    refused, plan = plan_pair(prefill, decode)
+    assert plan is None and refused and all(w in refused for w in words), refused
+    if prefill["attn_tp_size"] != decode["attn_tp_size"] and "page_size:" not in words[0]:
+        assert f"attn_tp_size={prefill['attn_tp_size']}" in refused and f"attn_tp_size={decode['attn_tp_size']}" \
+            in refused, refused  # both layouts named
+
+
+def test_bootstrap_refuses_pp_uneven_tp_and_state_across_tp():
+    assert parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=[]) is None
+    assert "PP 1" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=1, decode_state=[])
+    assert "divide" in parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=3, decode_pp=1, decode_state=[])
+    assert "mamba" in parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"])
+    assert parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"]) is None
