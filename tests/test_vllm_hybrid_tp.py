@@ -131,9 +131,10 @@ def test_what_parts_cannot_read_is_refused_naming_both_sides():
     # vLLM's kernel block split (or another per-head entry): a head of a block is not one byte range
     assert "kernel block split [2]" in refused(lambda g: g[0].update(kv_split=2))
     assert "unsplit pages of [heads 2, tokens 16, K+V 32 B]" in refused(lambda g: g[0].update(kv_page=[2, 16, 40]))
-    assert "Mamba group count is unknown" in refused(mamba_ngroups=None)
-    assert "KV heads or head size is unknown" in refused(num_kv_heads=None)
-    assert "is not x (2 heads x 4) + B + C (2 groups x 8 each)" in refused(mamba_ngroups=4)
+    # the model facts are compared first, and the first difference refuses the pair (issue 39)
+    assert "different model facts (mamba_ngroups: prefill None, decode 2" in refused(mamba_ngroups=None)
+    assert "different model facts (num_kv_heads: prefill None, decode 4" in refused(num_kv_heads=None)
+    assert "different model facts (mamba_ngroups: prefill 4, decode 2" in refused(mamba_ngroups=4)
     assert "beyond their TP share" in refused(lambda g: g[1].update(dtypes=["bfloat16", "bfloat16"]))
     assert "different model" in refused(num_kv_heads=8)
     # a peer's junk facts are refused with words, never a TypeError or a huge list of parts

@@ -16,7 +16,8 @@ import torch
 from kvxfer.errors import GeometryError, LayoutError, PeerMetadataError
 from kvxfer.handoff.guard import lease_holds
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
-from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, check_compatible, parse_handshake
+from kvxfer.integrations.vllm.handshake import (EngineLayout, build_handshake, check_compatible, parse_handshake,
+                                                rank_agent_name)
 from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.leases import LeaseSlots
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, fetch_handshake
@@ -167,7 +168,10 @@ def layout(tp=1, heads=2, block=32, num_blocks=1024):
 
 def handshake_doc(key=None, lay=None):
     lay = lay or layout()
-    ranks = {r: {"kv": [{"m": r}], "lease": {"l": r}} for r in range(lay.tp_size)}
+    # with several ranks each rank's metas name it (as a worker's agent name does)
+    named = {r: {"agent_name": rank_agent_name("e1", r, lay.tp_size)} if lay.tp_size > 1 else {}
+             for r in range(lay.tp_size)}
+    ranks = {r: {"kv": [{"m": r, **named[r]}], "lease": {"l": r, **named[r]}} for r in range(lay.tp_size)}
     return json.loads(build_handshake(engine_id="e1", instance="i1", backend="nixl", layout=lay, ranks=ranks,
                                       ticket_key=None if key else b"k" * 32, cluster_key=key))
 

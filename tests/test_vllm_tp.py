@@ -253,8 +253,9 @@ def engine(tp: int, heads: int = 8, layout: str = "LBHNC"):
 
 
 def producer(lay):
-    from kvxfer.integrations.vllm.handshake import build_handshake, parse_handshake
-    ranks = {r: {"kv": [{"m": r}], "lease": {"l": r}} for r in range(lay.tp_size)}
+    from kvxfer.integrations.vllm.handshake import build_handshake, parse_handshake, rank_agent_name
+    named = {r: {"agent_name": rank_agent_name("e1", r, lay.tp_size)} for r in range(lay.tp_size)}  # names its rank
+    ranks = {r: {"kv": [{"m": r, **named[r]}], "lease": {"l": r, **named[r]}} for r in range(lay.tp_size)}
     return parse_handshake(json.loads(build_handshake(engine_id="e1", instance="i1", backend="nixl", layout=lay,
                                                       ranks=ranks, ticket_key=b"k" * 32, cluster_key=None)), None)
 
@@ -379,8 +380,8 @@ def test_mla_latent_mismatch_and_mixed_attention_are_refused_naming_both():
             check_compatible(mla_engine(dst_tp, latent=512), "nixl", producer(mla_engine(src_tp)))
         text = str(info.value)
         assert "(None, 1, 16, 576)" in text and "(None, 1, 16, 512)" in text and "MLA" in text, text
-    with pytest.raises(LayoutError, match="MLA on one side only"):
-        check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(2)))
+    with pytest.raises(LayoutError, match="different model facts .use_mla: prefill True, decode absent"):
+        check_compatible(mla_engine(1, mla=False), "nixl", producer(mla_engine(2)))  # the first difference
     with pytest.raises(LayoutError, match="do not divide"):
         check_compatible(mla_engine(3), "nixl", producer(mla_engine(2)))
 

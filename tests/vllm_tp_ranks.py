@@ -76,14 +76,16 @@ def layout(regions, tp: int, blocks: int, latent: int = 0):
                         regions=tuple(layout_signature(regions, BLOCK)["regions"]), num_blocks=blocks)
 
 
-def _register(name: str, pool, blocks: int, backend: str):
-    """What ``KvxferWorker.register_kv_caches`` does with vLLM's tensors."""
+def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int):
+    """What ``KvxferWorker.register_kv_caches`` does with vLLM's tensors (its agent name too: a rank's metas
+    name it, ``handshake.rank_agent_name``)."""
     from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import kv_regions
 
     regions = kv_regions({f"model.layers.{i}.attn": pool[i] for i in range(LAYERS)}, blocks)
     cls = construct_kv_transfer_backend_class(backend)
-    first = cls(agent_name=f"{name}-{os.getpid()}", memory_buffer=regions[0].view,
+    first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp), memory_buffer=regions[0].view,
                 expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=5.0)
     return regions, [first] + [first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=blocks * r.head_slabs)
                                for r in regions[1:]]
@@ -102,6 +104,7 @@ def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybri
     """A hybrid model's rank (``tests.vllm_hybrid_tp_model``): its allocation, registered as
     ``KvxferWorker.register_kv_caches`` does (``hma_pages_region``), and its layout."""
     from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
     from tests.vllm_hybrid_tp_model import HybridRank
 
@@ -110,8 +113,8 @@ def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybri
     caches, placements = model.kv_caches(raw, blocks)
     region = hma_pages_region(caches, placements, blocks)
     cls = construct_kv_transfer_backend_class(backend)
-    first = cls(agent_name=f"{name}-{os.getpid()}", memory_buffer=region.view, expected_num_blocks=blocks,
-                timeout_s=5.0)
+    first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp), memory_buffer=region.view,
+                expected_num_blocks=blocks, timeout_s=5.0)
     return raw, [first], model.layout([region], blocks)
 
 
@@ -141,7 +144,7 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
         _, backends, mine = _hybrid_rank(f"prefill{rank}", rank, tp, backend, blocks, hybrid, True)
     else:
         pool = pool_values(blocks, rank, tp, latent).contiguous()
-        regions, backends = _register(f"prefill{rank}", pool, blocks, backend)
+        regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp)
         mine = layout(regions, tp, blocks, latent)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
@@ -175,7 +178,7 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
         pool, backends, mine = _hybrid_rank(f"decode{rank}", rank, tp, backend, blocks, hybrid, False)
     else:
         pool = torch.zeros_like(pool_values(blocks, rank, tp, latent))
-        regions, backends = _register(f"decode{rank}", pool, blocks, backend)
+        regions, backends = _register(f"decode{rank}", pool, blocks, backend, rank, tp)
         mine = layout(regions, tp, blocks, latent)
     scratch = torch.zeros(1025, dtype=torch.int64)
     scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())

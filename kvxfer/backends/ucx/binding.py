@@ -78,7 +78,7 @@ def live_objects() -> dict[str, int]:
 
 
 #: C helpers of this version of the binding (``binding_build``), checked at load
-_REQUIRED_SYMBOLS = ("kvx_get_chain", "kvx_batch_done", "kvx_progress_all")
+_REQUIRED_SYMBOLS = ("kvx_get_chain", "kvx_batch_done", "kvx_progress_all", "kvx_serve_abandon")
 
 
 def load() -> tuple[Any, Any]:
@@ -114,7 +114,22 @@ def load() -> tuple[Any, Any]:
     return _ffi, _lib
 
 
+class ReasonStatus(int):
+    """A ``ucs_status_t`` with kvxfer's own words for it (``status_string`` gives them): a served read
+    that the source refused carries the source's reason (``served.py``)."""
+
+    reason: str
+
+    def __new__(cls, status: int, reason: str) -> "ReasonStatus":
+        value = super().__new__(cls, status)
+        value.reason = reason
+        return value
+
+
 def status_string(status: int) -> str:
+    reason = getattr(status, "reason", None)
+    if reason:
+        return str(reason)
     if _lib is None:
         return f"status {status}"
     return _ffi.string(_lib.ucs_status_string(status)).decode()
@@ -255,6 +270,10 @@ class Worker:
         self.inflight = 0  # outstanding operations; makes the progress thread poll on a short timer
         self.idle_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock held
         self.unlocked_tasks: list[Callable[[], None]] = []  # run by the progress thread after each pass, lock released
+        #: run by ``close`` under the lock, after the progress thread stopped and before the worker is destroyed
+        self.before_destroy: list[Callable[[], None]] = []
+        #: the ``served.Server`` answering reads of this worker's pool, if any (its counters: ``stats()``)
+        self.served: Any = None
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self._idle_sleep = False  # True while the progress thread sleeps without a timer
@@ -363,6 +382,12 @@ class Worker:
         """
         self.stop_progress_thread()
         with self.lock:
+            if self.handle is not None:
+                for hook in self.before_destroy:
+                    try:
+                        hook()
+                    except Exception:  # noqa: BLE001 - the worker is destroyed whatever a hook did
+                        logger.exception("ucx: a hook before the worker's destruction failed")
             handle, self.handle = self.handle, None
         if handle is None:
             self._forget_callbacks()
@@ -727,23 +752,48 @@ def reply_endpoint(param: Any) -> Any:
     return param.reply_ep
 
 
-def serve_rows(reply_ep: Any, am_id: int, batch: int, first: int, base: int, rows: np.ndarray, chunk: int) -> int:
-    """Send ``rows`` (n x 2 uint64: offset from ``base``, length; indices from ``first``) back on
-    ``reply_ep`` as eager AMs (``kvx_serve_rows``); worker lock held (an AM handler). Returns how
-    many chunks could not be posted."""
+def new_serve_pool() -> Any:
+    """The source's served-read counters of one worker (``kvx_serve_pool_t``). Kept by the caller until the
+    worker is destroyed."""
+    return _ffi.new("kvx_serve_pool_t *")
+
+
+def new_serve_reader(pool: Any) -> Any:
+    """One reader's served-read counters (``kvx_serve_reader_t``), in ``pool``."""
+    reader = _ffi.new("kvx_serve_reader_t *")
+    reader.pool = pool
+    return reader
+
+
+def serve_rows(reader: Any, reply_ep: Any, am_id: int, batch: int, first: int, base: int, rows: np.ndarray,
+               nbytes: int, chunk: int) -> Any:
+    """Send ``rows`` (n x 2 uint64: offset from ``base``, length; indices from ``first``; ``nbytes`` in all)
+    back on ``reply_ep`` as eager AMs of at most ``chunk`` bytes, counted for ``reader`` (``kvx_serve_rows``);
+    worker lock held (the READ's handler). The returned serve must stay alive until ``serve.finished`` (or
+    the worker is destroyed): its sends' completions count on it."""
     rows = np.ascontiguousarray(rows, dtype=np.uint64)
-    return int(_lib.kvx_serve_rows(reply_ep, am_id, batch, first, base,
-                                   _ffi.cast("const uint64_t *", rows.ctypes.data), rows.shape[0], chunk))
+    serve = _ffi.new("kvx_serve_t *")
+    serve.reader, serve.bytes = reader, nbytes
+    _lib.kvx_serve_rows(serve, reply_ep, am_id, batch, first, base, _ffi.cast("const uint64_t *", rows.ctypes.data),
+                        rows.shape[0], chunk)
+    return serve
 
 
-def answer(reply_ep: Any, am_id: int, header: bytes) -> None:
-    """A header-only AM on ``reply_ep`` (in an AM handler); its request is left to UCX."""
-    params = _ffi.new("ucp_request_param_t *")
-    params.op_attr_mask = _lib.UCP_OP_ATTR_FIELD_FLAGS
-    params.flags = _lib.UCP_AM_SEND_FLAG_COPY_HEADER
-    ptr = _lib.ucp_am_send_nbx(reply_ep, am_id, header, len(header), _ffi.NULL, 0, params)
-    if _lib.kvx_ptr_status(ptr) == _lib.UCS_INPROGRESS:
-        _lib.ucp_request_free(ptr)
+def abandon_serve(serve: Any) -> None:
+    """Give up on ``serve`` (worker lock held): its sends in flight are counted apart (``kvx_serve_abandon``).
+    It must stay alive while any of them is in flight."""
+    _lib.kvx_serve_abandon(serve)
+
+
+def refuse(reply_ep: Any, am_id: int, header: bytes, reader: Any, max_reader: int, max_total: int) -> bool:
+    """A header-only AM on ``reply_ep`` (in an AM handler), unless ``reader`` has ``max_reader`` such
+    answers in flight or its pool ``max_total``; False when it was not sent."""
+    return bool(_lib.kvx_serve_refuse(reply_ep, am_id, header, len(header), reader, max_reader, max_total))
+
+
+def endpoint_key(ep: Any) -> int:
+    """A raw endpoint handle as an int (a dict key)."""
+    return int(_ffi.cast("uintptr_t", ep))
 
 
 def memmove(address: int, data: Any, length: int) -> None:

@@ -38,6 +38,19 @@ KVX_CHAIN_T = """typedef struct {
     void *notice_request;
 } kvx_chain_t;"""
 
+#: Served reads (``served.py``): what the source has in flight, counted in C by the send completions. A pool
+#: per serving worker, a reader per reply endpoint, a serve per accepted READ.
+KVX_SERVE_T = """typedef struct {
+    int64_t requests; int64_t bytes; int64_t peak; int64_t chunks_sent; int64_t bytes_posted; int64_t failed;
+    int64_t refusals; int64_t abandoned; int closing;
+} kvx_serve_pool_t;
+typedef struct {
+    kvx_serve_pool_t *pool; int64_t requests; int64_t reads; int64_t bytes; int64_t refusals; int64_t completions;
+} kvx_serve_reader_t;
+typedef struct {
+    kvx_serve_reader_t *reader; int64_t pending; int64_t bytes; int status; int counted; int finished; int abandoned;
+} kvx_serve_t;"""
+
 CDEF = r"""
 typedef int... ucs_status_t;
 typedef int... ucs_memory_type_t;
@@ -191,8 +204,12 @@ size_t kvx_chain_cancel(ucp_worker_h worker, kvx_chain_t *chain, void **requests
 int kvx_batch_done(kvx_counter_t *counter, kvx_chain_t *chain);
 unsigned kvx_progress_all(ucp_worker_h worker, unsigned max_rounds);
 size_t kvx_chain_free(kvx_chain_t *chain, void **requests, size_t n);
-size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
-                      const uint64_t *rows, size_t n, size_t chunk);
+@KVX_SERVE_T@
+int kvx_serve_rows(kvx_serve_t *serve, ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first,
+                   uint64_t base, const uint64_t *rows, size_t n, size_t chunk);
+void kvx_serve_abandon(kvx_serve_t *serve);
+int kvx_serve_refuse(ucp_ep_h ep, unsigned am_id, const void *header, size_t header_length,
+                     kvx_serve_reader_t *reader, int64_t max_reader, int64_t max_total);
 
 extern "Python" ucs_status_t kvx_am_recv_py(void *arg, const void *header, size_t header_length,
                                             void *data, size_t length, const ucp_am_recv_param_t *param);
@@ -285,24 +302,80 @@ static size_t kvx_cancel_pending(ucp_worker_h worker, void **requests, size_t n)
 /* A served read's reply header: which batch, which row, where in the row the data goes. */
 typedef struct { uint64_t batch; uint64_t row; uint64_t offset; } kvx_served_hdr_t;
 
-/* Serve a read: send each row (offset, length pairs in rows[], relative to base; row indices
- * from first) back on ep as eager active messages of at most chunk bytes, each headed by
- * (batch, row, offset). Eager, so
- * that the reader copies the data in its handler and never reads from us (no rendezvous: over
- * tcp that would be UCX's software GET again). Requests are released at once: UCX frees each when
- * it completes, with success or, the reader being gone, an error; never an abort. Returns the
- * number of sends that could not be posted. */
-static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first, uint64_t base,
-                             const uint64_t *rows, size_t n, size_t chunk)
+@KVX_SERVE_T@
+
+/* A served read (served.py): one READ the source accepted, its rows (offset and length pairs relative to
+ * base, row indices from first) sent back on the reply endpoint ep as eager active messages of at most chunk
+ * bytes, each headed by (batch, row, offset). Eager, so that the reader copies the data in its handler and
+ * never reads from us (no rendezvous: over tcp that would be UCX's software GET again); through UCX's
+ * protocol layer, which completes a failed send with an error (the reader gone), never an abort.
+ *
+ * Every chunk of a READ is posted here, in the READ's handler: sends posted to a reply endpoint later, from
+ * a send's completion or after the handler, stalled for good over tcp (measured: UCX 1.22, posted and never
+ * written, the socket empty), so the flow control is the READ itself: the source bounds what one READ asks
+ * and what one reader and all have in flight (served.py, from these counts), and a reader asks for its next
+ * READs as earlier ones land. Counted here: the requests and bytes in flight per reader and in all (a READ's
+ * bytes until its last send completed), and completions, by which served.py sees a reader that stopped. */
+static void kvx_serve_uncount(kvx_serve_t *serve)
 {
+    kvx_serve_reader_t *reader = serve->reader;
+    if (serve->counted) {
+        serve->counted = 0;
+        reader->reads -= 1;
+        reader->bytes -= serve->bytes;
+        reader->pool->bytes -= serve->bytes;
+    }
+}
+
+static void kvx_serve_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvx_serve_t *serve = (kvx_serve_t *)user_data;
+    kvx_serve_reader_t *reader = serve->reader;
+    (void)request;
+    serve->pending -= 1;
+    if (serve->abandoned) {  /* counted apart (kvx_serve_abandon): only that count goes down */
+        reader->pool->abandoned -= 1;
+    } else {
+        reader->requests -= 1;
+        reader->completions += 1;
+        reader->pool->requests -= 1;
+        if (status == UCS_OK) {
+            reader->pool->chunks_sent += 1;
+        } else {
+            reader->pool->failed += 1;
+            if (serve->status == (int)UCS_OK) {
+                serve->status = (int)status;
+            }
+        }
+    }
+    if (serve->pending == 0) {
+        kvx_serve_uncount(serve);
+        serve->finished = 1;
+    }
+}
+
+/* Post every chunk of an accepted READ (from its handler: ep valid). The caller set serve->reader and
+ * serve->bytes (the READ's total); the rest starts at zero. Stops at the first send that fails to post.
+ * Returns whether the serve is finished already (nothing in flight). */
+static int kvx_serve_rows(kvx_serve_t *serve, ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64_t first,
+                          uint64_t base, const uint64_t *rows, size_t n, size_t chunk)
+{
+    kvx_serve_reader_t *reader = serve->reader;
+    kvx_serve_pool_t *pool = reader->pool;
     ucp_request_param_t param;
     kvx_served_hdr_t hdr;
-    size_t i, failed = 0;
+    size_t i;
     uint64_t done, len;
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = kvx_serve_cb;
+    param.user_data = serve;
     hdr.batch = batch;
-    for (i = 0; i < n; ++i) {
+    serve->counted = 1;
+    reader->reads += 1;
+    reader->bytes += serve->bytes;
+    pool->bytes += serve->bytes;
+    for (i = 0; i < n && serve->status == (int)UCS_OK; ++i) {
         hdr.row = first + i;
         for (done = 0; done < rows[2 * i + 1]; done += len) {
             ucs_status_ptr_t ptr;
@@ -314,13 +387,81 @@ static size_t kvx_serve_rows(ucp_ep_h ep, unsigned am_id, uint64_t batch, uint64
             ptr = ucp_am_send_nbx(ep, am_id, &hdr, sizeof(hdr), (void *)(uintptr_t)(base + rows[2 * i] + done),
                                   len, &param);
             if (UCS_PTR_IS_ERR(ptr)) {
-                ++failed;
-            } else if (ptr != NULL) {
-                ucp_request_free(ptr);
+                pool->failed += 1;
+                serve->status = (int)UCS_PTR_STATUS(ptr);
+                break;
+            }
+            pool->bytes_posted += (int64_t)len;
+            if (ptr == NULL) {
+                pool->chunks_sent += 1;  /* sent at once: nothing in flight */
+                continue;
+            }
+            ucp_request_free(ptr);  /* UCX frees it once complete; the callback still runs */
+            serve->pending += 1;
+            reader->requests += 1;
+            pool->requests += 1;
+            if (pool->requests > pool->peak) {
+                pool->peak = pool->requests;
             }
         }
     }
-    return failed;
+    if (serve->pending == 0) {
+        kvx_serve_uncount(serve);
+        serve->finished = 1;
+    }
+    return serve->finished;
+}
+
+/* Give up on a serve whose reader takes nothing (served.SERVE_STALL_S): its sends still in flight stop
+ * counting against its reader and the pool; they are counted apart (pool->abandoned) until UCX completes
+ * them, which for a reader that is gone may be never. */
+static void kvx_serve_abandon(kvx_serve_t *serve)
+{
+    kvx_serve_reader_t *reader = serve->reader;
+    if (serve->finished || serve->abandoned) {
+        return;
+    }
+    reader->requests -= serve->pending;
+    reader->pool->requests -= serve->pending;
+    reader->pool->abandoned += serve->pending;
+    kvx_serve_uncount(serve);
+    serve->abandoned = 1;
+}
+
+static void kvx_refusal_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvx_serve_reader_t *reader = (kvx_serve_reader_t *)user_data;
+    (void)request;
+    (void)status;
+    reader->refusals -= 1;
+    reader->pool->refusals -= 1;
+}
+
+/* A refusal (header only, copied) on a READ's reply endpoint, from its handler. At most max_reader of
+ * them in flight to one reader and max_total in all: a reader that floods the source with READs it
+ * does not drain the answers of gets no more. Returns 1 if posted, 0 if dropped or it failed. */
+static int kvx_serve_refuse(ucp_ep_h ep, unsigned am_id, const void *header, size_t header_length,
+                            kvx_serve_reader_t *reader, int64_t max_reader, int64_t max_total)
+{
+    ucp_request_param_t param;
+    ucs_status_ptr_t ptr;
+    if (reader->refusals >= max_reader || reader->pool->refusals >= max_total) {
+        return 0;
+    }
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.flags = UCP_AM_SEND_FLAG_COPY_HEADER;
+    param.cb.send = kvx_refusal_cb;
+    param.user_data = reader;
+    ptr = ucp_am_send_nbx(ep, am_id, header, header_length, NULL, 0, &param);
+    if (UCS_PTR_IS_ERR(ptr)) {
+        return 0;
+    }
+    if (ptr != NULL) {
+        ucp_request_free(ptr);
+        reader->refusals += 1;
+        reader->pool->refusals += 1;
+    }
+    return 1;
 }
 
 /* A guard read chained behind a batch of gets (issue 27: the lease read strictly after the data
@@ -497,7 +638,7 @@ static size_t kvx_free_requests(void **requests, size_t n)
 
 
 CDEF, SOURCE = (text.replace("@KVX_COUNTER_T@", KVX_COUNTER_T).replace("@KVX_CHAIN_T@", KVX_CHAIN_T)
-                for text in (CDEF, SOURCE))
+                .replace("@KVX_SERVE_T@", KVX_SERVE_T) for text in (CDEF, SOURCE))
 
 
 def libucx_prefix() -> Path:
@@ -523,6 +664,7 @@ def make_ffi() -> FFI:
         library_dirs=[libdir],
         libraries=["ucp", "ucs"],
         extra_compile_args=["-O2", "-Wno-sign-compare"],
+        py_limited_api=True,  # what setuptools builds too (``_ucp_cffi.abi3.so``): one file name either way
     )
     return ffibuilder
 
@@ -535,6 +677,12 @@ if __name__ == "__main__":
     import shutil
 
     root = Path(__file__).resolve().parents[3]
+    here = Path(__file__).resolve().parent
     built = Path(ffibuilder.compile(tmpdir=str(root / "build" / "cffi"), verbose=False))
-    shutil.copy2(built, Path(__file__).resolve().parent / built.name)
-    print(Path(__file__).resolve().parent / built.name)
+    for other in here.glob("_ucp_cffi.*"):  # a build under another name would shadow or be shadowed by this one
+        if other.name != built.name and other.suffix in (".so", ".pyd"):
+            other.unlink()
+    target = here / built.name
+    shutil.copy2(built, target.with_name(target.name + ".tmp"))
+    target.with_name(target.name + ".tmp").replace(target)  # atomic: a process loading it meanwhile sees one whole file
+    print(target)

@@ -13,11 +13,21 @@ refusal that names both sides' layouts (for different TP sizes: NixlConnector's 
 it refuses the pair too, ``tp_mapping``). The pools' lengths (``num_blocks``) may differ:
 vLLM sizes each instance's pool by profiling; the decode checks every ticket's block ids
 against the producer's ``num_blocks`` instead. Pure, apart from JSON.
+
+A handshake is a peer's claim (without ``KVXFER_SECRET_FILE``, any process of this host can serve one),
+so nothing in it may cost the decode time or memory in proportion to what it says (issue 39): every
+number is bounded before any work (``MAX_*``, ``check_layout_bounds``), the compatibility check stops at
+the first difference, and with several TP ranks each rank's metas must carry that rank, sealed in them
+(the agent name its worker registered under: ``rank_agent_name``), so one rank's metas listed for
+another are refused (round 5: TP 2 claimed with rank 0's metas twice loaded 3/3 blocks garbled).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -27,8 +37,144 @@ from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, d
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 #: 2: regions without the pool length, num_blocks apart; 3: a hybrid model's attention page facts
-#: (``kv_layout``, ``kv_page``, ``kv_split``), Mamba type and group count, for different TP
-HANDSHAKE_VERSION = 3
+#: (``kv_layout``, ``kv_page``, ``kv_split``), Mamba type and group count, for different TP; 4: with
+#: several TP ranks, each rank's metas name it (``rank_agent_name``)
+HANDSHAKE_VERSION = 4
+
+#: The most TP ranks a handshake may claim. Why: each rank's metas are listed and checked, and a decode
+#: rank walks the prefill ranks it maps to (``tp_mapping.target_ranks``); vLLM runs TP sizes up to 64.
+MAX_TP_SIZE = 1024
+#: The most pipeline stages a handshake may claim (only compared with this decode's; bounded all the same).
+MAX_PP_SIZE = 1024
+#: The most KV heads a model may claim. Why: the TP mapping works per head range (``tp_mapping``); real
+#: models have at most a few hundred (round 5 claimed 2**26: a 7-10 s engine step and +5.1 GiB). The
+#: hybrid mapping's own bound on its units (``hybrid_tp.MAX_UNITS``) is the same.
+MAX_KV_HEADS = 1 << 16
+#: The most layers a model, a region or a KV cache group may claim (the largest models have ~100-200).
+MAX_LAYERS = 1 << 14
+#: The most KV regions a layout may list (at most one per layer: ``kv_buffers.kv_regions``); each rank
+#: lists one meta per region.
+MAX_REGIONS = MAX_LAYERS
+#: The most KV cache groups a hybrid model may list (vLLM makes a handful).
+MAX_KV_GROUPS = 256
+#: The largest head size (elements) a model may claim.
+MAX_HEAD_SIZE = 1 << 16
+#: The largest block size (tokens) a layout may claim.
+MAX_BLOCK_SIZE = 1 << 24
+#: Any other number of the layout (page bytes, state shapes, pool length) must be below this: those are
+#: only compared or multiplied by other bounded numbers, never enumerated.
+MAX_NUMBER = 1 << 50
+#: The layout document's shape: nesting depth, items of one list or object, strings, and nodes in all.
+#: Why: it is walked (checked, compared, described in errors) whole; a model's facts are a few hundred nodes.
+MAX_DEPTH = 8
+MAX_ITEMS = MAX_LAYERS
+MAX_STRING = 4096
+MAX_NODES = 1 << 18
+#: The longest engine id, instance, backend name or ticket key a handshake may carry (they are quoted in
+#: errors and logs, and kept per producer).
+MAX_ID = 256
+#: How much of a peer's model facts an error message quotes (a refusal is logged per request).
+QUOTE_CHARS = 600
+
+_AGENT_RANK = re.compile(r"-tp(?P<rank>\d{1,5})of(?P<size>\d{1,5})-[0-9a-f]{8}$")
+
+
+def rank_agent_name(engine_id: str, tp_rank: int, tp_size: int) -> str:
+    """The agent name a vLLM worker registers under: its TP rank and size are in every meta it exports,
+    sealed with it, which is how a handshake shows each rank's metas are that rank's (``parse_handshake``)."""
+    return f"vllm-{engine_id[:24]}-tp{tp_rank}of{tp_size}-{uuid.uuid4().hex[:8]}"
+
+
+def agent_rank(agent_name: Any) -> Optional[tuple[int, int]]:
+    """``(tp_rank, tp_size)`` of a ``rank_agent_name``, else None."""
+    m = _AGENT_RANK.search(agent_name) if isinstance(agent_name, str) else None
+    return None if m is None else (int(m["rank"]), int(m["size"]))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bounded_int(value: Any, name: str, low: int, high: int) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise PeerMetadataError(f"handshake layout field {name!r} must be an int in [{low}, {high}], got "
+                                f"{_quote(value, 40)}")
+    return value
+
+
+def _quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a peer's text in an error message)."""
+    return _quote_text(repr(value), limit)
+
+
+def _quote_text(text: str, limit: int = QUOTE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _check_shape(doc: Any) -> None:
+    """The layout document is JSON of bounded shape (``MAX_DEPTH``, ``MAX_ITEMS``, ``MAX_STRING``,
+    ``MAX_NODES``) and every number in it below ``MAX_NUMBER``: walked once, iteratively."""
+    stack, nodes = [(doc, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise PeerMetadataError(f"handshake layout has more than {MAX_NODES} values")
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            if not -MAX_NUMBER < value < MAX_NUMBER:
+                raise PeerMetadataError(f"handshake layout holds the number {_quote(value, 40)}, over 2**50")
+        elif isinstance(value, float):
+            if not math.isfinite(value) or abs(value) >= MAX_NUMBER:
+                raise PeerMetadataError(f"handshake layout holds the number {_quote(value, 40)}")
+        elif isinstance(value, str):
+            if len(value) > MAX_STRING:
+                raise PeerMetadataError(f"handshake layout holds a string of {len(value)} characters "
+                                        f"(at most {MAX_STRING})")
+        elif isinstance(value, (list, tuple, Mapping)):
+            if depth >= MAX_DEPTH:
+                raise PeerMetadataError(f"handshake layout is nested deeper than {MAX_DEPTH}")
+            if len(value) > MAX_ITEMS:
+                raise PeerMetadataError(f"handshake layout has a list or object of {len(value)} items "
+                                        f"(at most {MAX_ITEMS})")
+            if isinstance(value, Mapping):
+                if not all(isinstance(k, str) and len(k) <= MAX_STRING for k in value):
+                    raise PeerMetadataError("handshake layout has an object key that is not a short string")
+                stack.extend((v, depth + 1) for v in value.values())
+            else:
+                stack.extend((v, depth + 1) for v in value)
+        else:
+            raise PeerMetadataError(f"handshake layout holds a {type(value).__name__}, not JSON")
+
+
+def check_layout_bounds(layout: "EngineLayout") -> None:
+    """Every number of a layout that work is proportional to, within its ``MAX_*`` (``PeerMetadataError``
+    naming the field): run on a peer's layout before anything else reads it."""
+    model = layout.model
+    _bounded_int(layout.tp_size, "tp_size", 1, MAX_TP_SIZE)
+    _bounded_int(layout.pp_size, "pp_size", 1, MAX_PP_SIZE)
+    _bounded_int(layout.block_size, "block_size", 1, MAX_BLOCK_SIZE)
+    for name, high in (("num_kv_heads", MAX_KV_HEADS), ("num_layers", MAX_LAYERS), ("head_size", MAX_HEAD_SIZE),
+                       ("mamba_ngroups", MAX_KV_HEADS)):
+        if model.get(name) is not None:
+            _bounded_int(model[name], f"model.{name}", 1, high)
+    if len(layout.regions) > MAX_REGIONS:
+        raise PeerMetadataError(f"handshake layout lists {len(layout.regions)} regions (at most {MAX_REGIONS})")
+    for region in layout.regions:
+        if region.get("layers") is not None:
+            _bounded_int(region["layers"], "regions[].layers", 0, MAX_LAYERS)
+        shape = region.get("layer_shape") or []
+        if len(shape) > MAX_DEPTH or not all(n is None or (_is_int(n) and 0 <= n < MAX_NUMBER) for n in shape):
+            raise PeerMetadataError(f"handshake layout field 'regions[].layer_shape' is not a short list of sizes: "
+                                    f"{_quote(shape, 80)}")
+    groups = model.get("kv_groups")
+    if isinstance(groups, list):
+        if len(groups) > MAX_KV_GROUPS:
+            raise PeerMetadataError(f"handshake layout lists {len(groups)} KV cache groups (at most {MAX_KV_GROUPS})")
+        for group in groups:
+            if group.get("layers") is not None:
+                _bounded_int(group["layers"], "model.kv_groups[].layers", 0, MAX_LAYERS)
 
 
 @dataclass(frozen=True)
@@ -89,6 +235,7 @@ class EngineLayout:
     def from_dict(cls, d: Any) -> "EngineLayout":
         if not isinstance(d, Mapping) or not isinstance(d.get("model"), Mapping) or not isinstance(d.get("regions"), list):
             raise PeerMetadataError("handshake field 'layout' is malformed")
+        _check_shape(d)
         ints = {}
         for name in ("tp_size", "pp_size", "block_size", "num_blocks"):
             value = d.get(name)
@@ -100,7 +247,9 @@ class EngineLayout:
             raise PeerMetadataError("handshake layout field 'model.kv_groups' must be a list of objects")
         if not all(isinstance(r, Mapping) and isinstance(r.get("layer_shape", []), list) for r in d["regions"]):
             raise PeerMetadataError("handshake layout field 'regions' must be objects with a 'layer_shape' list")
-        return cls(model=dict(d["model"]), regions=tuple(d["regions"]), **ints)
+        layout = cls(model=dict(d["model"]), regions=tuple(d["regions"]), **ints)
+        check_layout_bounds(layout)
+        return layout
 
 
 @dataclass(frozen=True)
@@ -143,23 +292,27 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
         raise PeerMetadataError(f"handshake version {sealed.get('kvxfer_vllm_handshake')!r:.20}, this kvxfer speaks "
                                 f"{HANDSHAKE_VERSION}: run the same kvxfer on both sides")
     for name in ("engine_id", "instance", "backend"):
-        if not isinstance(sealed.get(name), str) or not sealed[name]:
-            raise PeerMetadataError(f"handshake field {name!r} must be a non-empty string")
+        if not isinstance(sealed.get(name), str) or not 0 < len(sealed[name]) <= MAX_ID:
+            raise PeerMetadataError(f"handshake field {name!r} must be a non-empty string of at most {MAX_ID} "
+                                    "characters")
     layout = EngineLayout.from_dict(sealed.get("layout"))
     ranks = sealed.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != layout.tp_size:
         raise PeerMetadataError(f"handshake field 'ranks' must list {layout.tp_size} TP ranks")
     kv, lease = [], []
-    for rank in ranks:
+    for index, rank in enumerate(ranks):
         if not isinstance(rank, Mapping) or not isinstance(rank.get("kv"), list) or not isinstance(rank.get("lease"), dict):
             raise PeerMetadataError("handshake field 'ranks' is malformed")
         if len(rank["kv"]) != len(layout.regions) or not all(isinstance(m, dict) for m in rank["kv"]):
             raise PeerMetadataError("handshake rank metas do not match its layout's regions")
+        _check_rank_metas(index, layout.tp_size, [*rank["kv"], rank["lease"]])
         kv.append(tuple(rank["kv"]))
         lease.append(rank["lease"])
     key = sealed.get("ticket_key")
     ticket_key = None
     if key is not None:
+        if not isinstance(key, str) or len(key) > MAX_ID:
+            raise PeerMetadataError("handshake field 'ticket_key' is not a short hex string")
         try:
             ticket_key = bytes.fromhex(key)
         except (TypeError, ValueError):
@@ -168,6 +321,22 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
             raise PeerMetadataError("handshake field 'ticket_key' is too short")
     return Handshake(sealed["engine_id"], sealed["instance"], sealed["backend"], layout, tuple(kv), tuple(lease),
                      ticket_key)
+
+
+def _check_rank_metas(rank: int, tp_size: int, metas: list[dict[str, Any]]) -> None:
+    """Rank ``rank``'s metas (its KV regions' and its lease's) were exported by TP rank ``rank`` of
+    ``tp_size``: one agent, whose name (``rank_agent_name``, sealed in each meta) says so. Required with
+    several ranks; with one, a name that names a rank must name rank 0 of 1."""
+    names = {meta.get("agent_name") if isinstance(meta.get("agent_name"), str) else None for meta in metas}
+    named = agent_rank(next(iter(names))) if len(names) == 1 else None
+    if tp_size == 1 and len(names) == 1 and named is None:
+        return
+    if named != (rank, tp_size):
+        shown = ", ".join(_quote(n, 80) for n in sorted(names, key=str)[:3])
+        raise PeerMetadataError(
+            f"handshake rank {rank} of TP {tp_size}: its metas were exported by agent(s) {shown}, not by TP rank "
+            f"{rank} of {tp_size} (a rank's metas carry its rank, sealed in them: metas of another rank, or "
+            "duplicated, are refused)")
 
 
 def layout_name(layout: EngineLayout) -> str:
@@ -243,31 +412,50 @@ def _masked(layout: EngineLayout) -> list[dict]:
     return out
 
 
+def first_difference(theirs: EngineLayout, local: EngineLayout) -> Optional[str]:
+    """What first keeps whole blocks from being read byte for byte, or None: checked in order (model,
+    pipeline parallelism, tensor parallelism, block size, per-layer layout), and stopped at the first
+    difference, so nothing about a peer's TP (``tp_problem``) is worked out for a pair refused already."""
+    if theirs.model != local.model and not _same_hybrid_model(theirs, local):
+        return _model_difference(theirs.model, local.model)
+    if theirs.pp_size != local.pp_size:
+        return "pipeline parallelism"
+    if theirs.tp_size != local.tp_size:
+        problem = tp_problem(theirs, local)
+        if problem is not None:
+            return problem
+    if theirs.block_size != local.block_size:
+        return "block_size"
+    if theirs.tp_size == local.tp_size and [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
+        return "per-layer KV layout"
+    if (theirs.is_mla or local.is_mla) and theirs.latent() != local.latent() and theirs.tp_size == local.tp_size:
+        return f"MLA latent cache (prefill {theirs.latent()}; decode {local.latent()})"
+    return None
+
+
+def _model_difference(theirs: Mapping[str, Any], local: Mapping[str, Any]) -> str:
+    """"model facts" and the first few that differ, each side's value quoted short."""
+    absent = object()
+    keys = [k for k in sorted(set(theirs) | set(local)) if theirs.get(k, absent) != local.get(k, absent)]
+    if len(keys) > 1 and "kv_groups" in keys:  # a hybrid model's groups differ with the TP size: the others first
+        keys.remove("kv_groups")
+        keys.append("kv_groups")
+    shown = "; ".join(f"{k}: prefill {_quote(theirs[k], 80) if k in theirs else 'absent'}, decode "
+                      f"{_quote(local[k], 80) if k in local else 'absent'}" for k in keys[:3])
+    return f"model facts ({shown}{'; ...' if len(keys) > 3 else ''})"
+
+
 def check_compatible(local: EngineLayout, local_backend: str, remote: Handshake) -> None:
-    """``LayoutError`` naming both layouts unless whole blocks can be read byte for byte."""
+    """``LayoutError`` naming both layouts and the first difference, unless whole blocks can be read byte for byte."""
     if remote.backend != local_backend:
         raise LayoutError(f"prefill engine {remote.engine_id!r} moves KV with kvxfer backend {remote.backend!r}, this "
                           f"decode with {local_backend!r}: set the same kv_connector_extra_config 'backend' on both")
     theirs = remote.layout
-    problems = []
-    if theirs.model != local.model and not _same_hybrid_model(theirs, local):
-        problems.append("model")
-    if theirs.pp_size != local.pp_size:
-        problems.append("pipeline parallelism")
-    if theirs.tp_size != local.tp_size:
-        problem = tp_problem(theirs, local)
-        if problem is not None:
-            problems.append(problem)
-    if theirs.block_size != local.block_size:
-        problems.append("block_size")
-    if not problems and theirs.tp_size == local.tp_size and \
-            [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
-        problems.append("per-layer KV layout")
-    if (theirs.is_mla or local.is_mla) and theirs.latent() != local.latent() and theirs.tp_size == local.tp_size:
-        problems.append(f"MLA latent cache (prefill {theirs.latent()}; decode {local.latent()})")
-    if problems:
+    problem = first_difference(theirs, local)
+    if problem is not None:
         raise LayoutError(
-            f"prefill engine {remote.engine_id!r} cannot hand KV to this decode: different {', '.join(problems)}. "
-            f"prefill: {theirs.describe()} (model {dict(theirs.model)}); decode: {local.describe()} "
-            f"(model {dict(local.model)}). Run both with the same model, dtype, tensor_parallel_size and block_size"
+            f"prefill engine {remote.engine_id!r} cannot hand KV to this decode: different {problem}. "
+            f"prefill: {_quote_text(theirs.describe())} (model {_quote(dict(theirs.model))}); decode: "
+            f"{local.describe()} (model {dict(local.model)}). Run both with the same model, dtype, "
+            "tensor_parallel_size and block_size"
         )

@@ -18,7 +18,10 @@ from delaying genuine loads, and from growing the process:
 ``prepare(handshake)`` runs after the handshake checked, on a small pool of its own, before
 any load uses it: the worker confirms the handshake's metas with the backend there (ucx
 without a cluster key asks each source process whether it exported its meta, up to 5 s for
-a stalled one), so no such wait ever happens on the engine's step thread.
+a stalled one), so no such wait ever happens on the engine's step thread. The decode rank's
+verdict on the handshake (``set_decider``: the compatibility check and the reads it then makes)
+is worked out there too, before it, and kept with the entry (``verdict``): whatever a peer's
+handshake claims, the step thread only looks the answer up (issue 39).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class _Entry:
     started: float
     handshake: Optional[Handshake] = None
     error: Optional[BaseException] = None
+    verdict: Any = None  # the decider's answer (or the KVXferError it raised), if there is a decider
     finished: Optional[float] = None  # set last, once the entry is final
 
 
@@ -68,7 +72,20 @@ class HandshakeCache:
         self._fetcher = HandshakeFetcher(max_fetches)
         self._preparing = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-vllm-confirm")
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._decide: Optional[Callable[[Handshake], Any]] = None
         self.fetches = 0
+
+    def set_decider(self, decide: Callable[[Handshake], Any]) -> None:
+        """``decide(handshake)`` runs once per handshake fetched from now on, off the engine's thread,
+        before it is final; its result (or the ``KVXferError`` it raised) is ``verdict``'s answer."""
+        self._decide = decide
+
+    def verdict(self, host: str, port: int, handshake: Handshake) -> Any:
+        """The decider's answer for ``handshake`` as fetched from ``host:port``, None if none was worked out."""
+        entry = self._entries.get((host, port))
+        if entry is None or entry.handshake is not handshake or entry.finished is None:
+            return None
+        return entry.verdict
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,7 +138,7 @@ class HandshakeCache:
                 error = exc
         if error is not None:
             return self._final(entry, None, error)
-        if self._prepare is None:
+        if self._prepare is None and self._decide is None:
             return self._final(entry, handshake, None)
         try:
             self._preparing.submit(self._prepared, entry, target, handshake)
@@ -129,7 +146,16 @@ class HandshakeCache:
             self._final(entry, None, exc)
 
     def _prepared(self, entry: _Entry, target: tuple[str, int], handshake: Handshake) -> None:
-        assert self._prepare is not None
+        if self._decide is not None:
+            try:
+                entry.verdict = self._decide(handshake)
+            except KVXferError as exc:  # refused: every load through it is refused with this reason
+                entry.verdict = exc
+            except Exception as exc:  # noqa: BLE001 - outside the contract: the fetch fails with it
+                logger.exception("kvxfer vllm: deciding on the handshake of %s:%d failed", *target)
+                return self._final(entry, None, exc)
+        if self._prepare is None:
+            return self._final(entry, handshake, None)
         try:
             self._prepare(handshake)
         except Exception as exc:

@@ -206,6 +206,9 @@ class Receiver:
                          "quarantined": 0}
         self.interval_handoff_s: list[float] = []
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        set_decider = getattr(handshakes, "set_decider", None)
+        if set_decider is not None:  # worked out off this thread, once per handshake (handshake_cache)
+            set_decider(self._decide_reads)
 
     # --- the step's entry points ---------------------------------------------------------
     def submit(self, spec: LoadSpec) -> None:
@@ -323,7 +326,7 @@ class Receiver:
                                   f"{self._backend_name!r}")
         except KVXferError as exc:
             return self._refuse(load, str(exc))
-        verdict = self._prepared.reads(handshake, lambda: self._decide_reads(handshake))
+        verdict = self._verdict(ticket, handshake)
         if isinstance(verdict, KVXferError):
             load.failing = str(verdict)
             self.counters["refused"] += 1
@@ -343,6 +346,15 @@ class Receiver:
         if not local:
             return self._start_read(load)
         self._post_data(load, remote, local)
+
+    def _verdict(self, ticket: Ticket, handshake: Handshake) -> "RankReads | KVXferError":
+        """This rank's reads of ``handshake`` or why it is refused: as the handshake cache worked it out off
+        the step thread (``set_decider``), else (a cache without one) once here, remembered."""
+        lookup = getattr(self._handshakes, "verdict", None)
+        verdict = lookup(ticket.host, ticket.port, handshake) if lookup is not None else None
+        if verdict is not None:
+            return verdict
+        return self._prepared.reads(handshake, lambda: self._decide_reads(handshake))
 
     def _decide_reads(self, handshake: Handshake) -> RankReads:
         check_compatible(self._layout, self._backend_name, handshake)

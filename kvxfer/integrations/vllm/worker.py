@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.vllm.config import KvxferConfig
-from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake
+from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, rank_agent_name
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
 from kvxfer.integrations.vllm.kv_buffers import (TensorPlacement, hma_pages_region, kv_regions, layout_signature,
                                                  page_layout)
@@ -145,7 +144,7 @@ class KvxferWorker:
                                    block_size=self.block_size, regions=tuple(signature["regions"]),
                                    num_blocks=num_blocks)
         cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
-        agent = f"vllm-{self.engine_id[:24]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        agent = rank_agent_name(self.engine_id, self.tp_rank, self.tp_size)  # sealed in each meta: whose they are
         common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
         first = cls(agent_name=agent, memory_buffer=regions[0].view,
                     expected_num_blocks=num_blocks * regions[0].head_slabs, **common)
