@@ -14,8 +14,10 @@ reply line each on stdout: ``serve`` (prefill: senders made by the queue's ``cre
 ``send``), ``receive`` (decode: receivers made by the queue's ``_create_receiver_and_enqueue``,
 ``send_metadata``), ``serve_queued`` / ``receive_queued`` (SGLang's queues move the requests),
 ``sizes``, ``unset_reads``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the
-config's ``NAME`` fields (``mismatch``, ``tp2``), made the same way. Page and aux-row contents travel
-back as SHA-256 digests.
+config's ``NAME`` fields (``mismatch``, ``tp2``; another attention-TP size and rank, MLA, another backend),
+made the same way; ``try_build`` reports how SGLang's queue fails to make one (a refused mode); ``together``
+runs several commands at once, one thread each (several ranks of one instance in this process). Page,
+head and aux-row contents travel back as SHA-256 digests.
 
 The backend may also be one of SGLang's own (``nixl``, ``mooncake``): the control run
 (``tests/test_sglang_control.py``). A further manager's config may name its own ``backend`` and
@@ -593,6 +595,8 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
     if cmd.get("die_on_read"):
         kvxfer_only(manager, "die_on_read")
         die_on_first_read(manager)
+    puller = getattr(manager, "kvxfer_puller", None)
+    descriptors = puller.counters["descriptors"] if puller is not None else None
     receivers = {}
     for r in cmd["rooms"]:
         decode_req = queue._create_receiver_and_enqueue(stand_in_req(r, CFG["page_size"], host, int(port)))
@@ -614,7 +618,9 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         result[str(room)] = {"status": int(status), "reason": reason_of(rcv, status), "at_s": at - started}
         rcv.clear()
     return {"rooms": result, "digests": room_digests(cmd["rooms"], pool, kv_args, cmd.get("per_head", False)),
-            "elapsed_s": time.monotonic() - started, "state_written_slots": state_written_slots(kv_args)}
+            "elapsed_s": time.monotonic() - started, "state_written_slots": state_written_slots(kv_args),
+            # kvxfer's: the descriptors its reads posted for these rooms, after merging (None for SGLang's own)
+            "descriptors": None if puller is None else puller.counters["descriptors"] - descriptors}
 
 # --- SGLang's own queues moving requests: the rank's ``PrefillBootstrapQueue`` or ``DecodePreallocQueue``
 # (and its ``DecodeTransferQueue``) as ``build`` made them with their ``__init__``. The queue methods that
@@ -927,6 +933,79 @@ def try_build(cfg: dict) -> dict:
     return {"refused": None}
 
 
+def manager_for(which: str, ranks: dict):
+    """The rank's manager ``which`` ("main", or a further one of ``CFG[which]``), made on first use (its config may
+    name its own backend and bootstrap port)."""
+    if which not in ranks:
+        from sglang.srt.disaggregation.utils import TransferBackend
+
+        cfg = {**CFG, **CFG[which]}
+        other = TransferBackend(cfg["backend"])
+        bootstrap_server(other, cfg)
+        ranks[which] = build(other, cfg)
+        if CFG["role"] == "prefill":
+            fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1), int(cfg.get("attn_tp_rank", 0)))
+    return ranks[which]
+
+
+def answer(cmd: dict, ranks: dict, backend) -> dict:
+    """One command's reply (an ``error`` reply if it raised)."""
+    try:
+        which = cmd.get("manager", "main")
+        if cmd["op"] == "try_build":  # a manager whose making must fail: where, and why (SGLang's own path)
+            return try_build({**CFG, **CFG[which]})
+        pool, kv_args, manager = manager_for(which, ranks)
+        op = cmd["op"]
+        if op == "build":  # made above, if it was not yet
+            return {"built": which, "manager": type(manager).__name__}
+        if op in ("serve", "receive", "serve_queued", "receive_queued"):
+            return OPS[op](cmd, backend, manager, pool, kv_args)
+        if op == "model_prefill":
+            return model_prefill(cmd, manager, pool)
+        if op == "model_decode":
+            return model_decode(cmd, manager, pool)
+        if op == "bound":  # the prefill's bound on an offered chunk's read-done (2 x its timeout)
+            kvxfer_only(manager, "bound")
+            manager.kvxfer_rooms.timeout_s = float(cmd["seconds"])
+            return {"bound": manager.kvxfer_rooms.timeout_s}
+        if op == "sizes":
+            kvxfer_only(manager, "sizes")
+            time.sleep(cmd.get("settle_s", 0.0))
+            return {"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,
+                    "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
+                    "attn_tp_size": manager.attn_tp_size, "junk": manager.kvxfer_junk,
+                    "known_prefills": manager.kvxfer_puller.known_prefills if manager.kvxfer_puller else None}
+        if op == "unset_reads":  # KVArgs fields read that SGLang left unset, and by whom
+            return {"unset_reads": UNSET_READS}
+        return {"error": f"unknown op {op!r}"}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def together(cmds: list, ranks: dict, backend) -> dict:
+    """Several commands at once, one thread each, as several ranks of one instance run at once (a room read by two
+    decode ranks bootstraps only once both published their pages): the managers are made first, in order."""
+    import threading
+
+    for cmd in cmds:
+        if cmd["op"] != "try_build":
+            manager_for(cmd.get("manager", "main"), ranks)
+    replies = [None] * len(cmds)
+
+    def run(i: int) -> None:
+        replies[i] = answer(cmds[i], ranks, backend)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cmds))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"replies": replies}
+
+
+OPS = {"serve": serve, "receive": receive, "serve_queued": serve_queued, "receive_queued": receive_queued}
+
+
 def main() -> None:
     try:
         backend, server, pool, kv_args, manager = setup()
@@ -937,58 +1016,21 @@ def main() -> None:
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
-    # a decode rank may also hold a second, differently shaped manager (``CFG["mismatch"]``: pool fields
-    # that differ), built on first use: a mismatched decode without another process's imports
+    # a rank may also hold further managers (``CFG[name]``: a mismatched pool, another TP size or rank, another
+    # backend), built on first use: more ranks without another process's imports
     ranks = {"main": (pool, kv_args, manager)}
     for line in sys.stdin:
         cmd = json.loads(line)
-        try:
-            which = cmd.get("manager", "main")
-            if cmd["op"] == "try_build":  # a manager whose making must fail: where, and why (SGLang's own path)
-                reply(try_build({**CFG, **CFG[which]}))
-                continue
-            if which not in ranks:  # a further manager; its config may name its own backend and bootstrap port
-                from sglang.srt.disaggregation.utils import TransferBackend
-
-                cfg = {**CFG, **CFG[which]}
-                other = TransferBackend(cfg["backend"])
-                bootstrap_server(other, cfg)
-                ranks[which] = build(other, cfg)
-                if CFG["role"] == "prefill":
-                    fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1), int(cfg.get("attn_tp_rank", 0)))
-            pool, kv_args, manager = ranks[which]
-            if cmd["op"] == "build":  # made above, if it was not yet
-                reply({"built": which, "manager": type(manager).__name__})
-            elif cmd["op"] == "serve":
-                reply(serve(cmd, backend, manager, pool, kv_args))
-            elif cmd["op"] == "receive":
-                reply(receive(cmd, backend, manager, pool, kv_args))
-            elif cmd["op"] == "model_prefill":
-                reply(model_prefill(cmd, manager, pool))
-            elif cmd["op"] == "model_decode":
-                reply(model_decode(cmd, manager, pool))
-            elif cmd["op"] == "serve_queued":
-                reply(serve_queued(cmd, backend, manager, pool, kv_args))
-            elif cmd["op"] == "receive_queued":
-                reply(receive_queued(cmd, backend, manager, pool, kv_args))
-            elif cmd["op"] == "bound":  # the prefill's bound on an offered chunk's read-done (2 x its timeout)
-                kvxfer_only(manager, "bound")
-                manager.kvxfer_rooms.timeout_s = float(cmd["seconds"])
-                reply({"bound": manager.kvxfer_rooms.timeout_s})
-            elif cmd["op"] == "sizes":
-                kvxfer_only(manager, "sizes")
-                time.sleep(cmd.get("settle_s", 0.0))
-                reply({"sizes": manager.kvxfer_sizes(), "counters": (manager.kvxfer_rooms or manager.kvxfer_puller).counters,
-                       "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
-                       "attn_tp_size": manager.attn_tp_size, "junk": manager.kvxfer_junk,
-                       "known_prefills": manager.kvxfer_puller.known_prefills if manager.kvxfer_puller else None})
-            elif cmd["op"] == "unset_reads":  # KVArgs fields read that SGLang left unset, and by whom
-                reply({"unset_reads": UNSET_READS})
-            elif cmd["op"] == "exit":
-                reply({"bye": True})
-                break
-        except Exception as exc:
-            reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        if cmd["op"] == "exit":
+            reply({"bye": True})
+            break
+        if cmd["op"] == "together":  # several commands at once, one thread each (ranks of one instance here)
+            try:
+                reply(together(cmd["ops"], ranks, backend))
+            except Exception as exc:  # a manager that could not be made
+                reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        else:
+            reply(answer(cmd, ranks, backend))
     OUT.flush()
     os._exit(0)  # SGLang's non-daemon threads (bootstrap server) would keep the process
 

@@ -1,27 +1,24 @@
 """Different attention TP between an SGLang prefill and decode, in real SGLang ranks (sglang 0.5.23,
-``.venv-sglang``): prefill TP 1 -> decode TP 2 and TP 2 -> TP 1, MHA/GQA and MLA, each decode rank byte-exact
-against what SGLang's layout holds on that rank.
+``.venv-sglang``): prefill TP 1 -> decode TP 2, 2 -> 1, 2 -> 4 and 4 -> 2 for MHA/GQA, 1 -> 2 and 2 -> 1 for MLA,
+each decode rank byte-exact against what SGLang's layout holds on that rank.
 
-Four processes (``sglang_peer.py``), each manager made by SGLang's own ``PrefillBootstrapQueue`` /
-``DecodePreallocQueue`` with its attention-TP size and rank stated through SGLang's scoped ``override`` (no
-process group of that size: a manager never uses one), senders from ``create_sender``, receivers from
-``_create_receiver_and_enqueue``, pairings, ``required_dst_info_num`` and bootstrap infos from SGLang's
-``CommonKVReceiver``:
+Four processes (``sglang_peer.py``), two per role, each holding ranks of several instances: every manager made
+by SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` with its attention-TP size and rank stated
+through SGLang's scoped ``override`` (no process group of that size: a manager never uses one), senders from
+``create_sender``, receivers from ``_create_receiver_and_enqueue``, the pairings, ``required_dst_info_num`` and
+bootstrap infos SGLang's ``CommonKVReceiver``'s. Rank 0 of each prefill instance runs its bootstrap server; the
+other ranks register with it, from the same process or the other one. Ranks of one instance in one process
+run their command at once (``together``: one thread each), as separate schedulers would.
 
-* prefill A: TP-1 instances (MHA on ``kvxfer_ucx``, MLA on ``kvxfer_nixl``) and rank 0 of the TP-2 instances
-  of each (rank 0 runs each TP-2 instance's bootstrap server);
-* prefill B: rank 1 of the TP-2 instances (it registers with A's servers);
-* decode A: rank 0 of the TP-2 decodes, and the TP-1 decodes;
-* decode B: rank 1 of the TP-2 decodes.
-
-An MHA pool holds 4 KV heads on a TP-1 rank and 2 on a TP-2 rank (SGLang's ``MHATokenToKVPool``: per layer
-``[tokens, heads, head_dim]``, so a rank's heads are strided within a page); each rank's pool is random bytes
-of its own (its heads), the aux rows the same on every rank of an instance. Per page and head the digests are
-compared: a TP-2 decode rank ``d`` must hold the TP-1 prefill's heads ``2d, 2d+1``; the TP-1 decode heads
-``0, 1`` of prefill rank 0 and ``2, 3`` of rank 1. An MLA page (one latent copy per rank) must equal the page
-of the prefill rank SGLang pairs the decode with (for TP 2 -> 1, rank 0; rank 1 is SGLang's dummy pairing and
-concludes without a read). Every room ``Success`` on every rank, kvxfer's tables empty after, no ``KVArgs``
-field read that SGLang left unset; the descriptors each decode rank posted per room are printed (docs/sglang.md).
+The MHA instances (``kvxfer_ucx``) hold 4 KV heads in all, ``4 / TP`` per rank (SGLang's ``MHATokenToKVPool``:
+per layer ``[tokens, heads, head_dim]``, so a rank's heads are strided within a page); each rank's pool is
+random bytes of its own, the aux rows the same on every rank of an instance. Per page and head the digests are
+compared: decode rank ``d`` of TP ``D`` must hold global heads ``d*4/D ...``, each the head of the prefill rank
+that holds it. An MLA page (``kvxfer_nixl``; one latent copy per rank) must equal the page of the prefill rank
+SGLang pairs the decode with (TP 2 -> 1: rank 0; rank 1 is SGLang's dummy pairing and concludes without a
+read). Every room ``Success`` on every rank, kvxfer's tables empty after, no ``KVArgs`` field read that SGLang
+left unset; the descriptors each decode rank posted per room are printed (docs/sglang.md). Then SGLang's modes
+that kvxfer refuses, through SGLang's own queue constructors.
 
 No control: SGLang's own ``nixl`` refuses different TP into host memory (its prefill's bootstrap thread raises
 "NIXL heterogeneous-TP direct-to-host KV transfer is not implemented safely yet" when the decode registers, and
@@ -38,26 +35,17 @@ from sglang_support import Peer, free_port, peer_env, rooms_plan
 SUCCESS = 4
 #: The pools here (``sglang_support.POOL`` otherwise): 3 layers, page 4, head_dim 16; 4 KV heads in all.
 HEADS = 4
-MHA = ("u1", "u2")  # kvxfer_ucx MHA instances, TP 1 and TP 2
 INSTANCES = {  # name: (backend, attention TP, mla)
-    "u1": ("kvxfer_ucx", 1, False), "u2": ("kvxfer_ucx", 2, False),
+    "u1": ("kvxfer_ucx", 1, False), "u2": ("kvxfer_ucx", 2, False), "u4": ("kvxfer_ucx", 4, False),
     "m1": ("kvxfer_nixl", 1, True), "m2": ("kvxfer_nixl", 2, True),
 }
-
-
-def _cfg(name: str, rank: int, ports: dict[str, int]) -> dict:
-    backend, tp, mla = INSTANCES[name]
-    return {"backend": backend, "bootstrap_port": ports[name], "attn_tp_size": tp, "attn_tp_rank": rank,
-            "heads": HEADS // tp, "mla": mla, "seed": 100 + list(INSTANCES).index(name)}
-
-
-def _rank_peer(role: str, main: str, rank: int, further: dict[str, int], ports: dict[str, int], env,
-               **modes: dict) -> Peer:
-    cfg = _cfg(main, rank, ports)
-    extra = {name: _cfg(name, r, ports) for name, r in further.items()}
-    return Peer(role, cfg.pop("backend"), cfg.pop("bootstrap_port"), env=env, **cfg, **extra, **modes)
-
-
+#: Where each instance's ranks live, per role: ``(process, manager name)`` in rank order (process 0 or 1).
+PREFILL_RANKS = {"u1": [(0, "main")], "u2": [(0, "u2"), (1, "main")],
+                 "u4": [(0, "u4.0"), (0, "u4.1"), (1, "u4.2"), (1, "u4.3")],
+                 "m1": [(0, "m1")], "m2": [(0, "m2"), (1, "m2")]}
+DECODE_RANKS = {"u1": [(0, "u1")], "u2": [(0, "main"), (1, "main")],
+                "u4": [(0, "u4.0"), (0, "u4.1"), (1, "u4.2"), (1, "u4.3")],
+                "m1": [(0, "m1")], "m2": [(0, "m2"), (1, "m2")]}
 #: SGLang's modes kvxfer refuses when its manager is made (item 5 of issue 38), each a manager config: on the
 #: decode, ``SGLANG_DISAGG_STAGING_BUFFER=1`` and ``--disaggregation-decode-host-receive-threshold 0.5`` (kvxfer's,
 #: and SGLang's own nixl for comparison); on the prefill, the staging buffer.
@@ -67,6 +55,24 @@ DECODE_MODES = {
     "host_nixl": {"backend": "nixl", "host_receive_threshold": 0.5},
 }
 PREFILL_MODES = {"staging_p": {"backend": "kvxfer_nixl", "env": {"SGLANG_DISAGG_STAGING_BUFFER": "1"}}}
+
+
+def _cfg(name: str, rank: int, ports: dict[str, int]) -> dict:
+    backend, tp, mla = INSTANCES[name]
+    return {"backend": backend, "bootstrap_port": ports[name], "attn_tp_size": tp, "attn_tp_rank": rank,
+            "heads": HEADS // tp, "mla": mla, "seed": 100 + list(INSTANCES).index(name)}
+
+
+def _processes(role: str, placement: dict, ports: dict[str, int], env, modes: dict) -> list[Peer]:
+    """The role's two processes, each with its main manager and the further ones ``placement`` puts there."""
+    peers = []
+    for proc in (0, 1):
+        managers = {name: _cfg(inst, rank, ports) for inst, where in placement.items()
+                    for rank, (p, name) in enumerate(where) if p == proc}
+        main = managers.pop("main")
+        extra = modes if proc == 0 else {}
+        peers.append(Peer(role, main.pop("backend"), main.pop("bootstrap_port"), env=env, **main, **managers, **extra))
+    return peers
 
 
 def _ended(case: str, serve: list[dict], prefills: list[dict], decode: dict) -> tuple[list[str], list[str]]:
@@ -82,15 +88,17 @@ def _ended(case: str, serve: list[dict], prefills: list[dict], decode: dict) -> 
     return faults, rooms
 
 
-def _head_faults(case: str, serve: list[dict], prefills: list[dict], decode: dict, heads_of) -> list[str]:
-    """Each decode page's heads against the prefill rank's heads they must be (``heads_of(j)``: decode head
-    ``j`` is head ``h`` of ``prefills[p]``, as ``(p, h)``), and each room Success on every rank."""
+def _head_faults(case: str, serve: list[dict], prefills: list[dict], decode: dict, rank: int) -> list[str]:
+    """Decode rank ``rank``'s heads (of ``HEADS / its TP``) in every page against the prefill rank's head each
+    must be (global head ``g`` on prefill rank ``g // per_rank``), the aux row, and every room Success."""
     faults, rooms = _ended(case, serve, prefills, decode)
+    src_heads = HEADS // len(prefills)
     for key in rooms:
         for buf, pages in enumerate(decode["digests"][key]["heads"]):
             for page, heads in enumerate(pages):
                 for j, digest in enumerate(heads):
-                    p, h = heads_of(j)
+                    g = rank * len(heads) + j
+                    p, h = g // src_heads, g % src_heads
                     if prefills[p]["digests"][key]["heads"][buf][page][h] != digest:
                         faults.append(f"{case} room {key} buffer {buf} page {page}: head {j} is not prefill rank "
                                       f"{p}'s head {h}")
@@ -109,78 +117,53 @@ def _page_faults(case: str, serve: list[dict], prefills: list[dict], decode: dic
     return faults
 
 
+def _which(name: str) -> dict:
+    return {} if name == "main" else {"manager": name}
+
+
 def test_different_attention_tp_both_ways_mha_and_mla():
     env = peer_env(KVXFER_TRANSFER_TIMEOUT_S="15")
     ports = {name: free_port() for name in INSTANCES}
-    one = [n for n, (_, tp, _) in INSTANCES.items() if tp == 1]
-    two = [n for n, (_, tp, _) in INSTANCES.items() if tp == 2]
-    # prefill A holds the TP-1 instances and rank 0 of the TP-2 ones; its main manager is "u1"
-    prefill_a = _rank_peer("prefill", "u1", 0, {n: 0 for n in one[1:] + two}, ports, env,
-                           **{k: {**v, "attn_tp_size": 1, "bootstrap_port": free_port()} for k, v in PREFILL_MODES.items()})
-    prefill_b = _rank_peer("prefill", "u2", 1, {n: 1 for n in two[1:]}, ports, env)
-    decode_a = _rank_peer("decode", "u2", 0, {**{n: 0 for n in two[1:]}, **{n: 0 for n in one}}, ports, env,
-                          **{k: {**v, "attn_tp_size": 1, "heads": HEADS} for k, v in DECODE_MODES.items()})
-    decode_b = _rank_peer("decode", "u2", 1, {n: 1 for n in two[1:]}, ports, env)
-    peers = (prefill_a, prefill_b, decode_a, decode_b)
-    faults, figures = [], {}
+    prefills = _processes("prefill", PREFILL_RANKS, ports, env,
+                          {k: {**v, "attn_tp_size": 1, "bootstrap_port": free_port()} for k, v in PREFILL_MODES.items()})
+    decodes = _processes("decode", DECODE_RANKS, ports, env,
+                         {k: {**v, "attn_tp_size": 1, "heads": HEADS} for k, v in DECODE_MODES.items()})
+    peers = (*prefills, *decodes)
+    faults, figures, refusals = [], {}, {}
     began = time.monotonic()
     try:
-        prefill_a.ready(), decode_a.ready(), decode_b.ready()
-        for name in two:  # rank 0 runs each TP-2 instance's bootstrap server: rank 1 registers with it after
-            prefill_a.ask(op="build", manager=name)
-        prefill_b.ready()
-        for name in two[1:]:
-            prefill_b.ask(op="build", manager=name)
+        prefills[0].ready(), decodes[0].ready(), decodes[1].ready()
+        # rank 0 of each prefill instance runs its bootstrap server: the ranks in the other process register after
+        for inst, where in PREFILL_RANKS.items():
+            for proc, name in where:
+                if proc == 0 and name != "main":
+                    prefills[0].ask(op="build", manager=name)
+        prefills[1].ready()
+        for inst, where in PREFILL_RANKS.items():
+            for proc, name in where:
+                if proc == 1 and name != "main":
+                    prefills[1].ask(op="build", manager=name)
         ready_s = time.monotonic() - began
-
-        def which(peer: Peer, name: str) -> dict:  # the manager of instance ``name`` on a rank's process
-            main = {prefill_a: "u1", prefill_b: "u2", decode_a: "u2", decode_b: "u2"}[peer]
-            return {} if name == main else {"manager": name}
-
-        def exchange(name_p: str, prefills: list[Peer], name_d: str, decodes: list[Peer], serve, receive):
-            for peer in prefills:
-                peer.send(op="serve", rooms=serve, timeout=60, per_head=True, **which(peer, name_p))
-            for peer in decodes:
-                peer.send(op="receive", bootstrap=f"127.0.0.1:{ports[name_p]}", rooms=receive, timeout=60,
-                          per_head=True, **which(peer, name_d))
-            return [p.read() for p in prefills], [d.read() for d in decodes]
-
-        def descriptors(peer: Peer, name: str) -> int:
-            return peer.ask(op="sizes", **which(peer, name))["counters"]["descriptors"]
-
         serve, receive = rooms_plan(100, 3, pages_per_room=6, chunks=[(2, 4), (1, 2, 3)], src_base=3, dst_base=40)
-        rooms = len(serve)
-        # MHA, TP 1 -> 2: both decode ranks read other heads of the same prefill pages
-        before = [descriptors(d, "u2") for d in (decode_a, decode_b)]
-        served, got = exchange("u1", [prefill_a], "u2", [decode_a, decode_b], serve, receive)
-        for d, decode in enumerate(got):
-            faults += _head_faults(f"MHA 1->2 decode rank {d}", serve, served, decode, lambda j, d=d: (0, 2 * d + j))
-        figures["MHA 1->2"] = [(descriptors(p, "u2") - b) / rooms for p, b in zip((decode_a, decode_b), before)]
 
-        # MHA, TP 2 -> 1: one decode rank reads heads 0-1 from prefill rank 0 and 2-3 from rank 1
-        before = descriptors(decode_a, "u1")
-        served, got = exchange("u2", [prefill_a, prefill_b], "u1", [decode_a], serve, receive)
-        faults += _head_faults("MHA 2->1", serve, served, got[0], lambda j: (j // 2, j % 2))
-        figures["MHA 2->1"] = [(descriptors(decode_a, "u1") - before) / rooms]
-
-        # the same rooms at the same TP (whole pages: what a staging read of the source's pages would post)
-        before = descriptors(decode_a, "u1")
-        served, got = exchange("u1", [prefill_a], "u1", [decode_a], serve, receive)
-        faults += _head_faults("MHA 1->1", serve, served, got[0], lambda j: (0, j))
-        figures["MHA 1->1 (whole pages)"] = [(descriptors(decode_a, "u1") - before) / rooms]
-
-        # MLA: one latent copy per rank, whole pages, any TP; 2 -> 1 reads rank 0, rank 1 is SGLang's dummy
-        served, got = exchange("m1", [prefill_a], "m2", [decode_a, decode_b], serve, receive)
-        for d, decode in enumerate(got):
-            faults += _page_faults(f"MLA 1->2 decode rank {d}", serve, served, decode, 0)
-        served, got = exchange("m2", [prefill_a, prefill_b], "m1", [decode_a], serve, receive)
-        faults += _page_faults("MLA 2->1", serve, served, got[0], 0)
+        for src, dst in (("u1", "u2"), ("u2", "u1"), ("u1", "u1"), ("u2", "u4"), ("u4", "u2")):
+            served, got = _exchange(prefills, decodes, ports, src, dst, serve, receive)
+            case = f"MHA TP {INSTANCES[src][1]} -> {INSTANCES[dst][1]}"
+            for rank, decode in enumerate(got):
+                faults += _head_faults(f"{case} decode rank {rank}", serve, served, decode, rank)
+            figures[case] = [reply["descriptors"] / len(serve) for reply in got]
+        for src, dst in (("m1", "m2"), ("m2", "m1")):
+            served, got = _exchange(prefills, decodes, ports, src, dst, serve, receive)
+            tp_p, tp_d = INSTANCES[src][1], INSTANCES[dst][1]
+            for rank, decode in enumerate(got):  # SGLang's pairing: the first (real) target rank
+                source = rank // (tp_d // tp_p) if tp_d >= tp_p else rank * (tp_p // tp_d)
+                faults += _page_faults(f"MLA TP {tp_p} -> {tp_d} decode rank {rank}", serve, served, decode, source)
         cases_s = time.monotonic() - began - ready_s
 
         # SGLang's modes kvxfer refuses, through SGLang's own queue constructors: the refusal comes from kvxfer's
         # manager, made by the queue's _init_kv_manager, naming the flag
-        refusals = {name: decode_a.ask(op="try_build", manager=name) for name in DECODE_MODES}
-        refusals.update({name: prefill_a.ask(op="try_build", manager=name) for name in PREFILL_MODES})
+        refusals = {name: decodes[0].ask(op="try_build", manager=name) for name in DECODE_MODES}
+        refusals.update({name: prefills[0].ask(op="try_build", manager=name) for name in PREFILL_MODES})
         for name, flag in (("staging", "SGLANG_DISAGG_STAGING_BUFFER"), ("staging_p", "SGLANG_DISAGG_STAGING_BUFFER"),
                            ("host", "--disaggregation-decode-host-receive-threshold")):
             got = refusals[name]
@@ -191,13 +174,14 @@ def test_different_attention_tp_both_ways_mha_and_mla():
         if "does not support decode host KV destinations" not in (refusals["host_nixl"]["refused"] or ""):
             faults.append(f"SGLang's own nixl accepted a host destination: {refusals['host_nixl']}")
 
-        for peer in peers:  # kvxfer's tables empty on every kvxfer manager; no unset KVArgs field read by kvxfer
-            for name in INSTANCES:
-                if peer in (prefill_a, decode_a) or name in two:
-                    sizes = peer.ask(op="sizes", settle_s=0.3 if peer.role == "prefill" else 0.0,
-                                     **which(peer, name))["sizes"]
+        for role, procs, placement in (("prefill", prefills, PREFILL_RANKS), ("decode", decodes, DECODE_RANKS)):
+            for where in placement.values():  # kvxfer's tables empty on every manager
+                for p, name in where:
+                    sizes = procs[p].ask(op="sizes", settle_s=0.3 if role == "prefill" else 0.0,
+                                         **_which(name))["sizes"]
                     if any(sizes.values()):
-                        faults.append(f"{peer.role} {name}: kvxfer's tables not empty: {sizes}")
+                        faults.append(f"{role} {name}: kvxfer's tables not empty: {sizes}")
+        for peer in peers:  # no KVArgs field read by kvxfer that SGLang left unset
             reads = peer.ask(op="unset_reads")["unset_reads"]
             faults += [f"{peer.role}: kvxfer read KVArgs.{r[0]}, unset by SGLang" for r in reads
                        if r[1].startswith("kvxfer")]
@@ -208,3 +192,34 @@ def test_different_attention_tp_both_ways_mha_and_mla():
     print(f"different TP: ranks ready in {ready_s:.1f}s, the cases {cases_s:.1f}s; descriptors per room per "
           f"decode rank: {figures}; refused modes: " + "; ".join(f"{k}: {v['refused']}" for k, v in refusals.items()))
     assert not faults, f"{faults}{logs}"
+
+
+def _exchange(prefills: list[Peer], decodes: list[Peer], ports: dict[str, int], src: str, dst: str, serve: list,
+              receive: list) -> tuple[list[dict], list[dict]]:
+    """The rooms served by every rank of prefill instance ``src`` and received by every rank of decode instance
+    ``dst``, all at once; the replies in rank order."""
+    def commands(placement: dict, inst: str, cmd: dict) -> dict[int, list[dict]]:
+        out: dict[int, list[dict]] = {}
+        for p, name in placement[inst]:
+            out.setdefault(p, []).append({**cmd, **_which(name)})
+        return out
+
+    sides = [(prefills, commands(PREFILL_RANKS, src, {"op": "serve", "rooms": serve, "timeout": 60,
+                                                      "per_head": True})),
+             (decodes, commands(DECODE_RANKS, dst, {"op": "receive", "bootstrap": f"127.0.0.1:{ports[src]}",
+                                                    "rooms": receive, "timeout": 60, "per_head": True}))]
+    for procs, by_proc in sides:
+        for p, cmds in by_proc.items():
+            procs[p].send(op="together", ops=cmds)
+    replies = []
+    for procs, by_proc in sides:
+        mine = []
+        for p, cmds in by_proc.items():
+            for cmd, reply in zip(cmds, procs[p].read()["replies"]):
+                if "error" in reply:
+                    raise AssertionError(f"{procs[p].role} {cmd.get('manager', 'main')}: {reply['error']}\n"
+                                         f"{reply.get('traceback')}\n{procs[p].log()}")
+                mine.append(reply)
+        replies.append(mine)  # processes in order, each's ranks in order: rank order (placements are so)
+    return replies[0], replies[1]
+
