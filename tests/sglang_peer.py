@@ -14,8 +14,9 @@ reply line each on stdout: ``serve`` (prefill: senders made by the queue's ``cre
 ``send``), ``receive`` (decode: receivers made by the queue's ``_create_receiver_and_enqueue``,
 ``send_metadata``), ``serve_queued`` / ``receive_queued`` (SGLang's queues move the requests),
 ``sizes``, ``unset_reads``, ``exit``; ``"manager": NAME`` runs one on a further manager shaped by the
-config's ``NAME`` fields (``mismatch``, ``tp2``; another attention-TP size and rank, MLA, another backend),
-made the same way; ``try_build`` reports how SGLang's queue fails to make one (a refused mode); ``together``
+config's ``NAME`` fields (``mismatch``, ``tp2``; another attention-TP size and rank, a pipeline stage
+(``pp_size``, ``pp_rank``: its layers as SGLang's ``get_pp_indices`` splits the model's), MLA, another
+backend), made the same way; ``try_build`` reports how SGLang's queue fails to make one (a refused mode); ``together``
 runs several commands at once, one thread each (several ranks of one instance in this process). Page,
 head and aux-row contents travel back as SHA-256 digests.
 
@@ -304,18 +305,55 @@ def request_pool(cfg: dict):
                                 enable_memory_saver=False, pre_alloc_size=0)
 
 
+def stage_layers(cfg: dict) -> tuple[int, int]:
+    """The layers ``[start, stop)`` of the model's ``cfg["layers"]`` this rank's pool holds: all at PP 1, else its
+    pipeline stage's, as SGLang's model runner takes them (``get_pp_indices``, whose ``end_layer`` the runner
+    hands the pool: one past the stage's last layer)."""
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    pp = int(cfg.get("pp_size", 1))
+    return (0, cfg["layers"]) if pp == 1 else get_pp_indices(cfg["layers"], int(cfg.get("pp_rank", 0)), pp)
+
+
 def kv_pool(cfg: dict):
     """SGLang's real KV pool: ``MHATokenToKVPool`` (``cfg["heads"]`` heads on this rank), or with ``cfg["mla"]``
-    its ``MLATokenToKVPool`` (one latent per token: ``kv_lora_rank`` + ``qk_rope_head_dim``, any TP)."""
+    its ``MLATokenToKVPool`` (one latent per token: ``kv_lora_rank`` + ``qk_rope_head_dim``, any TP); on a
+    pipeline stage, its layers only (``stage_layers``), with the first and end layer the model runner states."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+    start, stop = stage_layers(cfg)
+    layers = {"layer_num": stop - start} if int(cfg.get("pp_size", 1)) == 1 else {
+        "layer_num": stop - start, "start_layer": start, "end_layer": stop}
     if cfg.get("mla"):
         return MLATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
                                 kv_lora_rank=cfg.get("kv_lora_rank", 32), qk_rope_head_dim=cfg.get("qk_rope", 8),
-                                layer_num=cfg["layers"], device="cpu", enable_memory_saver=False)
+                                device="cpu", enable_memory_saver=False, **layers)
     return MHATokenToKVPool(size=cfg["tokens"], page_size=cfg["page_size"], dtype=torch.bfloat16,
-                            head_num=cfg["heads"], head_dim=cfg["head_dim"], layer_num=cfg["layers"], device="cpu",
-                            enable_memory_saver=False, enable_alt_stream=False)
+                            head_num=cfg["heads"], head_dim=cfg["head_dim"], device="cpu",
+                            enable_memory_saver=False, enable_alt_stream=False, **layers)
+
+
+class StagePPGroup:
+    """The stand-in for SGLang's pipeline group (a ``GroupCoordinator``) while a pipeline stage's manager is made,
+    carrying only what SGLang 0.5.23 reads of it there: ``world_size`` (its parallel context checks it against
+    ``pp_size``), ``rank_in_group``, and ``broadcast_object(obj, src=0)``, which ``CommonKVManager.__init__``'s
+    ``PPConsensusStore`` calls once on every prefill stage (stage 0 binds its zmq socket and broadcasts the
+    address; the others connect to it). The stages of one instance live in this process and are made in order,
+    so stage 0's object is published for the others here; the store itself, its sockets and replication, are
+    SGLang's."""
+
+    published: dict = {}
+
+    def __init__(self, instance: int, rank: int, size: int) -> None:
+        self.instance, self.rank_in_group, self.world_size = instance, rank, size
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if self.rank_in_group == src:
+            StagePPGroup.published[self.instance] = obj
+            return obj
+        if self.instance not in StagePPGroup.published:
+            raise RuntimeError(f"pipeline stage {self.rank_in_group} made before stage {src} of its instance")
+        return StagePPGroup.published[self.instance]
 
 
 #: Host buffers the host-destination stand-in hands SGLang (raw pointers: kept for the rank's life).
@@ -374,7 +412,8 @@ def build(backend, cfg: dict):
     ranks from ``get_parallel()``, so they are stated with its scoped ``override`` while the queue is made (the
     manager and queue keep them; no process group of that size is built: the other TP ranks are other
     processes, or not run at all, and a manager never contacts them), and the pool holds this rank's share of
-    the heads. A prefill rank other than 0 first waits for rank 0's bootstrap server."""
+    the heads. A pipeline stage (``pp_size`` > 1) is stated the same way, with ``StagePPGroup`` as its group, and
+its pool holds its stage's layers. A prefill rank other than 0 first waits for rank 0's bootstrap server."""
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
@@ -392,6 +431,10 @@ def build(backend, cfg: dict):
     scheduler = rank_scheduler(cfg, hybrid, tp)
     widths = {"tp_size": tp, "attn_tp_size": tp, "moe_tp_size": tp, "tp_rank": rank, "attn_tp_rank": rank,
               "moe_tp_rank": rank} if tp > 1 else {}
+    pp = int(cfg.get("pp_size", 1))
+    if pp > 1:  # a pipeline stage: SGLang reads its width and rank (and, on a prefill, its group) from get_parallel()
+        widths.update(pp_size=pp, pp_rank=int(cfg.get("pp_rank", 0)),
+                      pp_group=StagePPGroup(cfg["bootstrap_port"], int(cfg.get("pp_rank", 0)), pp))
     if CFG["role"] == "prefill" and rank > 0:
         await_bootstrap_server(cfg)
     shared = dict(req_to_metadata_buffer_idx_allocator=slots, metadata_buffers=meta, scheduler=scheduler, gpu_id=0,
@@ -424,15 +467,16 @@ def pool_buffers(pool) -> list:
     return list(pool.k_buffer) + list(pool.v_buffer) if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
 
 
-def fill(pool, kv_args, seed: int, rank: int = 0) -> None:
-    """Random KV bytes, other on each attention-TP rank (each holds other heads), and random aux and state rows,
-    the same on every rank of an instance (SGLang's TP ranks compute the same first token and metadata)."""
+def fill(pool, kv_args, seed: int, rank: int = 0, stage: int = 0, aux_seed: Optional[int] = None) -> None:
+    """Random KV bytes, other on each attention-TP rank and pipeline stage (each holds other heads or layers), and
+    random aux and state rows, the same on every rank of an instance (SGLang's TP ranks compute the same first
+    token and metadata) unless ``aux_seed`` says otherwise."""
     from kvxfer.integrations.sglang.regions import raw_view
 
-    gen = torch.Generator().manual_seed(seed + 7919 * rank)
+    gen = torch.Generator().manual_seed(seed + 7919 * rank + 104729 * stage)
     for buf in pool_buffers(pool):
         buf.view(torch.int16).copy_(torch.randint(-2**15, 2**15, buf.shape, dtype=torch.int16, generator=gen))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed if aux_seed is None else aux_seed)
     state = [(p, n) for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens) for p, n in zip(ptrs, lens)]
     for ptr, n in list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)) + state:
         raw_view(ptr, n, "cpu").copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
@@ -944,7 +988,8 @@ def manager_for(which: str, ranks: dict):
         bootstrap_server(other, cfg)
         ranks[which] = build(other, cfg)
         if CFG["role"] == "prefill":
-            fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1), int(cfg.get("attn_tp_rank", 0)))
+            fill(ranks[which][0], ranks[which][1], cfg.get("seed", 1), int(cfg.get("attn_tp_rank", 0)),
+                 int(cfg.get("pp_rank", 0)), cfg.get("aux_seed"))
     return ranks[which]
 
 
@@ -957,7 +1002,8 @@ def answer(cmd: dict, ranks: dict, backend) -> dict:
         pool, kv_args, manager = manager_for(which, ranks)
         op = cmd["op"]
         if op == "build":  # made above, if it was not yet
-            return {"built": which, "manager": type(manager).__name__}
+            return {"built": which, "manager": type(manager).__name__, "layout": getattr(manager, "kvxfer_layout", None),
+                    "layers": list(stage_layers({**CFG, **CFG.get(which, {})} if which != "main" else CFG))}
         if op in ("serve", "receive", "serve_queued", "receive_queued"):
             return OPS[op](cmd, backend, manager, pool, kv_args)
         if op == "model_prefill":
@@ -1010,7 +1056,8 @@ def main() -> None:
     try:
         backend, server, pool, kv_args, manager = setup()
         if CFG["role"] == "prefill":
-            fill(pool, kv_args, CFG.get("seed", 1), int(CFG.get("attn_tp_rank", 0)))
+            fill(pool, kv_args, CFG.get("seed", 1), int(CFG.get("attn_tp_rank", 0)), int(CFG.get("pp_rank", 0)),
+                 CFG.get("aux_seed"))
         reply({"ready": True, "pid": os.getpid(), "layout": getattr(manager, "kvxfer_layout", None),
                "manager": type(manager).__name__, "endpoint": f"tcp://{manager.local_ip}:{manager.rank_port}"})
     except Exception as exc:

@@ -137,6 +137,22 @@ def rooms_plan(first_room: int, count: int, *, pages_per_room: int = 7, chunks: 
     return serve, receive
 
 
+def kvxfer_leftovers(managers: list[tuple[Peer, str]], peers: Any) -> list[str]:
+    """What a run left that it must not: kvxfer's tables not empty on any of ``managers`` (``(rank, manager name)``,
+    ``"main"`` for the rank's own; a prefill's asked after a short settle, for its read-done drain), and every
+    ``KVArgs`` field SGLang left unset that kvxfer read on any of ``peers``."""
+    faults = []
+    for peer, name in managers:
+        sizes = peer.ask(op="sizes", settle_s=0.3 if peer.role == "prefill" else 0.0,
+                         **({} if name == "main" else {"manager": name}))["sizes"]
+        if any(sizes.values()):
+            faults.append(f"{peer.role} {name}: kvxfer's tables not empty: {sizes}")
+    for peer in peers:
+        reads = peer.ask(op="unset_reads")["unset_reads"]
+        faults += [f"{peer.role}: kvxfer read KVArgs.{r[0]}, unset by SGLang" for r in reads if r[1].startswith("kvxfer")]
+    return faults
+
+
 def started(*peers: Peer) -> None:
     for peer in peers:
         peer.ready()

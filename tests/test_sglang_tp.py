@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from sglang_support import Peer, free_port, peer_env, rooms_plan
+from sglang_support import Peer, free_port, kvxfer_leftovers, peer_env, rooms_plan
 
 SUCCESS = 4
 #: The pools here (``sglang_support.POOL`` otherwise): 3 layers, page 4, head_dim 16; 4 KV heads in all.
@@ -174,17 +174,9 @@ def test_different_attention_tp_both_ways_mha_and_mla():
         if "does not support decode host KV destinations" not in (refusals["host_nixl"]["refused"] or ""):
             faults.append(f"SGLang's own nixl accepted a host destination: {refusals['host_nixl']}")
 
-        for role, procs, placement in (("prefill", prefills, PREFILL_RANKS), ("decode", decodes, DECODE_RANKS)):
-            for where in placement.values():  # kvxfer's tables empty on every manager
-                for p, name in where:
-                    sizes = procs[p].ask(op="sizes", settle_s=0.3 if role == "prefill" else 0.0,
-                                         **_which(name))["sizes"]
-                    if any(sizes.values()):
-                        faults.append(f"{role} {name}: kvxfer's tables not empty: {sizes}")
-        for peer in peers:  # no KVArgs field read by kvxfer that SGLang left unset
-            reads = peer.ask(op="unset_reads")["unset_reads"]
-            faults += [f"{peer.role}: kvxfer read KVArgs.{r[0]}, unset by SGLang" for r in reads
-                       if r[1].startswith("kvxfer")]
+        faults += kvxfer_leftovers([(procs[p], name) for procs, placement in ((prefills, PREFILL_RANKS),
+                                                                             (decodes, DECODE_RANKS))
+                                    for where in placement.values() for p, name in where], peers)
     finally:
         logs = "".join(f"\n--- {p.role} {p.info.get('endpoint')}:\n{p.log()}" for p in peers)
         for peer in peers:

@@ -1,31 +1,40 @@
-"""Different attention TP between an SGLang prefill and decode, in kvxfer's pure parts (no SGLang needed):
-the bytes of a page each decode rank reads from each prefill rank (``kvxfer.integrations.sglang.tp``). The
-prefill's room table with several decode ranks reading one room is in ``test_sglang_source_rooms.py``.
+"""Different attention TP or PP between an SGLang prefill and decode, in kvxfer's pure parts (no SGLang
+needed): the bytes of a page each decode rank reads from each prefill rank, into which of its buffers
+(``kvxfer.integrations.sglang.tp``). The prefill's room table with several decode ranks reading one room is in
+``test_sglang_source_rooms.py``.
 
 The plan is checked by applying it to pages laid out as SGLang's ``MHATokenToKVPool`` lays them out
-(``[tokens, heads_on_rank, head_dim]`` per layer): each decode rank must end up holding exactly its heads.
-The real-process runs are ``test_sglang_tp.py``."""
+(``[tokens, heads_on_rank, head_dim]`` per layer): each decode rank must end up holding exactly its heads;
+and, for pipeline stages, buffers laid out as each stage's pool holds its layers (K layers then V layers, or
+one latent per layer): the decode must end up holding every layer, each from the stage that holds it.
+The real-process runs are ``test_sglang_tp.py`` and ``test_sglang_pp.py``."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
+from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair, stage_coverage
 
 PAGE, HEAD_DIM, LAYERS = 4, 8, 2  # bf16: 16 B per head per token
 
 
-def layout(tp: int, rank: int, heads_total: int, *, role: str, mla: bool = False, state=(), **over):
-    """A ``regions.kv_layout`` dict as each role's manager makes it (heads stated on a non-MLA prefill only)."""
+def layout(tp: int, rank: int, heads_total: int, *, role: str, mla: bool = False, state=(), pp=(1, 0),
+           layers=(0, LAYERS), **over):
+    """A ``regions.kv_layout`` dict as each role's manager makes it (heads stated on a non-MLA prefill only; the
+    stage's layers ``[start, stop)`` and SGLang's ``prefill_end_layer`` too, which a decode does not state)."""
     heads = max(1, heads_total // tp)
     item = PAGE * (1 if mla else heads) * (72 if mla else HEAD_DIM) * 2
+    count = LAYERS if layers is None else layers[1] - layers[0]
     out = {"model": "m", "page_size": PAGE, "kv_cache_dtype": "bfloat16", "kv_layout": None, "attn_tp_size": tp,
-           "attn_tp_rank": rank, "pp_size": 1, "mla": mla,
+           "attn_tp_rank": rank, "pp_size": pp[0], "pp_rank": pp[1], "layers": None if layers is None else list(layers),
+           "mla": mla,
            "kv_head_num": heads if role == "prefill" and not mla else None,
            "total_kv_head_num": heads_total if role == "prefill" and not mla else None, "num_draft_entries": 0,
-           "kv_buffers": LAYERS * (1 if mla else 2), "kv_item_lens": [item] * (LAYERS * (1 if mla else 2)),
+           "kv_buffers": count * (1 if mla else 2), "kv_item_lens": [item] * (count * (1 if mla else 2)),
            "aux_item_lens": [64], "state_types": list(state), "state_item_lens": [[32] for _ in state]}
+    if role == "prefill":
+        out["prefill_end_layer"] = None if layers is None else layers[1]
     out.update(over)
     return out
 
@@ -100,9 +109,100 @@ def test_what_cannot_be_read_byte_exact_is_refused_naming_both_layouts(prefill, 
             in refused, refused  # both layouts named
 
 
-def test_bootstrap_refuses_pp_uneven_tp_and_state_across_tp():
+def test_bootstrap_refuses_decode_pp_pp_across_tp_uneven_tp_and_state():
     assert parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=[]) is None
-    assert "PP 1" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=1, decode_state=[])
+    assert parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=1, decode_state=[]) is None
+    assert parallel_refusal(prefill_tp=2, prefill_pp=4, decode_tp=2, decode_pp=1, decode_state=[]) is None
+    assert "decode of PP 1 only" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=2,
+                                                     decode_state=[])
+    assert "same attention TP" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=2, decode_pp=1,
+                                                   decode_state=[])
+    assert "pipeline stages" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=1,
+                                                 decode_state=["mamba"])
     assert "divide" in parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=3, decode_pp=1, decode_state=[])
     assert "mamba" in parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"])
     assert parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"]) is None
+
+
+def stage_buffers(layers: tuple[int, int], total: int, mla: bool, rng) -> list[np.ndarray]:
+    """A pool's KV buffers as SGLang orders them in ``KVArgs`` (one page each): K of each layer, then V of each
+    (MHA/GQA), or one latent per layer (MLA); a decode of PP 1 holds ``(0, total)``."""
+    return [rng.integers(0, 256, size=64, dtype=np.uint8) for _ in range((1 if mla else 2) * (layers[1] - layers[0]))]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("split", [(2, 3), (3, 2), (1, 1, 3), (5,)])
+def test_each_decode_layer_is_read_from_the_stage_that_holds_it(split, mla):
+    """A model of ``sum(split)`` layers split over pipeline stages (SGLang's ``get_pp_indices`` gives uneven
+    splits too): each stage's buffers go into the decode buffers of their layers, and together every decode
+    buffer exactly once, byte for byte."""
+    rng = np.random.default_rng(len(split) * 7 + split[0])
+    total, pp = sum(split), len(split)
+    per_layer = 1 if mla else 2
+    truth = {}  # (K or V or latent, layer) -> the page the stage holding that layer has
+    decode = layout(1, 0, 4, role="decode", mla=mla, layers=(0, total))
+    got: dict[int, np.ndarray] = {}
+    plans, start = [], 0
+    for rank, n in enumerate(split):
+        stage = layout(1, 0, 4, role="prefill", mla=mla, pp=(pp, rank), layers=(start, start + n))
+        pages = stage_buffers((start, start + n), total, mla, rng)
+        for i, page in enumerate(pages):
+            truth[(i // n, start + i % n)] = page
+        refused, plan = plan_pair(stage, decode)
+        assert refused is None, refused
+        assert plan.whole_pages and plan.layers == ((start, start + n) if pp > 1 else None)  # PP 1: as before
+        for s_index, d_index in plan.pairs():
+            assert d_index not in got, f"decode buffer {d_index} written twice"
+            got[d_index] = pages[s_index]
+        plans.append((f"stage{rank}", plan))
+        start += n
+    assert sorted(got) == list(range(per_layer * total))
+    for (kind, layer), page in truth.items():  # decode buffer of (K or V, layer): K layers then V layers
+        assert (got[kind * total + layer] == page).all(), (kind, layer)
+    assert stage_coverage(plans, decode) is None
+
+
+def test_stages_that_do_not_give_every_layer_once_are_refused_naming_them():
+    decode = layout(1, 0, 4, role="decode", layers=(0, 5))
+
+    def plans(*ranges):
+        out = []
+        for rank, (a, b) in enumerate(ranges):
+            refused, plan = plan_pair(layout(1, 0, 4, role="prefill", pp=(2, rank), layers=(a, b)), decode)
+            assert refused is None, refused
+            out.append((f"s{rank}", plan))
+        return out
+
+    assert "[2, 5) are read from none" in stage_coverage(plans((0, 2)), decode)
+    assert "layer 2 is read from none" in stage_coverage(plans((0, 2), (3, 5)), decode)
+    assert "layer 1 twice" in stage_coverage(plans((0, 2), (1, 5)), decode)
+    assert stage_coverage(plans((2, 5), (0, 2)), decode) is None  # SGLang fetches the last stage first
+    tp_plan = plan_pair(layout(1, 0, 4, role="prefill", layers=(0, 5)), decode)[1]
+    assert "ranks that are none" in stage_coverage([*plans((0, 2)), ("tp", tp_plan)], decode)
+
+
+@pytest.mark.parametrize("prefill,decode,words", [
+    (layout(1, 0, 4, role="prefill", pp=(2, 0)), layout(1, 0, 4, role="decode", pp=(2, 0), layers=None),
+     ["decode of PP 1 only", "this decode has PP 2", "pp_size=2 rank 0 (layers not stated)"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 0)), layout(2, 0, 4, role="decode"),
+     ["same attention TP only", "attn_tp_size=1", "attn_tp_size=2"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), state=["mamba"]), layout(1, 0, 4, role="decode", state=["mamba"]),
+     ["does not read state", "pipeline stages"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), num_draft_entries=2), layout(1, 0, 4, role="decode",
+                                                                              num_draft_entries=2), ["draft-model"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), kv_layout="dsv4"), layout(1, 0, 4, role="decode", kv_layout="dsv4"),
+     ["kv_layout='dsv4'"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), layers=(1, 3)), layout(1, 0, 4, role="decode", layers=(0, 2)),
+     ["[1, 3) are not within the decode's 2 layers"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), layers=(1, 2), prefill_end_layer=3),
+     layout(1, 0, 4, role="decode", layers=(0, 3)), ["prefill_end_layer=3", "end at 2"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), layers=(1, 2)),
+     layout(1, 0, 4, role="decode", layers=(0, 3), kv_item_lens=[256, 128, 256, 256, 256, 256]),
+     ["KV buffer 0 of the prefill stage (layer 1) has pages of 256 B", "decode's buffer 1 of 128 B"]),
+    (layout(1, 0, 4, role="prefill", pp=(2, 1), page_size=8), layout(1, 0, 4, role="decode"),
+     ["page_size: prefill=8 decode=4"]),
+    (layout(2, 1, 4, role="prefill", pp=(2, 1)), layout(2, 0, 4, role="decode"), ["attn_tp_rank: prefill=1 decode=0"]),
+])
+def test_what_a_stage_cannot_give_byte_exact_is_refused_naming_both_layouts(prefill, decode, words):
+    refused, plan = plan_pair(prefill, decode)
+    assert plan is None and refused and all(w in refused for w in words), refused

@@ -110,10 +110,12 @@ class KvxferKVManager(CommonKVManager):
         # SGLang sets the KV head counts on a non-MLA prefill only (the decode's KVArgs has none): read them there
         heads = ((int(args.kv_head_num), int(args.total_kv_head_num))
                  if role == "prefill" and not is_mla_backend else None)
+        # the prefill's pipeline stage: SGLang sets its first (and last) layer on the prefill only
+        stage = (int(args.prefill_start_layer), args.prefill_end_layer) if role == "prefill" else None
         self.kvxfer_layout = kv_layout(args, model=str(getattr(server_args, "model_path", "")),
                                        tp_size=self.attn_tp_size, pp_size=self.pp_size,
                                        tp_rank=self.attn_tp_rank % max(1, self.attn_tp_size),
-                                       mla=bool(is_mla_backend), heads=heads)
+                                       mla=bool(is_mla_backend), heads=heads, stage=stage)
         self.kvxfer_key = wire.peer_key(self.local_ip, self.rank_port)
         self._kvxfer_stop = threading.Event()
         self.kvxfer_junk = 0  # messages dropped for breaking kvxfer's wire schema (or its signature)
@@ -295,9 +297,10 @@ class KvxferKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's checks (page size, KV dtype, ...) and its rank mapping, then kvxfer's: PP 1 on both sides,
-        attention TP sizes that divide one another, and no state across different TP sizes (what the layouts
-        say, heads included, is checked when the prefill's HELLO comes: ``tp.plan_pair``)."""
+        """SGLang's checks (page size, KV dtype, ...) and its rank mapping, then kvxfer's: a decode of PP 1 (a
+        prefill of any PP at the same attention TP, no state), attention TP sizes that divide one another, and
+        no state across different TP sizes (what the layouts say, heads and layers included, is checked when
+        the prefill's HELLO comes: ``tp.plan_pair``)."""
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         info = self.prefill_info_table[bootstrap_addr]
@@ -308,8 +311,8 @@ class KvxferKVManager(CommonKVManager):
             raise RuntimeError(
                 f"kvxfer ({self.kvxfer_backend}) cannot read from this prefill: {refused}; prefill {bootstrap_addr} "
                 f"has attn_tp_size={info.attn_tp_size} pp_size={info.pp_size}, this decode has attn_tp_size="
-                f"{self.attn_tp_size} pp_size={self.pp_size}. Launch both with matching --tp / --pp-size (or use "
-                "SGLang's nixl/mooncake backend)")
+                f"{self.attn_tp_size} pp_size={self.pp_size}. Launch the decode with --pp-size 1 and, when the prefill "
+                "has PP > 1, the same attention TP as the prefill (or use SGLang's nixl/mooncake backend)")
         return True
 
     def build_receiver_registration_message(self) -> list[bytes]:
@@ -328,7 +331,7 @@ class KvxferKVManager(CommonKVManager):
     # --- for tests and operators -------------------------------------------------------------
     def kvxfer_sizes(self) -> dict[str, int]:
         """Entries in every table this manager keeps (all zero once no request is in flight)."""
-        out = {"request_status": len(self.request_status), "failure_records": len(self.failure_records)}
+        out = {"request_status": _entries(self.request_status), "failure_records": len(self.failure_records)}
         if self.kvxfer_rooms is not None:
             out.update({f"source_{k}": v for k, v in self.kvxfer_rooms.sizes().items()})
             out["transfer_infos"] = len(self.transfer_infos)
@@ -343,6 +346,15 @@ class KvxferKVManager(CommonKVManager):
         if self.kvxfer_puller is not None:
             self.kvxfer_puller.close()
         self.kvxfer_pool.close()
+
+
+def _entries(table: Any) -> int:
+    """Entries of SGLang's room-status table: a dict, or on a prefill of PP > 1 SGLang's ``PPConsensusStore``
+    (a dict-like without ``len``; 0.5.23 keeps this rank's entries in ``_local_map``)."""
+    try:
+        return len(table)
+    except TypeError:
+        return len(getattr(table, "_local_map", {}))
 
 
 class KvxferNixlKVManager(KvxferKVManager):
@@ -399,7 +411,10 @@ class KvxferKVReceiver(CommonKVReceiver):
                       state_indices: Optional[list] = None, decode_prefix_len: Optional[int] = None,
                       destination: Any = None, device_kv_indices: Optional[np.ndarray] = None) -> None:
         infos = getattr(self, "bootstrap_infos", None)
-        if infos:  # the prefill ranks SGLang pairs this decode rank with for the room, its dummy pairings left out
+        if infos:  # the prefill ranks SGLang pairs this decode rank with for the room, its dummy pairings left out;
+            # the last pipeline stage first (SGLang fetches them so, said here): the aux row is read from the first,
+            # and the last stage is the one that samples the first token (and holds the hidden states)
+            infos = sorted(infos, key=lambda info: -int(info.get("pp_rank") or 0))
             meta = {"dst_pages": [int(p) for p in np.asarray(kv_indices).reshape(-1)],
                     "aux_index": None if aux_index is None else int(aux_index),
                     "state_indices": None if not state_indices else

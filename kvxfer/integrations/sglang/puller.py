@@ -10,12 +10,15 @@ when every chunk 0..last passed that check. The prefill numbers a room's chunks 
 order on one zmq connection, so chunk n arriving before chunk n-1 means n-1 is lost (the prefill
 could not send it, or the connection was replaced): the room fails at once, naming it.
 
-With a prefill of larger attention TP, a room is read from several prefill ranks (SGLang's
-``bootstrap_infos``, its dummy MLA pairings left out): each is a *source* with its own lease and chunk
-numbers, and the room is ``Success`` only when every source's chunks 0..last passed their checks. Which
-bytes of a page come from which source is ``tp.plan_pair``'s answer for the pair, taken when the
-source's HELLO comes (whole pages, or each token's run of heads). The aux row and state slots are read
-from the first source only.
+With a prefill of larger attention TP, or of several pipeline stages, a room is read from several prefill
+ranks (SGLang's ``bootstrap_infos``, its dummy MLA pairings left out): each is a *source* with its own lease
+and chunk numbers, and the room is ``Success`` only when every source's chunks 0..last passed their checks.
+Which bytes of a page come from which source, into which of this decode's buffers, is ``tp.plan_pair``'s
+answer for the pair, taken when the source's HELLO comes (whole pages, or each token's run of heads; a
+stage's layers into the decode's buffers of those layers). A room read from pipeline stages is read only
+if they give every layer of this decode exactly once (``tp.stage_coverage``), checked again before
+``Success``. The aux row and state slots are read from the first source only (the last pipeline stage,
+which samples the first token: ``KvxferKVReceiver.send_metadata`` orders them).
 
 Failure reports are bound to the room's prefill: a ``KVXFER_REVOKED`` is taken only from one of the room's
 prefill ranks, naming that source's lease (or any while it has none yet), so a report replayed from
@@ -46,7 +49,7 @@ from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.source import request_id
-from kvxfer.integrations.sglang.tp import plan_pair
+from kvxfer.integrations.sglang.tp import plan_pair, stage_coverage
 
 logger = logging.getLogger("kvxfer.integrations.sglang")
 
@@ -362,6 +365,10 @@ class Puller:
         if hello.get("refused"):
             chunk.error = f"kvxfer refused the prefill's layout: {hello['refused']}"
             return
+        uncovered = self._uncovered(state)
+        if uncovered:  # pipeline stages that do not give every layer once: nothing of the room is read
+            chunk.error = uncovered
+            return
         try:
             self._post_data(chunk, state, hello, first=prefill == state.first)
             target = LeaseTarget(hello["metas"]["table"], int(body["slot"]), chunk.key)
@@ -408,11 +415,12 @@ class Puller:
             raise ValueError(f"chunk {body['chunk']} of room {chunk.room}: {len(src)} source pages for "
                              f"{len(dst)} destination pages (slice {body['dst_start']}:{body['dst_end']})")
         by_buffer = {"kv": _by_buffer(metas["kv"]), "aux": _by_buffer(metas["aux"])}
-        if src:
-            for region in self._pool.kv_regions:
-                index = region.buffers[0]
-                parts = None if plan is None else plan.parts[index]
-                chunk.data.append(begin_data_read(self._pool.backend(region), by_buffer["kv"][index], src, dst,
+        if src:  # each of the prefill's KV buffers into the decode's buffer of that layer (another one for a PP stage)
+            pairs = plan.pairs() if plan is not None else [(i, i) for i in range(len(self._pool.kv_regions))]
+            for s_index, d_index in pairs:
+                region = self._pool.kv_regions[d_index]
+                parts = None if plan is None else plan.parts[s_index]
+                chunk.data.append(begin_data_read(self._pool.backend(region), by_buffer["kv"][s_index], src, dst,
                                                   request_id=chunk.key, parts=parts))
         if first and body.get("aux_index") is not None and meta.get("aux_index") is not None:
             for region in self._pool.aux_regions:
@@ -474,9 +482,24 @@ class Puller:
             chunk.error = read.verdict
         return True
 
+    def _uncovered(self, state: _RoomPull) -> Optional[str]:
+        """Why the room's sources, once every one's HELLO is in, do not give each decode layer exactly once (a
+        prefill of PP > 1: ``tp.stage_coverage``); None until then, and for sources that are no stages."""
+        plans = [(key, (self._hellos.get(key) or {}).get("plan")) for key in state.sources]
+        if any(plan is None for _, plan in plans):
+            return None
+        why = stage_coverage(plans, self._layout)
+        return None if why is None else f"kvxfer refused the prefill's pipeline stages: {why}"
+
     def _settle(self, room: int, state: _RoomPull) -> bool:
         if state.failed is None and not state.cancelled:
             if all(source.done for source in state.sources.values()):  # every source's chunks 0..last judged
+                uncovered = self._uncovered(state) or (
+                    None if all((self._hellos.get(key) or {}).get("plan") is not None for key in state.sources)
+                    else "a prefill rank's layout is unknown")
+                if uncovered:  # never Success with a layer nobody read
+                    state.failed = uncovered
+                    return True
                 del self._rooms[room]
                 self.counters["rooms_succeeded"] += 1
                 self._succeed(room)

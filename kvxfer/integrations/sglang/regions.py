@@ -96,7 +96,8 @@ def buffer_regions(kind: str, buffers: Sequence[RawBuffer], device: str) -> list
 
 
 def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int, tp_rank: int = 0, mla: bool = False,
-              heads: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+              heads: Optional[tuple[int, int]] = None,
+              stage: Optional[tuple[int, Optional[int]]] = None) -> dict[str, Any]:
     """What the two sides must agree on (``tp.plan_pair`` compares them, naming what differs).
 
     Read from ``kv_args``: only fields SGLang 0.5.23's ``_init_kv_manager`` sets on both roles in every
@@ -107,8 +108,23 @@ def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int, tp_rank: 
     set them (a non-MLA prefill). Heads need no field of their own to be compared: an item (one page of one
     layer) is ``page_size x heads x head_dim x dtype size`` bytes, so pools of other heads or head sizes
     differ in ``kv_item_lens``; across TP sizes the prefill's head count says how a page splits.
-    ``tp_rank``, ``mla``: the manager's attention-TP rank and SGLang's ``is_mla_backend``."""
-    return {
+    ``tp_rank``, ``mla``: the manager's attention-TP rank and SGLang's ``is_mla_backend``.
+
+    Pipeline stages: ``pp_rank`` is set on both roles; ``stage`` is the prefill's ``(prefill_start_layer,
+    prefill_end_layer)`` (SGLang sets them on the prefill only; the caller passes None on a decode). The
+    layers a rank's KV buffers hold (``layers``, ``[start, stop)``) are counted from its buffers (K then V per
+    layer, or one latent per layer for MLA; draft buffers left out), starting at ``prefill_start_layer`` on a
+    prefill, as SGLang's own backends map a stage (``get_mha_kv_ptrs_with_pp``), and at 0 on a decode of PP 1
+    (one rank holds every layer; a decode of PP > 1 states no first layer, so None). ``prefill_end_layer`` is
+    carried as SGLang states it (``tp.plan_pair`` checks it against the count under PP)."""
+    draft = int(kv_args.num_draft_entries or 0)
+    count = len(kv_args.kv_data_ptrs) - draft
+    count = count if mla else count // 2
+    if stage is not None:
+        layers: Optional[list[int]] = [int(stage[0]), int(stage[0]) + count]
+    else:
+        layers = [0, count] if int(pp_size) == 1 else None
+    out = {
         "model": model,
         "page_size": int(kv_args.page_size),
         "kv_cache_dtype": str(kv_args.kv_cache_dtype_str),
@@ -116,16 +132,21 @@ def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int, tp_rank: 
         "attn_tp_size": int(tp_size),
         "attn_tp_rank": int(tp_rank),
         "pp_size": int(pp_size),
+        "pp_rank": int(kv_args.pp_rank or 0),
+        "layers": layers,
         "mla": bool(mla),
         "kv_head_num": None if heads is None else int(heads[0]),
         "total_kv_head_num": None if heads is None else int(heads[1]),
-        "num_draft_entries": int(kv_args.num_draft_entries or 0),
+        "num_draft_entries": draft,
         "kv_buffers": len(kv_args.kv_data_ptrs),
         "kv_item_lens": [int(x) for x in kv_args.kv_item_lens],
         "aux_item_lens": [int(x) for x in kv_args.aux_item_lens],
         "state_types": [str(getattr(t, "value", t)) for t in kv_args.state_types],
         "state_item_lens": [[int(x) for x in comp] for comp in kv_args.state_item_lens],
     }
+    if stage is not None:
+        out["prefill_end_layer"] = None if stage[1] is None else int(stage[1])
+    return out
 
 
 def region_bytes(regions: Sequence[Region]) -> int:

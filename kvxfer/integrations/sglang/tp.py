@@ -1,5 +1,6 @@
-"""Different attention TP between an SGLang prefill and decode: which bytes of each page a decode
-rank reads from each prefill rank SGLang pairs it with. Pure: no SGLang import, no I/O.
+"""Different attention TP or PP between an SGLang prefill and decode: which bytes of each page a decode
+rank reads from each prefill rank SGLang pairs it with, into which of its buffers. Pure: no SGLang import,
+no I/O.
 
 SGLang decides the pairing (``CommonKVManager._resolve_rank_mapping``, ``CommonKVReceiver``): with decode
 TP ``D`` and prefill TP ``P``, decode rank ``d`` registers with prefill rank ``d // (D/P)`` when ``D >= P``
@@ -18,6 +19,14 @@ exceeds the ``K`` KV heads); the head size comes from the prefill's item length 
 its item length over the prefill's head size, checked against ``K``). An MLA pool holds one latent copy per
 rank: whole pages, any TP.
 
+Pipeline stages (a prefill of PP ``P`` > 1, a decode of PP 1): SGLang registers the decode rank with every
+stage's rank (``target_pp_ranks``, its ``bootstrap_infos``), each stage expecting one decode rank per room.
+A stage's KV buffers are its own layers only, ``[prefill_start_layer, + count)`` (``regions.kv_layout``), K
+layers then V layers (MHA/GQA) or one latent per layer (MLA); the decode's are every layer. So stage buffer
+``i`` goes into decode buffer ``start + i`` (K, MLA) or ``L + start + (i - n)`` (V, ``L`` the decode's layers,
+``n`` the stage's): ``PagePlan.buffers``. Whole pages, at the same attention TP only. Each decode layer must
+be read from exactly one stage: ``stage_coverage`` checks a room's stages tile the decode's layers.
+
 ``plan_pair`` answers for one (prefill rank, decode rank) pair: why not (one line naming both layouts), or
 what to read. The layouts are ``regions.kv_layout`` dicts, one from each side.
 """
@@ -34,7 +43,13 @@ from kvxfer.plan.reshard import kv_transfer_between
 
 #: Layout fields that may differ between the two sides when their attention TP differs (checked here);
 #: every other field must be equal.
-TP_FIELDS = ("attn_tp_size", "attn_tp_rank", "kv_head_num", "total_kv_head_num", "kv_item_lens", "state_item_lens")
+TP_FIELDS = ("attn_tp_size", "attn_tp_rank", "kv_head_num", "total_kv_head_num", "kv_item_lens", "state_item_lens",
+             "prefill_end_layer")
+#: Layout fields that may differ between a prefill stage and a decode of PP 1 (checked here).
+PP_FIELDS = ("pp_size", "pp_rank", "layers", "kv_buffers", "kv_item_lens", "prefill_end_layer", "attn_tp_rank",
+             "kv_head_num", "total_kv_head_num")
+#: Fields only the prefill states (SGLang sets them there): never compared as such.
+PREFILL_ONLY = ("kv_head_num", "total_kv_head_num", "prefill_end_layer")
 #: The most decode ranks one prefill rank serves per room (SGLang's ``required_dst_info_num``: decode TP over
 #: prefill TP): a bound on what a peer's metadata may claim.
 MAX_READERS = 64
@@ -42,16 +57,25 @@ MAX_READERS = 64
 
 @dataclass(frozen=True)
 class PagePlan:
-    """What one decode rank reads from one prefill rank per page. ``parts``: per KV buffer (``kv_item_lens``
-    order), the byte ranges of a page to read, or None for the whole page. ``heads``: ``(src_head,
-    dst_head, num_heads)`` in each side's local heads when heads are resliced, else None."""
+    """What one decode rank reads from one prefill rank per page. ``parts``: per KV buffer of the prefill
+    (``kv_item_lens`` order), the byte ranges of a page to read, or None for the whole page. ``heads``:
+    ``(src_head, dst_head, num_heads)`` in each side's local heads when heads are resliced, else None.
+    ``buffers``: per KV buffer of the prefill, the decode's buffer it goes into (a pipeline stage's layers
+    are some of the decode's), None for the same buffer; ``layers``: the stage's ``[start, stop)`` then."""
 
     parts: tuple[Optional[tuple[SlicePart, ...]], ...]
     heads: Optional[tuple[int, int, int]] = None
+    buffers: Optional[tuple[int, ...]] = None
+    layers: Optional[tuple[int, int]] = None
 
     @property
     def whole_pages(self) -> bool:
         return all(p is None for p in self.parts)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """``(prefill buffer, decode buffer)`` for every KV buffer this pair reads."""
+        targets = self.buffers if self.buffers is not None else range(len(self.parts))
+        return list(enumerate(targets))
 
 
 def describe(layout: dict[str, Any]) -> str:
@@ -66,7 +90,12 @@ def describe(layout: dict[str, Any]) -> str:
         heads = "KV heads not stated (SGLang's decode sets none)"
     lens = layout.get("kv_item_lens") or []
     shown = f"{lens[:4]}{'...' if len(lens) > 4 else ''}"
-    return (f"attn_tp_size={layout.get('attn_tp_size')} rank {layout.get('attn_tp_rank')}, {heads}, page_size="
+    stage = ""
+    if int(layout.get("pp_size") or 1) != 1:
+        layers = layout.get("layers")
+        stage = (f"pp_size={layout.get('pp_size')} rank {layout.get('pp_rank')} (layers "
+                 f"{'not stated' if not layers else f'[{layers[0]}, {layers[1]})'}), ")
+    return (f"attn_tp_size={layout.get('attn_tp_size')} rank {layout.get('attn_tp_rank')}, {stage}{heads}, page_size="
             f"{layout.get('page_size')}, {len(lens)} KV buffers of {shown} B per page")
 
 
@@ -84,8 +113,10 @@ def plan_pair(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional
     differs (and, for a TP difference, both layouts); else ``(None, plan)``."""
     tp_p, tp_d = int(prefill.get("attn_tp_size") or 0), int(decode.get("attn_tp_size") or 0)
     buffers = len(prefill.get("kv_item_lens") or [])
+    if int(prefill.get("pp_size") or 1) != 1 or int(decode.get("pp_size") or 1) != 1:
+        return _plan_stage(prefill, decode)
     if tp_p == tp_d:
-        diffs = _field_diffs(prefill, decode, ("attn_tp_rank", "kv_head_num", "total_kv_head_num"))
+        diffs = _field_diffs(prefill, decode, ("attn_tp_rank",) + PREFILL_ONLY)
         if not diffs and not prefill.get("mla") and prefill.get("attn_tp_rank") != decode.get("attn_tp_rank"):
             diffs.append(f"attn_tp_rank: prefill={prefill.get('attn_tp_rank')!r} decode={decode.get('attn_tp_rank')!r}"
                          " (the same TP size pairs equal ranks: they hold the same heads)")
@@ -153,11 +184,91 @@ def _plan_heads(prefill: dict[str, Any], decode: dict[str, Any], page: int, src_
     return None, PagePlan(tuple(parts), (s_head, d_head, n))
 
 
+def _plan_stage(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional[str], Optional[PagePlan]]:
+    """A prefill pipeline stage into a decode of PP 1 (module docstring): whole pages, each stage buffer into
+    the decode buffer of the same layer."""
+    both = _both(prefill, decode)
+    pp_p, pp_d = int(prefill.get("pp_size") or 1), int(decode.get("pp_size") or 1)
+    if pp_d != 1:
+        return (f"kvxfer reads pipeline stages into a decode of PP 1 only (one rank holding every layer), this "
+                f"decode has PP {pp_d}: {both}"), None
+    if int(prefill.get("attn_tp_size") or 0) != int(decode.get("attn_tp_size") or 0):
+        return f"kvxfer reads pipeline stages at the same attention TP only (prefill PP {pp_p}): {both}", None
+    diffs = _field_diffs(prefill, decode, PP_FIELDS)
+    if diffs:
+        return "; ".join(diffs), None
+    if not prefill.get("mla") and prefill.get("attn_tp_rank") != decode.get("attn_tp_rank"):
+        return (f"attn_tp_rank: prefill={prefill.get('attn_tp_rank')!r} decode={decode.get('attn_tp_rank')!r} (the "
+                f"same TP size pairs equal ranks: they hold the same heads): {both}"), None
+    if prefill.get("state_types"):
+        return (f"kvxfer does not read state ({prefill['state_types']}) across pipeline stages (each stage holds its "
+                f"own layers' state): {both}"), None
+    if prefill.get("num_draft_entries"):
+        return f"kvxfer does not map draft-model KV buffers across pipeline stages: {both}", None
+    if prefill.get("kv_layout") is not None:
+        return (f"kvxfer maps pipeline stages of SGLang's MHA/GQA and MLA pools only, not kv_layout="
+                f"{prefill['kv_layout']!r}: {both}"), None
+    stage, whole = prefill.get("layers"), decode.get("layers")
+    if not stage or not whole:
+        return f"a side states no layers: {both}", None
+    start, stop = int(stage[0]), int(stage[1])
+    total = int(whole[1]) - int(whole[0])
+    stated = prefill.get("prefill_end_layer")
+    if stated is not None and int(stated) != stop:
+        return (f"the prefill stage's {stop - start} layers from prefill_start_layer={start} end at {stop}, but SGLang "
+                f"states prefill_end_layer={stated}: {both}"), None
+    if start < 0 or stop <= start or stop > total:
+        return (f"the prefill stage's layers [{start}, {stop}) are not within the decode's {total} layers: "
+                f"{both}"), None
+    count = stop - start
+    src_lens, dst_lens = [int(x) for x in prefill["kv_item_lens"]], [int(x) for x in decode["kv_item_lens"]]
+    per_layer = 1 if prefill.get("mla") else 2  # MLA: one latent per layer; MHA/GQA: K layers, then V layers
+    if len(src_lens) != per_layer * count or len(dst_lens) != per_layer * total:
+        return (f"KV buffers: the prefill stage has {len(src_lens)} for {count} layers, the decode {len(dst_lens)} "
+                f"for {total} ({per_layer} per layer expected): {both}"), None
+    targets = tuple(start + i if i < count else total + start + (i - count) for i in range(len(src_lens)))
+    for i, j in enumerate(targets):
+        if src_lens[i] != dst_lens[j]:
+            return (f"KV buffer {i} of the prefill stage (layer {start + i % count}) has pages of {src_lens[i]} B, the "
+                    f"decode's buffer {j} of {dst_lens[j]} B: {both}"), None
+    return None, PagePlan((None,) * len(src_lens), buffers=targets, layers=(start, stop))
+
+
+def stage_coverage(plans: list[tuple[str, PagePlan]], decode: dict[str, Any]) -> Optional[str]:
+    """Why the pipeline stages a room is read from (``(prefill rank, its plan)``) do not give every decode
+    layer exactly once, or None (also when no plan is a stage's)."""
+    staged = sorted((plan.layers, key) for key, plan in plans if plan.layers is not None)
+    if not staged:
+        return None
+    if len(staged) != len(plans):
+        return (f"the room is read from pipeline stages and from ranks that are none: "
+                f"{sorted(key for key, plan in plans if plan.layers is None)}")
+    whole = decode.get("layers") or [0, 0]
+    at, total = int(whole[0]), int(whole[1])
+    shown = ", ".join(f"{key} [{a}, {b})" for (a, b), key in staged)
+    for (a, b), key in staged:
+        if a != at:
+            return (f"the prefill's pipeline stages give layers {shown}: "
+                    f"{'layer ' + str(at) + ' is read from none' if a > at else 'layer ' + str(a) + ' twice'} "
+                    f"(the decode holds layers [0, {total}))")
+        at = b
+    if at != total:
+        return f"the prefill's pipeline stages give layers {shown}: layers [{at}, {total}) are read from none"
+    return None
+
+
 def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode_pp: int,
                      decode_state: list[Any]) -> Optional[str]:
     """What kvxfer refuses at bootstrap, from SGLang's parallel info alone (before any layout is exchanged)."""
-    if prefill_pp != 1 or decode_pp != 1:
-        return "kvxfer reads from one pipeline stage: both sides need PP 1"
+    if decode_pp != 1:
+        return ("kvxfer reads into a decode of PP 1 only (each layer read from the prefill stage that holds it); a "
+                "decode of PP > 1 is not supported")
+    if prefill_pp != 1:
+        if prefill_tp != decode_tp:
+            return "kvxfer reads pipeline stages at the same attention TP only (PP combined with different TP)"
+        if decode_state:
+            return (f"kvxfer does not read state across pipeline stages (this decode's state: "
+                    f"{[str(getattr(s, 'value', s)) for s in decode_state]})")
     if prefill_tp != decode_tp:
         if min(prefill_tp, decode_tp) < 1 or max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
             return "the attention TP sizes must divide one another"
