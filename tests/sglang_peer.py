@@ -538,7 +538,8 @@ def reason_of(obj, status):
 
 def serve(cmd, backend, manager, pool, kv_args) -> dict:
     """The prefill, driving its senders itself: each made by SGLang's ``PrefillBootstrapQueue.create_sender``
-    (as its ``add`` does; the request is not queued), ``init`` at once with the room's pages and aux row."""
+    (as its ``add`` does; the request is not queued), ``init`` at once with the room's pages and aux row; a room
+    in ``abort_rooms`` is aborted (SGLang's ``abort``) instead of sent, once the decode's metadata came."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     queue = QUEUES[id(manager)]
@@ -557,6 +558,10 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
         for room, r in list(pending.items()):
             status = senders[room].poll()
             if status == KVPoll.Failed:
+                pending.pop(room)
+            elif status == KVPoll.WaitingForInput and room in cmd.get("abort_rooms", ()):
+                senders[room].abort()  # SGLang's sender abort (an AbortReq), before any chunk of the room
+                offered[room] = time.monotonic()
                 pending.pop(room)
             elif status == KVPoll.WaitingForInput:
                 pages = np.asarray(r["pages"], dtype=np.int64)

@@ -17,7 +17,9 @@ Per instance, four rooms in flight of two and three chunks: MHA/GQA on ``kvxfer_
 page of every decode layer (K and V, or the latent) is compared by digest with the page of that layer on the stage
 that holds it; every room ``Success`` on both stages and on the decode. The aux row: the two stages hold different
 rows (a test device: the last stage is the one that samples the first token), and the decode must hold the last
-stage's. Then what kvxfer refuses at bootstrap, naming both layouts: a decode of PP 2, and a decode of another
+stage's. Then one room aborted by the last stage's sender (SGLang's ``abort``) before its chunks: ``Failed`` on
+the decode and on both stages, the first stage freeing it on the decode's report (``KVXFER_FAILED``), well before its
+own bound. Then what kvxfer refuses at bootstrap, naming both layouts: a decode of PP 2, and a decode of another
 attention TP, against the PP-2 prefill. kvxfer's tables are empty on every manager after, and no ``KVArgs`` field
 SGLang left unset was read by kvxfer.
 
@@ -48,6 +50,8 @@ STAGES = [(0, 2), (2, 5)]
 NIXL_REFUSAL = "does not support HiSparse combined with decode-only speculative decoding"
 #: How long the nixl room is given: SGLang's nixl refuses at once, the room then waits for SGLang's timeout.
 NIXL_WAIT_S = 3
+#: Seconds within which the other stage frees a room one stage aborted (its own bound: 2 x 15 s unread).
+ABORT_BOUND_S = 10
 #: name: (backend, MLA, whether the stages hold different aux rows)
 ARMS = {"ucx": ("kvxfer_ucx", False, True), "mla": ("kvxfer_nixl", True, True), "nixl": ("nixl", False, False)}
 
@@ -118,6 +122,7 @@ def test_prefill_pp2_into_decode_pp1_each_layer_from_its_stage():
     peers = (prefill, decode)
     faults, figures, refusals, timings, control = [], {}, {}, {}, {}
     started_s = ready_s = 0.0
+    failed: dict = {}
     began = time.monotonic()
     try:
         prefill.ready(), decode.ready()
@@ -153,6 +158,20 @@ def test_prefill_pp2_into_decode_pp1_each_layer_from_its_stage():
             if got.get("descriptors") is not None:
                 figures[arm] = got["descriptors"] / len(serve)
 
+        # one stage fails its part (SGLang's sender abort on the last stage, before its chunks): the decode fails
+        # the room and tells the other stage, which frees it then, not at its bound (twice the transfer timeout)
+        serve, receive = rooms_plan(290, 1, pages_per_room=6, chunks=(2, 4), src_base=3, dst_base=40)
+        prefill.send(op="together", ops=[{"op": "serve", "rooms": serve, "timeout": 40, "timing": True,
+                                          **({"abort_rooms": [290]} if rank == 1 else {}), **_which("ucx", rank)}
+                                         for rank in range(len(STAGES))])
+        got = decode.ask(op="receive", bootstrap=f"127.0.0.1:{ports['ucx']}", rooms=receive, timeout=40)
+        ends = [reply["rooms"]["290"] for reply in prefill.read()["replies"]]
+        failed = {"decode": got["rooms"]["290"], "stage 0": ends[0], "stage 1": ends[1]}
+        if any(end["status"] != 0 for end in failed.values()) or "decode" not in (ends[0]["reason"] or "") \
+                or ends[0]["at_s"] > ABORT_BOUND_S:
+            faults.append(f"a stage's abort: not Failed on the decode and both stages, the other stage freeing it on "
+                          f"the decode's report within {ABORT_BOUND_S}s: {failed}")
+
         # what kvxfer refuses at bootstrap, naming both sides: no receiver made, nothing read
         for name, words in (("pp2", ["decode of PP 1 only", "pp_size=2, this decode has attn_tp_size=1 pp_size=2"]),
                             ("tp2", ["same attention TP only", "pp_size=2, this decode has attn_tp_size=2 pp_size=1"])):
@@ -169,5 +188,5 @@ def test_prefill_pp2_into_decode_pp1_each_layer_from_its_stage():
         for peer in peers:
             peer.close()
     print(f"PP 2 -> 1: ranks started in {started_s:.1f}s, their stages made by {ready_s:.1f}s; per arm {timings}; descriptors per room on the decode: "
-          f"{figures}; SGLang's nixl: {control}; refused: {refusals}")
+          f"{figures}; SGLang's nixl: {control}; a stage's abort: {failed}; refused: {refusals}")
     assert not faults, f"{faults}{logs}"
