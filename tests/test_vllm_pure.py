@@ -316,6 +316,7 @@ from kvxfer.integrations.vllm.worker import KvxferWorker
 worker = KvxferWorker.__new__(KvxferWorker)
 worker.sender = worker.receiver = None
 worker._step_spent_s = worker._step_hold_max_s = 0.0
+worker.asleep, worker._held_results = False, (set(), set(), set())
 worker.start_load(types.SimpleNamespace(sends=[], loads=[]))
 time.sleep(0.5)  # the model's forward
 worker.transfer_results()

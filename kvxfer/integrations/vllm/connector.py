@@ -26,7 +26,7 @@ from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig, 
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
 from kvxfer.integrations.vllm.specs import MAMBA, TransferGroup
-from kvxfer.integrations.vllm.stats import KvxferStats
+from kvxfer.integrations.vllm.stats import KvxferPromMetrics, KvxferStats
 from kvxfer.integrations.vllm.worker import KvxferWorker
 
 if TYPE_CHECKING:
@@ -118,6 +118,22 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
 
+    # ---- sleep mode (vLLM 0.33; 0.32 never calls these) ----------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Yes, on every backend: the registrations are dropped before vLLM frees the KV cache and made anew
+        after it is back (``KvxferWorker.unregister_kv_caches`` / ``restore_kv_caches``); vLLM then serves the
+        new metas under a new instance id, and no reader passes a lease check on a cache from before the sleep."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.restore_kv_caches()
+
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         assert self.connector_worker is not None
         return self.connector_worker.handshake_metadata()
@@ -151,14 +167,21 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return set()
 
     def get_kv_connector_stats(self) -> Optional[KvxferStats]:
-        if self.connector_worker is None:
-            return None
-        data = self.connector_worker.interval_stats()
+        """What changed since the last call: a worker's handoffs, failures and pins, or the scheduler's refused
+        exports (vLLM aggregates both every step; ``stats.py``)."""
+        half = self.connector_worker if self.connector_worker is not None else self.connector_scheduler
+        data = None if half is None else half.interval_stats()
         return None if data is None else KvxferStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KvxferStats]:
         return KvxferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
+        """kvxfer's ``vllm:kvxfer_*`` series in vLLM's ``/metrics`` (``stats.METRICS``), labelled per engine."""
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def kvxfer_stats(self) -> dict[str, Any]:
         """Cumulative counters of this worker (``llm.collective_rpc`` can call it)."""

@@ -48,7 +48,7 @@ from kvxfer.handoff.guard import (
 )
 from kvxfer.handoff.quarantine import Quarantine
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, check_compatible
-from kvxfer.integrations.vllm.handshake_cache import HandshakeCache
+from kvxfer.integrations.vllm.handshake_cache import REFETCH_AFTER_S, HandshakeCache
 from kvxfer.integrations.vllm.specs import MAMBA, LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 from kvxfer.integrations.vllm.hybrid_tp import PageRead
@@ -58,6 +58,13 @@ from kvxfer.plan.parts import SlicePart
 logger = logging.getLogger("kvxfer.integrations.vllm")
 
 RECENT = 4096  # handoff records kept for stats()
+
+#: Why a load that vLLM awaits failed (``failed_<kind>`` counters; ``vllm:kvxfer_failed_handoffs{kind}``):
+#: ``handshake`` the prefill's handshake could not be had (unreachable, too slow, restarted since the ticket);
+#: ``refused`` the ticket or the two layouts refused before any byte moved; ``transfer`` a data read failed or
+#: timed out; ``lease`` the lease read failed or showed the prefill had freed the blocks (its pin expired);
+#: ``scratch`` no lease scratch slot came free in time.
+FAILURE_KINDS = ("handshake", "refused", "transfer", "lease", "scratch")
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Load:
     lease: "LeaseSlotGuard | ChainedLeaseGuard | None" = None  # the lease reads of ``read``: one per rank notified
     reads: Optional[RankReads] = None  # this rank's slab reads and whom it tells "done"
     failing: Optional[str] = None  # decided to fail; the lease read only tells the producer to free
+    fail_kind: str = "refused"  # the FAILURE_KINDS entry it counts under once reported failed
     verified: bool = False  # the ticket's signature checked (before the handshake, with a cluster key)
     slot_wait: Optional[float] = None  # since when it waits for a scratch slot
     marks: dict[str, float] = field(default_factory=dict)  # phase -> clock, for "where did the time go"
@@ -203,8 +211,10 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "bytes": 0, "descriptors": 0,
-                         "quarantined": 0}
-        self.interval_handoff_s: list[float] = []
+                         "quarantined": 0, **{f"failed_{kind}": 0 for kind in FAILURE_KINDS}}
+        #: per handoff since the worker last took them (``interval_stats``, for vLLM's histograms):
+        #: seconds, bytes, descriptors
+        self.interval_handoffs: list[tuple[float, int, int]] = []
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         set_decider = getattr(handshakes, "set_decider", None)
         if set_decider is not None:  # worked out off this thread, once per handshake (handshake_cache)
@@ -257,7 +267,7 @@ class Receiver:
             safe = abort_parts(load.data, f"request {load.spec.request_id!r}: unexpected failure")
             if load.lease is not None:  # its lease reads' scratch slots: back, or held until none can land
                 load.lease.drop(f"request {load.spec.request_id!r}: unexpected failure")
-            self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe)
+            self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe, "transfer")
 
     @property
     def in_flight(self) -> int:
@@ -300,20 +310,24 @@ class Receiver:
                 load.handshake = self._handshakes.get(ticket.engine_id, ticket.host, ticket.port)
             except Exception as exc:
                 return self._refuse(load, f"handshake with prefill engine {ticket.engine_id!r} at "
-                                          f"{ticket.host}:{ticket.port} failed: {exc}")
+                                          f"{ticket.host}:{ticket.port} failed: {exc}", "handshake")
             if load.handshake is None:
                 if self._clock() - load.started > 2 * self._handshake_timeout_s + 1:
-                    return self._refuse(load, f"no handshake from prefill engine {ticket.engine_id!r} in time")
+                    return self._refuse(load, f"no handshake from prefill engine {ticket.engine_id!r} in time",
+                                        "handshake")
                 return None
         handshake = load.handshake
         if ticket.instance != handshake.instance:
             # the producer restarted since we cached it: ask again once (unless just fetched)
-            if not load.refetched and self._handshakes.invalidate(ticket.host, ticket.port):
-                load.refetched, load.handshake = True, None
-                return None
+            if not load.refetched:
+                if self._handshakes.invalidate(ticket.host, ticket.port):
+                    load.refetched, load.handshake = True, None
+                    return None
+                if self._clock() - load.started < REFETCH_AFTER_S + 1:
+                    return None  # ours is too fresh to refetch (a sleep and wake take seconds): ask on a later step
             return self._refuse(load, f"kv_transfer_params name prefill instance {ticket.instance!r} but "
                                       f"{ticket.host}:{ticket.port} now runs {handshake.instance!r} (restarted): "
-                                      "the blocks are gone")
+                                      "the blocks are gone", "handshake")
         key = ticket_key(self._cluster_key, handshake.ticket_key)
         try:
             if key is None:
@@ -378,7 +392,7 @@ class Receiver:
                 safe = posted_safe and (not isinstance(exc, TransferStartError) or exc.storage_safe)
                 if not load.data and not isinstance(exc, TransferStartError):
                     return self._refuse(load, f"{exc}")
-                return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe)
+                return self._fail_or_quarantine(load, f"starting the pull failed: {exc}", safe, "transfer")
             load.bytes += handle.bytes_requested
             load.descriptors += handle.descriptors_posted
             load.data.append(handle)
@@ -443,7 +457,7 @@ class Receiver:
             if not isinstance(exc, TransferStartError):
                 self._refuse(load, f"{exc}")
             else:
-                self._fail_or_quarantine(load, f"starting the pull failed: {exc}", exc.storage_safe)
+                self._fail_or_quarantine(load, f"starting the pull failed: {exc}", exc.storage_safe, "transfer")
             return True
         except Exception:  # outside the contract: whether a get was posted is unknown, so the slot is never reused
             self.slots.quarantine(slot, [])
@@ -494,13 +508,15 @@ class Receiver:
             if read.phase is Phase.DATA and isinstance(exc, TransferError):
                 safe = abort_parts(load.data, f"request {request_id!r}: a sibling region failed")
                 lease.drop(f"request {request_id!r}: the data read failed")  # a chained guard's slot
-                return self._fail_or_quarantine(load, str(exc), safe)
+                return self._fail_or_quarantine(load, str(exc), safe, "transfer")
             if read.phase is Phase.WAITING:  # its siblings already posted were dropped by the guard
-                return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}")
+                return self._finish_failed(load, load.failing or f"reading the lease failed to start: {exc}",
+                                           None if load.failing else "lease")
             if read.phase is Phase.GUARD and isinstance(exc, TransferError):
                 lease.drop(f"request {request_id!r}: a sibling lease read failed")
                 return self._finish_failed(load, load.failing or
-                                           f"reading the lease of the prefill's blocks failed: {exc}")
+                                           f"reading the lease of the prefill's blocks failed: {exc}",
+                                           None if load.failing else "lease")
             raise
         if read.guard_handles is not None and "lease_posted" not in load.marks:
             load.marks["lease_posted"] = self._clock()
@@ -511,14 +527,15 @@ class Receiver:
                 if now - load.slot_wait > self._transfer_timeout_s:
                     self._finish_failed(load, load.failing or (
                         f"no lease scratch slot came free within transfer_timeout_s={self._transfer_timeout_s}s "
-                        f"({self.slots.quarantined} held by failed reads that may still land)"))
+                        f"({self.slots.quarantined} held by failed reads that may still land)"),
+                        None if load.failing else "scratch")
             return None
         if load.failing:
             return self._finish_failed(load, load.failing)
         if not load.reads.notify:
             return self._finish_failed(load, "no prefill rank to read the lease from")
-        if read.verdict is not None:
-            return self._finish_failed(load, read.verdict)
+        if read.verdict is not None:  # the prefill revoked the lease: its blocks were freed before we read them
+            return self._finish_failed(load, read.verdict, "lease")
         self._succeed(load)
 
     # --- outcomes -----------------------------------------------------------------------------
@@ -530,21 +547,22 @@ class Receiver:
         self.counters["handoffs"] += 1
         self.counters["bytes"] += load.bytes
         self.counters["descriptors"] += load.descriptors
-        self.interval_handoff_s.append(elapsed)
+        self.interval_handoffs.append((elapsed, load.bytes, load.descriptors))
         phases = {f"{name}_s": at - load.started for name, at in load.marks.items()}
         self.recent.append({"request_id": load.spec.request_id, "handoff_s": elapsed, "bytes": load.bytes,
                             "descriptors": load.descriptors, "blocks": len(load.spec.local_block_ids), **phases})
         if load.spec.awaiting:
             self._finished.add(load.spec.request_id)
 
-    def _refuse(self, load: _Load, reason: str) -> None:
+    def _refuse(self, load: _Load, reason: str, kind: str = "refused") -> None:
         """Nothing was posted: safe to report at once."""
         self.counters["refused"] += 1
-        self._finish_failed(load, reason)
+        self._finish_failed(load, reason, kind)
 
-    def _fail_or_quarantine(self, load: _Load, reason: str, storage_safe: bool) -> None:
+    def _fail_or_quarantine(self, load: _Load, reason: str, storage_safe: bool, kind: str) -> None:
+        load.fail_kind = kind
         if storage_safe:
-            return self._finish_failed(load, reason)
+            return self._finish_failed(load, reason, kind)
         self._loads.pop(load.spec.request_id, None)
         self._quarantined.hold(load.spec.request_id, load.data, reason, load)
         self.counters["quarantined"] += 1
@@ -552,7 +570,10 @@ class Receiver:
                      "reported to vLLM) until the transport proves otherwise", load.spec.request_id, reason,
                      len(load.spec.local_block_ids))
 
-    def _finish_failed(self, load: _Load, reason: str) -> None:
+    def _finish_failed(self, load: _Load, reason: str, kind: Optional[str] = None) -> None:
+        """``kind``: why (``FAILURE_KINDS``); None keeps the one set when it was decided (``failing``)."""
+        if kind is not None:
+            load.fail_kind = kind
         self._loads.pop(load.spec.request_id, None)
         self._report_failed(load, reason)
 
@@ -561,6 +582,7 @@ class Receiver:
             logger.info("kvxfer vllm: releasing request %s at its prefill failed: %s", load.spec.request_id, reason)
             return
         self.counters["handoff_failures"] += 1
+        self.counters[f"failed_{load.fail_kind}"] += 1
         logger.error("kvxfer vllm: request %s: KV load failed: %s", load.spec.request_id, reason)
         self.recent.append({"request_id": load.spec.request_id, "failed": reason})
         self._finished.add(load.spec.request_id)

@@ -88,16 +88,23 @@ class KvxferScheduler:
         base_port = int(kv_cfg.kv_port)
         self.port = base_port + parallel.data_parallel_index if base_port else 0
         self.listener: Optional[HandshakeListener] = None
+        self._document = b""  # the sealed handshake the listener serves
+        self._served_ranks: dict[int, Any] = {}
         self._slots = LeaseSlots(cfg.lease_slots)
         self._slot_of: dict[str, int] = {}
         self._local_computed: dict[str, int] = {}
         self._loads: list[LoadSpec] = []
         self._sends: list[SendSpec] = []
         self.exports_refused = 0
+        self._exports_refused_told = 0  # what interval_stats already reported
 
     # --- producer: the handshake listener ------------------------------------------------
     def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        if not self.is_producer or self.listener is not None:
+        """The workers' metas, served sealed on ``kv_ip:kv_port``. vLLM calls it after the KV cache was
+        registered, and (0.33) again after a sleep re-registered it: the new document then replaces the old
+        under a new instance id, so decodes fetch it again and tickets made before the sleep are refused (the
+        cache they name was discarded)."""
+        if not self.is_producer:
             return
         import json
 
@@ -112,12 +119,23 @@ class KvxferScheduler:
                 layout = EngineLayout.from_dict(payload["layout"])
         if layout is None:
             raise ConnectorConfigError("KvxferConnector got no handshake metadata from TP rank 0")
-        document = build_handshake(engine_id=self.engine_id, instance=self.instance, backend=self.cfg.backend_name,
-                                   layout=layout, ranks=ranks, ticket_key=self._instance_key,
-                                   cluster_key=self.cluster_key)
-        self.listener = HandshakeListener(self.cfg.kv_ip, self.port, lambda: document,
+        again = self.listener is not None
+        if again:
+            if self._served_ranks == ranks:
+                return  # the same registrations: nothing to serve anew
+            old, self.instance = self.instance, uuid.uuid4().hex
+        self._document = build_handshake(engine_id=self.engine_id, instance=self.instance,
+                                         backend=self.cfg.backend_name, layout=layout, ranks=ranks,
+                                         ticket_key=self._instance_key, cluster_key=self.cluster_key)
+        self._served_ranks = ranks
+        if again:
+            logger.info("kvxfer vllm: producer %s registered its KV cache again (sleep mode): serving instance %s, "
+                        "tickets of instance %s are refused from now on", self.engine_id, self.instance, old)
+            return
+        self.listener = HandshakeListener(self.cfg.kv_ip, self.port, lambda: self._document,
                                           local_peers_only=local_only_policy(self.cluster_key))
         self.port = self.listener.port
+        document = self._document
         logger.info("kvxfer vllm: producer %s serves its handshake on %s:%d (%d bytes, %s)", self.engine_id,
                     self.cfg.kv_ip, self.port, len(document),
                     "signed" if self.cluster_key is not None else "same-host peers only: no KVXFER_SECRET_FILE")
@@ -292,6 +310,11 @@ class KvxferScheduler:
         self._slot_of[request.request_id] = slot
         self._sends.append(SendSpec(request.request_id, tuple(b for ids in remote_block_ids for b in ids), slot, lease))
         return True, out
+
+    def interval_stats(self) -> Optional[dict[str, Any]]:
+        """The scheduler's part of vLLM's stats since the last call (None when nothing changed)."""
+        refused, self._exports_refused_told = self.exports_refused - self._exports_refused_told, self.exports_refused
+        return {"exports_refused": refused} if refused else None
 
     def shutdown(self) -> None:
         if self.listener is not None:

@@ -68,7 +68,8 @@ class Sender:
         self._clock = clock
         self._pins: dict[str, _Pin] = {}
         self._early: OrderedDict[str, _Reports] = OrderedDict()
-        self.counters = {"released_read_done": 0, "released_read_failed": 0, "released_grace": 0}
+        self.counters = {"released_read_done": 0, "released_read_failed": 0, "released_grace": 0,
+                         "released_sleep": 0}
 
     @property
     def held(self) -> int:
@@ -101,6 +102,18 @@ class Sender:
                     "blocks)", request_id, len(pin.reports.done), pin.reports.readers, self._grace_s,
                     len(pin.spec.block_ids))
                 self._release(request_id, "grace", released)
+        return released
+
+    def release_all(self, why: str) -> set[str]:
+        """Revoke every lease and let every pin go now (``why``: ``sleep``, vLLM's sleep mode unregistering the
+        KV cache): a reader still to come fails its lease check instead of reading what the cache holds next."""
+        released: set[str] = set()
+        for request_id in list(self._pins):
+            logger.warning("kvxfer vllm: request %s: its lease is revoked and its blocks freed (%s) before %d of "
+                           "%d reader(s) reported", request_id, why, self._pins[request_id].reports.readers -
+                           len(self._pins[request_id].reports.done), self._pins[request_id].reports.readers)
+            self._release(request_id, why, released)
+        self._early.clear()
         return released
 
     def _report(self, label: str, why: str, released: set[str], reason: str = "") -> None:

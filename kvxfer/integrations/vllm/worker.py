@@ -96,11 +96,20 @@ def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheCo
     return facts
 
 
+#: What a producer's retired lease table holds in every slot once its registration is dropped (sleep mode):
+#: larger than any lease, so every lease read of it fails (``lease_holds``), e.g. a same-host reader whose
+#: transport still reaches the memory (CMA) with an old meta.
+LEASE_OVER = 2 ** 63 - 1
+
+
 class KvxferWorker:
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig",
-                 cfg: KvxferConfig) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                 cfg: KvxferConfig, *, tp_rank: Optional[int] = None) -> None:
+        """``tp_rank``: this worker's TP rank; None asks vLLM (its TP group is set up in a worker)."""
+        if tp_rank is None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            tp_rank = get_tensor_model_parallel_rank()
         kv_cfg = vllm_config.kv_transfer_config
         self.cfg = cfg
         self.engine_id = engine_id
@@ -108,7 +117,7 @@ class KvxferWorker:
         self.kv_cache_config = kv_cache_config
         self.is_producer = bool(kv_cfg.is_kv_producer)
         self.is_consumer = bool(kv_cfg.is_kv_consumer)
-        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_rank = tp_rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         self.cluster_key = meta_key_from_env()
@@ -123,6 +132,14 @@ class KvxferWorker:
         self._last_counters: dict[str, int] = {}
         self._step_spent_s = 0.0  # this step's time inside start_load so far
         self._step_hold_max_s = 0.0  # the longest engine step spent in this connector since the last stats()
+        self._regions: list[Any] = []  # what register_kv_caches made of vLLM's tensors, registered again on restore
+        self._lease_table: Optional[torch.Tensor] = None
+        self.asleep = False  # unregister_kv_caches (vLLM's sleep mode) until restore_kv_caches
+        self.registrations = 0  # how many times the KV cache was registered (1 + restores)
+        #: what ``unregister_kv_caches`` collected and vLLM hears in the next ``transfer_results``
+        self._held_results: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+        #: kept alive for good: retired lease tables (LEASE_OVER), and registrations a read may still land in
+        self._retired: list[Any] = []
 
     # --- start-up --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -143,6 +160,14 @@ class KvxferWorker:
                                    pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
                                    block_size=self.block_size, regions=tuple(signature["regions"]),
                                    num_blocks=num_blocks)
+        self._regions = regions
+        self._register()
+
+    def _register(self) -> None:
+        """Register ``_regions`` (vLLM's KV tensors) with a new agent: the KV regions, a fresh lease table
+        (producer) or lease scratch (consumer), and the halves that use them; counters carry over."""
+        assert self.layout is not None
+        regions, num_blocks = self._regions, self.layout.num_blocks
         cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
         agent = rank_agent_name(self.engine_id, self.tp_rank, self.tp_size)  # sealed in each meta: whose they are
         common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
@@ -153,9 +178,12 @@ class KvxferWorker:
             for r in regions[1:]
         ]
         if self.is_producer:
-            table = torch.zeros(self.cfg.lease_slots, dtype=torch.int64)
+            table = self._lease_table = torch.zeros(self.cfg.lease_slots, dtype=torch.int64)
             self.lease_backend = first.new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
+            before = self.sender
             self.sender = Sender(self.backends + [self.lease_backend], table, self.cfg.pin_grace_s)
+            if before is not None:
+                self.sender.counters = before.counters
             self._handshake_payload = json.dumps({
                 "kv": [b.export_meta() for b in self.backends],
                 "lease": self.lease_backend.export_meta(),
@@ -166,16 +194,76 @@ class KvxferWorker:
             self.scratch_backend = first.new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
             self.handshakes = HandshakeCache(self.cfg.handshake_timeout_s, self.cluster_key,
                                              unauthenticated_metas_allowed_by_env(), prepare=self._confirm_sources)
+            before_receiver = self.receiver
             self.receiver = Receiver(tp_rank=self.tp_rank, backend_name=self.cfg.backend_name, layout=self.layout,
                                      regions=self.backends, scratch_backend=self.scratch_backend, scratch=scratch,
                                      handshakes=self.handshakes, cluster_key=self.cluster_key,
                                      handshake_timeout_s=self.cfg.handshake_timeout_s,
                                      transfer_timeout_s=self.cfg.transfer_timeout_s,
                                      spin_s=self.cfg.completion_spin_us / 1e6)
+            if before_receiver is not None:
+                self.receiver.counters, self.receiver.recent = before_receiver.counters, before_receiver.recent
+                self.receiver.interval_handoffs = before_receiver.interval_handoffs
+        self.registrations += 1
         total = sum(r.view.numel() * r.view.element_size() for r in regions)
         logger.info("kvxfer vllm: registered %d KV region(s) (%d layers, %.1f MiB, %d blocks) with the %s backend "
                     "as %r", len(regions), sum(len(r.layers) for r in regions), total / 2**20, num_blocks,
                     self.cfg.backend_name, agent)
+
+    # --- vLLM's sleep mode (0.33: ``unregister_kv_caches`` before it frees the KV cache, ``restore_kv_caches``
+    # after it mapped the cache again at the same addresses; the engine then asks every worker for its handshake
+    # metadata again and hands it to the scheduler, which serves it under a new instance id) -------------------
+    def unregister_kv_caches(self) -> None:
+        """Drop every registration of the KV cache (idempotent). vLLM drained transfers first; what is still
+        here is settled before anything is closed: loads in flight are stepped to their end (at most
+        ``transfer_timeout_s``), pins are released with their leases revoked (``released_sleep``), and the
+        results reach vLLM in the next ``transfer_results``. The lease table is retired full of LEASE_OVER and
+        kept, so no reader with an old ticket or meta can pass a lease check on what the cache holds next."""
+        if self.asleep or not self.backends:
+            return
+        sent, received, failed = self._held_results
+        if self.receiver is not None:
+            deadline = time.monotonic() + self.cfg.transfer_timeout_s
+            while True:
+                done, bad = self.receiver.collect()
+                received |= done
+                failed |= bad
+                if not self.receiver.in_flight or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+        keep = self.receiver is not None and self.receiver.in_flight > 0
+        if keep:  # a byte may still land in them: never close what a read may still write to
+            logger.error("kvxfer vllm: %d load(s) still in flight after transfer_timeout_s=%ss at sleep; their "
+                         "registrations are kept until shutdown", self.receiver.in_flight, self.cfg.transfer_timeout_s)
+        if self.sender is not None:
+            sent |= self.sender.collect()
+            sent |= self.sender.release_all("sleep")
+        if self._lease_table is not None:
+            self._lease_table.fill_(LEASE_OVER)
+            self._retired.append(self._lease_table)
+            self._lease_table = None
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
+        registrations = [self.scratch_backend, self.lease_backend, *reversed(self.backends)]
+        if keep:
+            self._retired.extend(b for b in registrations if b is not None)
+        else:
+            self._close(registrations)
+        self.backends, self.lease_backend, self.scratch_backend = [], None, None
+        self._handshake_payload = None
+        self._held_results = (sent, received, failed)
+        self.asleep = True
+        logger.info("kvxfer vllm: KV cache unregistered (sleep mode): %d pin(s) released, %d load(s) settled",
+                    len(sent), len(received))
+
+    def restore_kv_caches(self) -> None:
+        """Register the KV cache again after a sleep (idempotent): the same tensors under a new agent, new metas
+        and a new lease table (``get_handshake_metadata`` then answers with them)."""
+        if not self.asleep:
+            return
+        self._register()
+        self.asleep = False
 
     def _confirm_sources(self, handshake: Handshake) -> None:
         """On the handshake cache's pool, never the engine's thread: have the backend check (and
@@ -200,6 +288,10 @@ class KvxferWorker:
             self._step_spent_s += time.perf_counter() - began
 
     def _start_load(self, metadata: KvxferConnectorMetadata) -> None:
+        if self.asleep and (metadata.sends or metadata.loads):
+            logger.error("kvxfer vllm: a step asked for %d export(s) and %d load(s) while the KV cache is "
+                         "unregistered (sleep mode); ignored", len(metadata.sends), len(metadata.loads))
+            return
         for spec in metadata.sends:
             if self.sender is None:
                 logger.error("kvxfer vllm: asked to export request %s but this instance is not a kv producer",
@@ -216,8 +308,12 @@ class KvxferWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)``."""
         began = time.perf_counter()
-        sent = self.sender.collect() if self.sender is not None else set()
-        received, failed = self.receiver.collect() if self.receiver is not None else (set(), set())
+        sent = self.sender.collect() if self.sender is not None and not self.asleep else set()
+        received, failed = self.receiver.collect() if self.receiver is not None and not self.asleep else (set(), set())
+        if any(self._held_results):  # settled by unregister_kv_caches
+            sent, received, failed = (sent | self._held_results[0], received | self._held_results[1],
+                                      failed | self._held_results[2])
+            self._held_results = (set(), set(), set())
         # vLLM calls start_load, runs the model, then calls this, once per step: the step spent here
         # the two calls' time, never the model's forward between them (a first forward compiles)
         held = self._step_spent_s + time.perf_counter() - began
@@ -228,14 +324,17 @@ class KvxferWorker:
     def stats(self) -> dict[str, Any]:
         """Cumulative counters (for tests, ``kvxfer bench-vllm`` and operators via ``collective_rpc``)."""
         out: dict[str, Any] = {"backend": self.cfg.backend_name, "tp_rank": self.tp_rank,
-                               "step_hold_max_s": self._step_hold_max_s}
+                               "step_hold_max_s": self._step_hold_max_s, "asleep": self.asleep,
+                               "registrations": self.registrations}
         self._step_hold_max_s = 0.0
         if self.sender is not None:
             out.update(self.sender.counters, pins_held=self.sender.held)
         if self.receiver is not None:
             out.update(self.receiver.counters, loads_in_flight=self.receiver.in_flight, loads=self.receiver.states(),
-                       recent=list(self.receiver.recent), handshake_fetches=self.handshakes.fetches,
-                       handshakes_cached=len(self.handshakes), scratch_free=self.receiver.slots.free,
+                       recent=list(self.receiver.recent),
+                       handshake_fetches=self.handshakes.fetches if self.handshakes is not None else 0,
+                       handshakes_cached=len(self.handshakes) if self.handshakes is not None else 0,
+                       scratch_free=self.receiver.slots.free,
                        scratch_quarantined=self.receiver.slots.quarantined)
         out["transport"] = [b.stats() for b in self.backends]
         if self.layout is not None:
@@ -247,17 +346,25 @@ class KvxferWorker:
         now = {**(self.sender.counters if self.sender else {}), **(self.receiver.counters if self.receiver else {})}
         data: dict[str, Any] = {name: value - self._last_counters.get(name, 0) for name, value in now.items()}
         self._last_counters = now
-        data["handoff_s"] = []
+        handoffs: list[tuple[float, int, int]] = []
         if self.receiver is not None:
-            data["handoff_s"], self.receiver.interval_handoff_s = self.receiver.interval_handoff_s, []
-        if not data["handoff_s"] and not any(v for k, v in data.items() if k != "handoff_s"):
+            handoffs, self.receiver.interval_handoffs = self.receiver.interval_handoffs, []
+        if not handoffs and not any(data.values()):
             return None
+        data["handoff_s"] = [s for s, _, _ in handoffs]  # stats.SERIES: one entry per handoff, in order
+        data["handoff_bytes"] = [b for _, b, _ in handoffs]
+        data["handoff_descriptors"] = [d for _, _, d in handoffs]
         return data
 
     def shutdown(self) -> None:
         if self.handshakes is not None:
             self.handshakes.close()
-        for backend in [self.scratch_backend, self.lease_backend, *reversed(self.backends)]:
+        self._close([self.scratch_backend, self.lease_backend, *reversed(self.backends),
+                     *(r for r in self._retired if not isinstance(r, torch.Tensor))])
+
+    @staticmethod
+    def _close(backends: list[Any]) -> None:
+        for backend in backends:
             if backend is not None:
                 try:
                     backend.close()
