@@ -103,9 +103,12 @@ READ_AHEAD_SENDS = READER_SENDS // 2
 #: are counted apart (``sends_abandoned``). Why: UCX does not fail those sends when such a reader is gone
 #: (measured over tcp, UCX 1.22: a reader SIGKILLed, or closing its worker, while stopped mid-read left the
 #: source's sends posted for the 140 s watched, the connection closed), and a stuck reader must not hold
-#: its share of ``MAX_SERVES`` and the rest for ever. Why so long: a live reader drains continuously (its
-#: progress thread), and its own pulls time out well before (``timeout_s``, 30 s by default).
-SERVE_STALL_S = 60.0
+#: its share of ``MAX_SERVES`` and the rest for ever. Why 10 s: a live reader drains continuously (its
+#: progress thread), so 10 s without a completed chunk is a reader stopped or cut off; giving it up changes
+#: only what is counted (its sends stay posted, and land if it comes back), and a reader cut off for longer
+#: (a 12 s link cut in ``tests/test_netns_link.py``) then finds its own budget free when the link returns,
+#: instead of being pushed back (``BACK_PRESSURE``) past its pulls' timeout by READs of pulls long failed.
+SERVE_STALL_S = 10.0
 #: The most sends given up on (above) that UCX may still hold; past it the source refuses new READs as
 #: stalled. Why: each stuck reader leaves at most its sends in flight behind (``READER_SENDS``; in practice
 #: a few dozen, ~512 B each): 16,384 of them are ~8 MiB, the most stuck readers may cost a source.
@@ -118,7 +121,7 @@ HARDWARE_GET_TRANSPORTS = frozenset({"cma", "knem", "xpmem", "rc_verbs", "rc_mlx
                                      "gdr_copy", "cuda_copy", "srd", "efa"})
 _REQUEST = struct.Struct("<16sQQ")    # token, batch id, first row index of this message
 _CHUNK = struct.Struct("<QQQ")        # batch id, row, offset in the row; kvx_served_hdr_t
-_REFUSED = struct.Struct("<QQQqQQ")   # batch id, ~0, reason, -1, what was asked, the bound
+_REFUSED = struct.Struct("<QQQqQQ")   # batch id, ~0, reason, the refused READ's first row, what was asked, the bound
 _REFUSED_ROW = (1 << 64) - 1
 
 #: Why a source refuses a READ: code -> (name, the reader's words; ``{asked}`` and ``{limit}`` filled).
@@ -143,6 +146,15 @@ REFUSALS = {
     13: ("closing", "the source is closing"),
 }
 _CODES = {name: code for code, (name, _) in REFUSALS.items()}
+#: Refusals that say "not now", not "never": the source counts this reader's (or everyone's) READs in flight
+#: over a bound. A reader's own pacing (``READ_AHEAD_*``) keeps it under its bounds, but the source counts
+#: READs until their sends completed: after a batch failed (a link cut, a timeout) its READs still count
+#: there until their sends end, and the next pull would be refused. So the reader asks again after a pause
+#: (``BACK_PRESSURE_MIN_S`` doubling to ``BACK_PRESSURE_MAX_S``), within the pull's own timeout.
+BACK_PRESSURE = frozenset(_CODES[name] for name in ("reader_reads", "reader_bytes", "reader_sends", "busy_reads",
+                                                     "busy_bytes", "busy_sends"))
+BACK_PRESSURE_MIN_S = 0.005
+BACK_PRESSURE_MAX_S = 0.5
 
 _SERVERS: "weakref.WeakSet[Server]" = weakref.WeakSet()
 
@@ -227,7 +239,7 @@ class Server:
             reader = self._readers[key] = _Reader(self._pool)
         checked = self._check(token, data, length, reader)
         if len(checked) == 3:
-            self._refuse(reply_ep, key, reader, batch, *checked)
+            self._refuse(reply_ep, key, reader, batch, first, *checked)
             return
         rows, nbytes = checked
         serve = _ucp.serve_rows(reader.counters, reply_ep, DATA_AM_ID, batch, first, self.base, rows, nbytes,
@@ -279,9 +291,11 @@ class Server:
             return _CODES["stalled"], int(pool.abandoned), MAX_ABANDONED_SENDS
         return rows, nbytes
 
-    def _refuse(self, reply_ep: Any, key: int, reader: _Reader, batch: int, code: int, asked: int, limit: int) -> None:
+    def _refuse(self, reply_ep: Any, key: int, reader: _Reader, batch: int, first: int, code: int, asked: int,
+                limit: int) -> None:
         self._count(REFUSALS[code][0])
-        if not _ucp.refuse(reply_ep, DATA_AM_ID, _REFUSED.pack(batch, _REFUSED_ROW, code, -1, asked, limit),
+        first = first if first < (1 << 63) else -1
+        if not _ucp.refuse(reply_ep, DATA_AM_ID, _REFUSED.pack(batch, _REFUSED_ROW, code, first, asked, limit),
                            reader.counters, READER_REFUSALS, MAX_REFUSALS):
             self.refusals_dropped += 1
         if reader.idle:
@@ -382,15 +396,19 @@ class _Part:
 class _Lane:
     """What this reader has asked of one source endpoint and not all received, and what waits to be asked."""
 
-    __slots__ = ("reads", "bytes", "sends", "queue", "pumping")
+    __slots__ = ("reads", "bytes", "sends", "queue", "pumping", "not_before", "backoff_s")
 
     def __init__(self) -> None:
         self.reads = self.bytes = self.sends = 0
         self.queue: deque[_Part] = deque()
         self.pumping = False
+        self.not_before = 0.0  # the source said "not now" (``BACK_PRESSURE``): nothing is asked before this
+        self.backoff_s = 0.0
 
     def has_room(self, part: _Part) -> bool:
-        """Always for one READ; then within ``READ_AHEAD_*``."""
+        """Always for one READ; then within ``READ_AHEAD_*``; never while the source pushes back."""
+        if self.not_before and time.monotonic() < self.not_before:
+            return False
         return not self.reads or (self.reads < READ_AHEAD_READS and self.bytes + part.bytes <= READ_AHEAD_BYTES
                                   and self.sends + part.sends <= READ_AHEAD_SENDS)
 
@@ -534,6 +552,7 @@ class ServedReads:
         self._lanes: dict[_ucp.Endpoint, _Lane] = {}
         self._sends: list[tuple[Any, Optional[np.ndarray]]] = []
         worker.set_am_handler(DATA_AM_ID, self._on_data)
+        worker.idle_tasks.append(self._pump_due)
 
     def keep_send(self, request: Any, buffer: Optional[np.ndarray]) -> None:
         self._sends.append((request, buffer))
@@ -550,6 +569,9 @@ class ServedReads:
         """Every byte of a READ landed: the next ones may be asked."""
         if part.sent:
             self._give_back(part)
+            lane = self._lanes.get(part.batch.endpoint)
+            if lane is not None:
+                lane.backoff_s = 0.0  # the source serves again: a later push-back starts from the shortest pause
             self._pump_for(part.batch.endpoint)
 
     def over(self, batch: ServedBatch) -> None:
@@ -572,6 +594,30 @@ class ServedReads:
             lane.bytes -= part.bytes
             lane.sends -= part.sends
 
+    def _pump_due(self) -> None:
+        """Progress thread, worker lock held: ask again on lanes whose back-pressure pause is over (a lane
+        whose every READ was refused has nothing else that would wake it)."""
+        if not self._lanes:
+            return
+        now = time.monotonic()
+        for endpoint, lane in list(self._lanes.items()):
+            if lane.not_before and now >= lane.not_before and lane.queue:
+                self._pump(endpoint, lane)
+
+    def _pushed_back(self, batch: "ServedBatch", first: int) -> bool:
+        """The source refused READ ``first`` of ``batch`` for its load (``BACK_PRESSURE``): ask it again after a
+        pause that doubles up to ``BACK_PRESSURE_MAX_S`` (the batch's own timeout still bounds the wait).
+        False if that READ is not one this batch has asked (the refusal then fails the batch)."""
+        part = next((p for p in batch._parts if p.first == first and p.sent), None)
+        lane = self._lanes.get(batch.endpoint)
+        if part is None or lane is None:
+            return False
+        self._give_back(part)
+        lane.queue.appendleft(part)
+        lane.backoff_s = min(BACK_PRESSURE_MAX_S, max(BACK_PRESSURE_MIN_S, 2 * lane.backoff_s))
+        lane.not_before = time.monotonic() + lane.backoff_s
+        return True
+
     def _pump_for(self, endpoint: _ucp.Endpoint) -> None:
         lane = self._lanes.get(endpoint)
         if lane is not None:
@@ -591,6 +637,7 @@ class ServedReads:
                 if not lane.has_room(part):
                     break
                 lane.queue.popleft()
+                lane.not_before = 0.0
                 batch = part.batch
                 try:
                     request = _ucp.send_request(endpoint, READ_AM_ID, _REQUEST.pack(batch.token, batch.id, part.first),
@@ -624,7 +671,7 @@ class ServedReads:
 
     def _on_data(self, header: bytes, data: Any, length: int, param: Any) -> None:
         if len(header) == _REFUSED.size:
-            batch_id, row, code, _, asked, limit = _REFUSED.unpack(header)
+            batch_id, row, code, first, asked, limit = _REFUSED.unpack(header)
         elif len(header) == _CHUNK.size:
             batch_id, row, offset = _CHUNK.unpack(header)
         else:
@@ -633,6 +680,8 @@ class ServedReads:
         if batch is None:
             return  # a cancelled or finished batch: late chunks land nowhere
         if len(header) == _REFUSED.size:
+            if code in BACK_PRESSURE and self._pushed_back(batch, first):
+                return  # asked again after a pause: the source is busy or still counts this reader's earlier READs
             reason = refusal_text(code, asked, limit)
             logger.warning("ucx: %s", reason)
             batch._finish(_ucp.ReasonStatus(_ucp.code("UCS_ERR_REJECTED"), reason))
