@@ -167,8 +167,13 @@ def test_prefill_pp2_into_decode_pp1_each_layer_from_its_stage():
         got = decode.ask(op="receive", bootstrap=f"127.0.0.1:{ports['ucx']}", rooms=receive, timeout=40)
         ends = [reply["rooms"]["290"] for reply in prefill.read()["replies"]]
         failed = {"decode": got["rooms"]["290"], "stage 0": ends[0], "stage 1": ends[1]}
-        if any(end["status"] != 0 for end in failed.values()) or "decode" not in (ends[0]["reason"] or "") \
-                or ends[0]["at_s"] > ABORT_BOUND_S:
+        # stage 0 may have had its chunks read before stage 1's abort reached the decode (seen in a clean-clone
+        # run): it then frees its pages on their read-done (Success: SGLang's PP consensus takes the minimum of the
+        # stages, so the request still fails); otherwise it must fail on the decode's report, within the bound
+        stage0_read_first = ends[0]["status"] == SUCCESS and ends[0].get("lease_revoked")
+        stage0_told = ends[0]["status"] == 0 and "decode" in (ends[0]["reason"] or "") and \
+            ends[0]["at_s"] <= ABORT_BOUND_S
+        if failed["decode"]["status"] != 0 or ends[1]["status"] != 0 or not (stage0_read_first or stage0_told):
             faults.append(f"a stage's abort: not Failed on the decode and both stages, the other stage freeing it on "
                           f"the decode's report within {ABORT_BOUND_S}s: {failed}")
 
