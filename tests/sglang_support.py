@@ -156,3 +156,23 @@ def kvxfer_leftovers(managers: list[tuple[Peer, str]], peers: Any) -> list[str]:
 def started(*peers: Peer) -> None:
     for peer in peers:
         peer.ready()
+
+
+def push_frames(peer: "Peer", messages: list[list[bytes]], settle_s: float = 0.5) -> None:
+    """Send ``messages`` to ``peer``'s SGLang socket as any host on the network can (a zmq PUSH), then give
+    the rank ``settle_s`` to take them."""
+    import time
+
+    import zmq
+
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 10_000)
+        sock.connect(peer.info["endpoint"])
+        for message in messages:
+            sock.send_multipart(message)
+        sock.close()
+    finally:
+        context.term()  # waits (LINGER) until every frame went out
+    time.sleep(settle_s)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
+from sglang_support import Peer, free_port, peer_env, push_frames, rooms_plan, sglang_python
 
 from kvxfer.security.auth import new_secret_file
 
@@ -279,8 +279,6 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
     the prefill has no sender for. Unsigned, every one is dropped before it is read; signed, each
     breaks the schema or the protocol and is dropped, or is kept within its bound. None may stop a
     listener, earn a reply or grow a table past its bound; the pair then hands off byte for byte."""
-    import zmq
-
     from kvxfer.integrations.sglang import wire
     from kvxfer.security.auth import load_secret
 
@@ -303,18 +301,7 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
                                           .encode()] for i in range(50)]
     key = wire.FrameKey(load_secret(secret_file=secret_file))
 
-    def send(peer: Peer, messages: list[list[bytes]]) -> None:
-        context = zmq.Context()
-        try:
-            sock = context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 5000)
-            sock.connect(peer.info["endpoint"])
-            for message in messages:
-                sock.send_multipart(message)
-            sock.close()
-        finally:
-            context.term()  # waits (LINGER) until every frame went out
-        time.sleep(0.5)
+    send = push_frames
 
     def signed(messages: list[list[bytes]]) -> list[list[bytes]]:
         return [key.sign(m) if m[0] == b"KVXFER_STATUS" or (len(m) == 2 and m[0].startswith(b"KVXFER_")) else m

@@ -37,7 +37,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from sglang_support import POOL, Peer, free_port, peer_env  # noqa: E402
+from sglang_support import POOL, Peer, free_port, peer_env, push_frames  # noqa: E402
 
 from kvxfer.integrations.sglang import wire  # noqa: E402
 from kvxfer.security.auth import load_secret, new_secret_file  # noqa: E402
@@ -96,18 +96,7 @@ def rank_key(peer: Peer) -> str:
 
 
 def push(peer: Peer, messages: list[list[bytes]], settle_s: float = 0.5) -> None:
-    """Send ``messages`` to ``peer``'s SGLang socket as any host on the network can (a zmq PUSH)."""
-    context = zmq.Context()
-    try:
-        sock = context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 10_000)
-        sock.connect(peer.info["endpoint"])
-        for message in messages:
-            sock.send_multipart(message)
-        sock.close()
-    finally:
-        context.term()  # waits (LINGER) until every frame went out
-    time.sleep(settle_s)
+    push_frames(peer, messages, settle_s)
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> bool:
