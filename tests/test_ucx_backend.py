@@ -264,7 +264,7 @@ def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.Mon
     failing) is kept per source and sent again on a later pass, not dropped; kept notices are bounded,
     and close() with notices still kept leaves no UCX object behind. (The real cable cut is in
     ``tests/test_netns_link.py``.)"""
-    from kvxfer.backends.ucx import backend as ucx_backend
+    from kvxfer.backends.ucx import notices as ucx_notices
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     src = Source("tcp", seed=11)
@@ -285,10 +285,10 @@ def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.Mon
             t0 = time.monotonic()
             done, failed = src.drain_until(1, timeout=10)
             assert (done, failed) == (["late"], [])  # ...but kept, and sent once it could leave
-            assert time.monotonic() - t0 < 1.5 + ucx_backend._NOTICE_RETRY_MAX_S + 1.5
+            assert time.monotonic() - t0 < 1.5 + ucx_notices._NOTICE_RETRY_MAX_S + 1.5
             assert dst.notices_dropped == 0
 
-            monkeypatch.setattr(ucx_backend, "_NOTICE_MAX_PENDING", 2)
+            monkeypatch.setattr(ucx_notices, "_NOTICE_MAX_PENDING", 2)
             blocked_until[0] = time.monotonic() + 60
             for rid in ("k1", "k2", "k3"):
                 dst.begin_pull_blocks(src.meta, [2], [2], request_id=rid).wait()
@@ -304,10 +304,10 @@ def test_close_with_notices_stalled_on_a_stopped_source_never_hangs(monkeypatch:
     10 times (a 1-in-2 hang is missed with odds 1 in 1,024): a pull to a SIGSTOPped source times out, its read-failed notice cannot leave (the new
     endpoint's wireup needs the stopped source), and the backend is closed at once. Every close
     must return within the teardown bound and leave no UCX object behind."""
-    from kvxfer.backends.ucx import backend as ucx_backend
+    from kvxfer.backends.ucx import handle as ucx_handle
 
     monkeypatch.setenv("UCX_TLS", "tcp")
-    monkeypatch.setattr(ucx_backend, "_CANCEL_GRACE_S", 0.1)
+    monkeypatch.setattr(ucx_handle, "_CANCEL_GRACE_S", 0.1)
     src = Source("tcp", seed=12)
     closes = []
     try:

@@ -11,7 +11,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.ucx import binding as _ucp
-from kvxfer.backends.ucx.backend import AM_ID
+from kvxfer.backends.ucx.notices import AM_ID
 cls = construct_kv_transfer_backend_class("ucx")
 a = cls("probe-a", torch.zeros(4, 16, 1024, dtype=torch.uint8), 4)
 b = cls("probe-b", torch.zeros(4, 16, 1024, dtype=torch.uint8), 4)

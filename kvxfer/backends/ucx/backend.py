@@ -7,15 +7,14 @@ it sends the source an active message with the request id (read-done); a failed
 transfer sends a failure AM instead, but only once no get can still land.
 
 Source side: the AM handler queues the notices; ``drain_read_done()`` and
-``drain_read_failed()`` return them.
+``drain_read_failed()`` return them. A notice that cannot leave is kept and retried (``notices.py``).
 
-A notice that cannot leave (the send fails, or hangs: e.g. a new endpoint
-connecting through a cut cable) is kept per source address and sent again, with
-a backoff, on a fresh endpoint until it goes or ``_NOTICE_KEEP_S`` has passed; so
-a source behind a long link cut still learns of the failure once it is
-reachable again, as NIXL's notifications do. Kept notices are bounded
-(``_NOTICE_MAX_PENDING``); one that is dropped is logged. Delivery means UCX
-completed the send: a repeat may reach the source twice (releases are idempotent).
+The package, in reading order: ``source.py`` (the meta's ucx section), ``peer.py`` (one endpoint to a
+source), ``handle.py`` (one pull), ``notices.py`` (read-done / read-failed both ways), this module (the
+backend: registration, posting, the peer table, the progress thread's housekeeping, teardown), then the
+layers under it: ``binding.py`` (the cffi objects; ``binding_build.py`` builds the C), ``served.py``
+(reads a source serves where there is no hardware GET, over ``served_binding.py``) and ``confirm.py``
+(an unsigned meta of this host confirmed by its exporter).
 
 Why the details are as they are:
 - A peer that errors (``UCP_ERR_HANDLING_MODE_PEER``) is dropped from the
@@ -30,14 +29,12 @@ Why the details are as they are:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import os
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -45,7 +42,11 @@ import torch
 from kvxfer.backends.ucx import binding as _ucp
 from kvxfer.backends.ucx import served as _served
 from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confirm_exported, confirm_server
-from kvxfer.backends.same_host import SourceWatch, own_identity, shared_memory_permitted
+from kvxfer.backends.ucx.handle import UcxHandle
+from kvxfer.backends.ucx.notices import AM_ID, NoticeOutbox, Notice, Send
+from kvxfer.backends.ucx.peer import Peer
+from kvxfer.backends.ucx.source import UcxSource, b64, unb64
+from kvxfer.backends.same_host import SourceWatch, own_identity
 from kvxfer.backends.base import (
     ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferStartError, TransferState,
 )
@@ -59,17 +60,7 @@ from kvxfer.meta.seal import HOST_FIELD, SEAL_FIELD, host_identity
 
 logger = logging.getLogger(__name__)
 
-AM_ID = 0x4B56  # "KV": the active-message id of read-done / read-failed notices
-_CANCEL_GRACE_S = 0.5  # how long an abort waits for cancelled gets before force-closing the endpoint
 _CLOSE_GRACE_S = 1.0  # how long close() lets read-done notices leave
-_NOTICE_RETRY_FIRST_S = 0.25  # first retry of a notice that could not leave; doubles per attempt...
-_NOTICE_RETRY_MAX_S = 2.0     # ...up to this
-_NOTICE_STALL_S = 4.0  # a notice send pending this long on an endpoint without gets is retried on a fresh one
-_NOTICE_KEEP_S = 120.0  # a notice still undelivered after this is dropped (logged)
-_NOTICE_MAX_PENDING = 4096
-#: Peers' notices received and not yet drained: a source that never drains (or a flooding peer)
-#: costs at most this many headers of at most ``notice.MAX_NOTIFY_BYTES`` each.
-_MAX_RAW_NOTICES = 16384
 #: Pulls up to this size are progressed once by the posting thread: on shared memory or CMA they
 #: usually complete there, and waking the progress thread for them cost more than the read
 #: (measured in vLLM: the wake-up and the lock it then holds were a quarter of a handoff).
@@ -83,268 +74,7 @@ PEER_IDLE_S = 300.0
 _PEER_SWEEP_S = 1.0  # how often the progress thread looks for peers to drop
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-@dataclass(frozen=True)
-class UcxSource:
-    """The ucx section of a source's meta, decoded and checked once: the worker address to reach it,
-    the packed rkey of its pool, and the token its served reads need (absent: it serves none)."""
-
-    address: bytes
-    rkey: bytes
-    read_token: Optional[bytes]
-
-    @staticmethod
-    def parse(meta: Mapping[str, Any]) -> "UcxSource":
-        token = _unb64(meta, "ucx_read_token") if meta.get("ucx_read_token") is not None else None
-        return UcxSource(_unb64(meta, "ucx_worker_address"), _unb64(meta, "ucx_rkey"), token)
-
-
-def _unb64(meta: Mapping[str, Any], field: str) -> bytes:
-    value = meta.get(field)
-    if not isinstance(value, str) or not value:
-        raise PeerMetadataError(f"peer meta field {field!r} must be a non-empty base64 string; export it with the ucx backend")
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise PeerMetadataError(f"peer meta field {field!r} is not valid base64: {exc}") from None
-
-
-class _Peer:
-    """One endpoint to a source worker and the rkeys unpacked on it."""
-
-    def __init__(self, backend: "UcxBackend", address: bytes, watch: Optional[SourceWatch] = None) -> None:
-        self.address = address
-        # A source on this host, watched by pidfd. It skips UCX's peer failure mode only where UCX may
-        # use shared memory or CMA at all: that mode is what makes a force-close complete pending gets,
-        # and without shared memory the same-host path would buy nothing for giving it up.
-        self.watch = watch
-        self._exit_seen = False
-        error_handling = (backend.peer_error_handling if backend.peer_error_handling is not None
-                          else watch is None or not shared_memory_permitted())
-        self.path = "peer-error-mode" if error_handling else "same-host"
-        self.endpoint = _ucp.Endpoint(backend._worker, address, backend._on_endpoint_error,
-                                      peer_error_handling=error_handling)
-        # No hardware GET on this endpoint (tcp): UCX would emulate gets with a handler in the
-        # source that aborts it when we are gone by the time it answers; so reads are asked of
-        # the source instead (served.py). Host memory only: a CUDA pool keeps ucp_get.
-        self.served = error_handling and not backend._region.cuda and \
-            _served.needs_serving(self.endpoint.transports())
-        self.rkeys: dict[bytes, _ucp.RemoteKey] = {}
-        self.batches: set[_ucp.GetBatch] = set()  # posted, not yet released
-        self.abandoned = False  # closed with gets that can never complete (kept until close())
-        self.last_used = time.monotonic()
-
-    def rkey(self, packed: bytes) -> _ucp.RemoteKey:
-        key = self.rkeys.get(packed)
-        if key is None:
-            key = self.rkeys[packed] = _ucp.RemoteKey(self.endpoint, packed)
-        return key
-
-    @property
-    def failed(self) -> bool:
-        return self.endpoint.error is not None or self.endpoint.handle is None or self.source_exited
-
-    @property
-    def source_exited(self) -> bool:
-        """The pidfd saw the source exit (sticky: once seen, always True)."""
-        if not self._exit_seen and self.watch is not None and self.watch.exited():
-            self._exit_seen = True
-        return self._exit_seen
-
-    @property
-    def gets_cannot_land(self) -> bool:
-        """No get on this endpoint can write any more: it is closed and its source process is gone.
-
-        Without UCX's peer failure mode a force-close does not complete pending gets (measured over
-        tcp: they stay pending for good), so their completion cannot be what proves it.
-        """
-        return self.endpoint.handle is None and self.source_exited
-
-    def close(self) -> bool:
-        """Force-close the endpoint (completing its gets), then destroy the rkeys. True when fully closed.
-
-        The pidfd stays open while a get is pending: it is what can still prove the source gone.
-        """
-        self.endpoint.close()
-        if any(not batch.done for batch in self.batches):
-            if not self.gets_cannot_land:
-                return False
-            # Gets that will never complete (see gets_cannot_land): their requests, rkeys and
-            # counters stay allocated until the worker goes (``abandon``, at close()).
-            self.abandoned = True
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if not self.abandoned:
-            for key in self.rkeys.values():
-                key.close()
-            self.rkeys.clear()
-        return True
-
-    def abandon(self) -> list[_ucp.GetBatch]:
-        """Worker closing: free what pending gets still hold (UCX releases a request freed before it
-        completed when it does) and the rkeys, before the worker is destroyed. Returns the batches:
-        the caller keeps them until the worker is gone (its teardown may still run their callbacks,
-        which write their counters)."""
-        batches = list(self.batches)
-        for batch in batches:
-            batch.abandon()
-        self.batches.clear()
-        for key in self.rkeys.values():
-            key.close()
-        self.rkeys.clear()
-        return batches
-
-
-@dataclass
-class _Notice:
-    """A read-done / read-failed notice on its way to one source address."""
-
-    payload: bytes
-    what: str  # for log lines: "read-failed of request 7"
-    created: float
-    attempts: int = 0
-    due: float = 0.0
-
-
-@dataclass
-class _Send:
-    """An active-message send UCX has not completed yet."""
-
-    peer: _Peer
-    request: Any
-    notice: _Notice
-    posted: float
-
-
-class UcxHandle(TransferHandle):
-    """One pull: a batch of gets on one endpoint; with ``guard_peer``, the guard read chained behind it
-    on the endpoint to the guard's source (``begin_chained_pull``), which also hears the notices."""
-
-    def __init__(self, request_id: RequestId, timeout_s: float, backend: "UcxBackend", peer: _Peer,
-                 batch: _ucp.GetBatch, notify: bool = True, report_failure: bool = True,
-                 guard_peer: Optional[_Peer] = None) -> None:
-        super().__init__(request_id, timeout_s)
-        self._notify_done = notify
-        self._report_failure = report_failure
-        self._backend = backend
-        self._peer = peer
-        self._notice_peer = guard_peer or peer
-        self._chained = guard_peer is not None  # a GetBatch with a GuardGet (``begin_chained_pull``)
-        self._done_told = False  # the binding sent the read-done (a chained read whose guard landed)
-        #: every endpoint a get of this handle goes through (the guard's too)
-        self._peers = (peer,) if guard_peer is None or guard_peer is peer else (peer, guard_peer)
-        self._batch = batch
-        self._failure_reason: Optional[str] = None
-        self._failure_sent = False
-
-    @property
-    def _in_flight_peers(self) -> tuple[_Peer, ...]:
-        """The endpoints a get of this handle may still be on: the guard's only once it was posted."""
-        if len(self._peers) == 1 or self._batch.guard_in_flight:
-            return self._peers
-        return self._peers[:1]
-
-    @property
-    def _cannot_land(self) -> bool:
-        return all(peer.gets_cannot_land for peer in self._in_flight_peers)
-
-    def _release(self) -> None:
-        """Release the batch. A chained read-done the binding sent is remembered (no "failed" follows
-        it); one still leaving is handed to the backend, which tracks it like its own notices."""
-        if self._chained:
-            state, request = self._batch.take_notice()
-            if request is not None:
-                self._backend._adopt_notice(self._notice_peer, request, "done", self.request_id)
-            self._done_told = state == 2 or request is not None
-        self._backend._release_batch(self._peers, self._batch)
-
-    @property
-    def path(self) -> str:
-        """"same-host" (zero-copy shared memory, death seen by pidfd) or "peer-error-mode"."""
-        return self._peer.path
-
-    def _progress(self) -> bool:
-        batch = self._batch
-        if not batch.done:
-            if self._backend.closed:  # failed here, by the thread that polls: close() need not wait for its lock
-                raise TransferError(f"request {self.request_id!r}: the ucx backend was closed")
-            self._backend._worker.progress()
-        if not batch.done:
-            for peer in self._peers:
-                if peer.source_exited:
-                    raise TransferError(f"request {self.request_id!r}: the source process exited during the read")
-                if peer.endpoint.error is not None:
-                    raise TransferError(f"request {self.request_id!r}: the endpoint to the source failed "
-                                        f"({_ucp.status_string(peer.endpoint.error)}) during the read")
-            return False
-        if not _ucp.is_ok(batch.status):
-            what = ("UCX get of the guard (chained behind the data read, which landed)"
-                    if self._chained and _ucp.is_ok(int(batch.counter.status)) else "UCX get")
-            raise TransferError(
-                f"request {self.request_id!r}: {what} failed: {_ucp.status_string(batch.status)}"
-                + ("; the source endpoint reported an error (the source process may have died)"
-                   if any(peer.failed for peer in self._peers) else "")
-            )
-        return True
-
-    def _abort(self) -> bool:
-        batch = self._batch
-        if not batch.done:
-            batch.cancel()
-            self._wait_batch(_CANCEL_GRACE_S)
-        if not batch.done:
-            # Not cancellable in time: force-close the endpoints, which completes every get on them
-            # (the guard endpoint, shared by every chained read from that source, only while this
-            # guard read is on it: ``cancel`` already stopped the chain from posting one).
-            for peer in self._in_flight_peers:
-                self._backend._drop_peer(peer)
-                peer.endpoint.close()
-            self._wait_batch(_CANCEL_GRACE_S)
-        if batch.done:
-            self._release()
-            return True
-        return self._cannot_land or self._backend._worker_closed
-
-    def _settle(self) -> bool:
-        # batch done: every get completed or was cancelled (the progress thread releases it and
-        # tells the source); or the endpoints are closed and the source gone, or the whole worker
-        # destroyed (close()): none can complete.
-        return self._batch.done or self._cannot_land or self._backend._worker_closed
-
-    def _wait_batch(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self._batch.done and time.monotonic() < deadline:
-            self._backend._worker.progress()
-            time.sleep(0.0005)
-
-    def _on_done(self) -> None:
-        self._release()
-        self._backend._finish(self)
-        if self._notify_done and not self._done_told:  # a chained read's went from the binding already
-            self._backend._notify(self._notice_peer, "done", self.request_id)
-
-    def _on_failed(self, error: TransferError) -> None:
-        self._failure_reason = str(error)
-        self._backend._finish(self)
-        if self._batch.released:
-            self._send_failure()
-        else:
-            self._backend._defer(self)  # sent by the progress thread once every get has completed
-
-    def _send_failure(self) -> None:
-        if self._failure_sent or not self._report_failure or self._done_told:
-            return  # (told "done" already: the guard landed and the binding said so before this failure)
-        self._failure_sent = True
-        # Sent even if the endpoint failed: a cut link looks like a dead source, and the
-        # source must hear of it when the link returns (kept and retried, bounded).
-        self._backend._notify(self._notice_peer, "failed", self.request_id, self._failure_reason or "")
-
-
-class UcxBackend(KVTransportBackend):
+class UcxBackend(NoticeOutbox, KVTransportBackend):
     """UCP transport: ``ucp_mem_map`` + packed rkey, ``ucp_get_nbx`` reads, AM read-done."""
 
     name = "ucx"
@@ -387,17 +117,17 @@ class UcxBackend(KVTransportBackend):
     # --- registration -----------------------------------------------------------------------
     def _register(self) -> None:
         self._state_lock = threading.Lock()
-        self._peers: "OrderedDict[bytes, _Peer]" = OrderedDict()  # least recently used first
+        self._peers: "OrderedDict[bytes, Peer]" = OrderedDict()  # least recently used first
         self.max_peers = MAX_PEERS
         self.peer_idle_s = PEER_IDLE_S
         self.peers_dropped = 0  # gone, idle or evicted: see _sweep_peers
         self._next_sweep = 0.0
-        self._retired: list[_Peer] = []  # dropped from the cache, endpoint still to close
-        self._abandoned: list[_Peer] = []  # closed, with gets that can never complete: freed at close()
+        self._retired: list[Peer] = []  # dropped from the cache, endpoint still to close
+        self._abandoned: list[Peer] = []  # closed, with gets that can never complete: freed at close()
         self._live: set[UcxHandle] = set()
         self._deferred: list[UcxHandle] = []  # failed, gets not all completed yet
-        self._sends: list[_Send] = []  # AM requests in flight
-        self._outbox: dict[bytes, deque[_Notice]] = {}  # source address -> notices waiting for a retry
+        self._sends: list[Send] = []  # AM requests in flight
+        self._outbox: dict[bytes, deque[Notice]] = {}  # source address -> notices waiting for a retry
         self._outbox_size = 0
         self.notices_dropped = 0  # notices given up on (too old, or too many kept)
         self._notices: deque[bytes] = deque()
@@ -435,9 +165,9 @@ class UcxBackend(KVTransportBackend):
         return {
             **own_identity(),
             CONFIRM_FIELD: confirm_server().name,
-            "ucx_worker_address": _b64(self._worker.address),
-            "ucx_rkey": _b64(self._region.packed_rkey),
-            "ucx_read_token": _b64(self._read_token),
+            "ucx_worker_address": b64(self._worker.address),
+            "ucx_rkey": b64(self._region.packed_rkey),
+            "ucx_read_token": b64(self._read_token),
             "ucx_version": _ucp.version(),
             "memory_type": "cuda" if self._region.cuda else "host",
         }
@@ -588,7 +318,7 @@ class UcxBackend(KVTransportBackend):
                                      storage_safe=handle.storage_safe, cleanup_handles=[handle]) from exc
         return handle
 
-    def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> _Peer:
+    def _peer_for(self, address: bytes, meta: Optional[Mapping[str, Any]] = None) -> Peer:
         """The cached endpoint to ``address`` (a failed one replaced); a new one to a source of
         this host is watched by pidfd and skips UCX's peer failure mode (see ``__init__``).
         Worker lock held. ``BackendClosedError`` once close() has dropped the peers."""
@@ -602,7 +332,7 @@ class UcxBackend(KVTransportBackend):
             # A source of this host is watched by pidfd whatever the mode: its death then ends
             # the reads at once and proves that none of them can still land.
             watch = SourceWatch.for_meta(meta) if meta is not None else None
-            peer = self._peers[address] = _Peer(self, address, watch)
+            peer = self._peers[address] = Peer(self, address, watch)
             self._evict_over_cap()
         else:
             self._peers.move_to_end(address)
@@ -653,7 +383,7 @@ class UcxBackend(KVTransportBackend):
         with self._worker.lock:
             return len(self._peers)
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _drop_peer(self, peer: Peer) -> None:
         with self._worker.lock:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]
@@ -666,7 +396,7 @@ class UcxBackend(KVTransportBackend):
         if peer is not None and peer.endpoint is endpoint:
             self._drop_peer(peer)
 
-    def _release_batch(self, peers: tuple[_Peer, ...], batch: _ucp.GetBatch) -> None:
+    def _release_batch(self, peers: tuple[Peer, ...], batch: _ucp.GetBatch) -> None:
         with self._worker.lock:
             batch.release()
             for peer in peers:
@@ -680,138 +410,6 @@ class UcxBackend(KVTransportBackend):
         with self._worker.lock:
             self._deferred.append(handle)
         self._worker.signal()
-
-    # --- notices ----------------------------------------------------------------------------
-    def _notify(self, peer: _Peer, kind: notify.Kind, request_id: RequestId, reason: str = "") -> None:
-        """Send a notice to ``peer``'s source; one that cannot leave now is kept and retried."""
-        self._notify_address(peer.address, kind, request_id, reason, peer)
-
-    def _notify_address(self, address: bytes, kind: notify.Kind, request_id: RequestId, reason: str = "",
-                        peer: Optional[_Peer] = None) -> None:
-        """The shared notice format (``kvxfer.meta.notice``); each registration has a worker of its own,
-        so the notice's buffer id is always 0 here."""
-        payload = notify.encode(kind, request_id, 0, reason)
-        notice = _Notice(payload, f"read-{kind} of request {request_id!r}", time.monotonic())
-        with self._worker.lock:
-            self._post_notice(address, notice, peer)
-
-    def _adopt_notice(self, peer: _Peer, request: Any, kind: notify.Kind, request_id: RequestId) -> None:
-        """A notice the binding posted (a chained read-done) still in flight: tracked like ours."""
-        notice = _Notice(notify.encode(kind, request_id, 0), f"read-{kind} of request {request_id!r}",
-                         time.monotonic(), attempts=1)
-        with self._worker.lock:
-            self._sends.append(_Send(peer, request, notice, time.monotonic()))
-            self._worker.inflight += 1
-        self._worker.signal(only_if_idle=True)
-
-    def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
-                       failure: Optional[str] = None) -> None:
-        address = _unb64(peer_meta, "ucx_worker_address")
-        if failure is None:
-            self._notify_address(address, "done", request_id)
-        else:
-            self._notify_address(address, "failed", request_id, failure)
-
-    def _post_notice(self, address: bytes, notice: _Notice, peer: Optional[_Peer] = None) -> None:
-        """Worker lock held. On ``peer``'s endpoint if still usable, else on the cached (or a new) one."""
-        if self._shut:  # closed: nothing can leave any more (a staged pull failing after close, say)
-            logger.debug("ucx %r: closed; %s not sent", self.agent_name, notice.what)
-            return
-        notice.attempts += 1
-        try:
-            if peer is None or peer.failed:
-                peer = self._peer_for(address)
-            request = _ucp.send_active_message(peer.endpoint, AM_ID, notice.payload)
-        except _ucp.UcpError as exc:
-            self._requeue(address, notice, str(exc))
-            return
-        if request is not None:
-            self._sends.append(_Send(peer, request, notice, time.monotonic()))
-            self._worker.inflight += 1
-            self._worker.signal(only_if_idle=True)
-        elif notice.attempts > 1:
-            logger.info("ucx %r: %s delivered to the source after %d attempts (%.1fs)", self.agent_name,
-                        notice.what, notice.attempts, time.monotonic() - notice.created)
-
-    def _requeue(self, address: bytes, notice: _Notice, why: str) -> None:
-        """Worker lock held: keep a notice that did not leave, for a later attempt."""
-        if self._outbox_size >= _NOTICE_MAX_PENDING:
-            self.notices_dropped += 1
-            self._stats.notice_undelivered()
-            logger.warning("ucx %r: dropped %s: %d notices already wait for unreachable sources",
-                           self.agent_name, notice.what, self._outbox_size)
-            return
-        now = time.monotonic()
-        notice.due = now + min(_NOTICE_RETRY_FIRST_S * 2 ** (notice.attempts - 1), _NOTICE_RETRY_MAX_S)
-        log = logger.info if notice.attempts == 1 else logger.debug
-        log("ucx %r: %s could not reach the source (%s); retrying for up to %.0fs",
-            self.agent_name, notice.what, why, _NOTICE_KEEP_S - (now - notice.created))
-        self._outbox.setdefault(address, deque()).append(notice)
-        self._outbox_size += 1
-
-    def _reap_sends(self) -> None:
-        """Worker lock held: finish completed AM sends; keep failed ones; unstick hung ones."""
-        now = time.monotonic()
-        still = []
-        for send in self._sends:
-            status = _ucp.request_status(self._worker, send.request)
-            if _ucp.in_progress(status):
-                if now - send.posted > _NOTICE_STALL_S and not send.peer.batches:
-                    # e.g. a new endpoint connecting through a cut cable: retire it (its force-close
-                    # completes this send as cancelled, and the notice is kept); a later attempt
-                    # connects afresh. An endpoint with gets in flight is left to their timeouts.
-                    self._drop_peer(send.peer)
-                still.append(send)
-                continue
-            self._worker.inflight -= 1
-            if not _ucp.is_ok(status):
-                self._requeue(send.peer.address, send.notice, _ucp.status_string(status))
-            elif send.notice.attempts > 1:
-                logger.info("ucx %r: %s delivered to the source after %d attempts (%.1fs)", self.agent_name,
-                            send.notice.what, send.notice.attempts, now - send.notice.created)
-        self._sends = still
-
-    def _retry_notices(self) -> None:
-        """Worker lock held: send again what is due, one attempt at a time per source; drop the too old."""
-        now = time.monotonic()
-        busy = {send.peer.address for send in self._sends}
-        for address in list(self._outbox):
-            queue = self._outbox[address]
-            while queue and now - queue[0].created > _NOTICE_KEEP_S:
-                notice = queue.popleft()
-                self._outbox_size -= 1
-                self.notices_dropped += 1
-                self._stats.notice_undelivered()
-                logger.warning("ucx %r: gave up on %s: the source stayed unreachable for %.0fs (%d attempts)",
-                               self.agent_name, notice.what, now - notice.created, notice.attempts)
-            if not queue:
-                del self._outbox[address]
-                continue
-            if address in busy or queue[0].due > now:
-                continue
-            del self._outbox[address]
-            self._outbox_size -= len(queue)
-            for notice in queue:
-                self._post_notice(address, notice)
-
-    def _on_notice(self, header: bytes) -> None:
-        """A peer's read-done / read-failed (worker lock held): kept raw until drained, bounded. A header
-        larger than any notice, or one past ``_MAX_RAW_NOTICES`` undrained, is dropped and counted."""
-        if len(header) > notify.MAX_NOTIFY_BYTES or len(self._notices) >= _MAX_RAW_NOTICES:
-            self._stats.notice_dropped()
-            return
-        self._notices.append(header)
-
-    def _collect_notifications(self) -> None:
-        self._worker.progress()
-        while self._notices:
-            message = notify.decode(self._notices.popleft())
-            if message is None:
-                continue  # not one of ours (or another wire version): dropped, never raised
-            if message.kind == "done":
-                self._deliver_read_done(message.request_id)
-            else:
-                self._deliver_read_failed(message.request_id, message.reason)
 
     def _housekeeping(self) -> None:
         """Progress-thread work (worker lock held): AM sends and retries, deferred failures, dead endpoints."""
@@ -917,7 +515,7 @@ class UcxBackend(KVTransportBackend):
             if peer_meta is None:
                 peers = list(self._peers.values())
             else:
-                found = self._peers.get(_unb64(peer_meta, "ucx_worker_address"))
+                found = self._peers.get(unb64(peer_meta, "ucx_worker_address"))
                 peers = [found] if found is not None else []
             for peer in peers:
                 self._drop_peer(peer)

@@ -745,62 +745,6 @@ def send_request(endpoint: Endpoint, am_id: int, payload: bytes, data: Optional[
     return None
 
 
-def reply_endpoint(param: Any) -> Any:
-    """The endpoint an active message may be answered on (in its handler only), or None."""
-    if not param.recv_attr & _lib.UCP_AM_RECV_ATTR_FIELD_REPLY_EP or param.reply_ep == _ffi.NULL:
-        return None
-    return param.reply_ep
-
-
-def new_serve_pool() -> Any:
-    """The source's served-read counters of one worker (``kvx_serve_pool_t``). Kept by the caller until the
-    worker is destroyed."""
-    return _ffi.new("kvx_serve_pool_t *")
-
-
-def new_serve_reader(pool: Any) -> Any:
-    """One reader's served-read counters (``kvx_serve_reader_t``), in ``pool``."""
-    reader = _ffi.new("kvx_serve_reader_t *")
-    reader.pool = pool
-    return reader
-
-
-def serve_rows(reader: Any, reply_ep: Any, am_id: int, batch: int, first: int, base: int, rows: np.ndarray,
-               nbytes: int, chunk: int) -> Any:
-    """Send ``rows`` (n x 2 uint64: offset from ``base``, length; indices from ``first``; ``nbytes`` in all)
-    back on ``reply_ep`` as eager AMs of at most ``chunk`` bytes, counted for ``reader`` (``kvx_serve_rows``);
-    worker lock held (the READ's handler). The returned serve must stay alive until ``serve.finished`` (or
-    the worker is destroyed): its sends' completions count on it."""
-    rows = np.ascontiguousarray(rows, dtype=np.uint64)
-    serve = _ffi.new("kvx_serve_t *")
-    serve.reader, serve.bytes = reader, nbytes
-    _lib.kvx_serve_rows(serve, reply_ep, am_id, batch, first, base, _ffi.cast("const uint64_t *", rows.ctypes.data),
-                        rows.shape[0], chunk)
-    return serve
-
-
-def abandon_serve(serve: Any) -> None:
-    """Give up on ``serve`` (worker lock held): its sends in flight are counted apart (``kvx_serve_abandon``).
-    It must stay alive while any of them is in flight."""
-    _lib.kvx_serve_abandon(serve)
-
-
-def refuse(reply_ep: Any, am_id: int, header: bytes, reader: Any, max_reader: int, max_total: int) -> bool:
-    """A header-only AM on ``reply_ep`` (in an AM handler), unless ``reader`` has ``max_reader`` such
-    answers in flight or its pool ``max_total``; False when it was not sent."""
-    return bool(_lib.kvx_serve_refuse(reply_ep, am_id, header, len(header), reader, max_reader, max_total))
-
-
-def endpoint_key(ep: Any) -> int:
-    """A raw endpoint handle as an int (a dict key)."""
-    return int(_ffi.cast("uintptr_t", ep))
-
-
-def memmove(address: int, data: Any, length: int) -> None:
-    """Copy ``length`` bytes of an AM's ``data`` to ``address`` (host memory)."""
-    _ffi.memmove(_ffi.cast("void *", address), _ffi.cast("const void *", data), length)
-
-
 def request_status(worker: Worker, request: Any) -> int:
     """Status of an in-flight request; frees it (and uncounts it) once complete."""
     lib = _lib

@@ -57,6 +57,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvxfer.backends.ucx import binding as _ucp
+from kvxfer.backends.ucx import served_binding as _serve
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class _Reader:
     __slots__ = ("counters", "completions", "moved_at")
 
     def __init__(self, pool: Any) -> None:
-        self.counters = _ucp.new_serve_reader(pool)
+        self.counters = _serve.new_serve_reader(pool)
         self.completions = 0
         self.moved_at = time.monotonic()
 
@@ -211,7 +212,7 @@ class Server:
         self.refused_by: Counter[str] = Counter()
         self.refusals_dropped = 0  # refusals not answered (too many in flight)
         self.readers_abandoned = 0  # stuck readers whose READs were given up (SERVE_STALL_S)
-        self._pool = _ucp.new_serve_pool()
+        self._pool = _serve.new_serve_pool()
         self._readers: dict[int, _Reader] = {}
         #: READs in flight, with their reader: kept until the serve is finished (its sends count on it)
         self._serves: list[tuple[Any, _Reader]] = []
@@ -228,12 +229,12 @@ class Server:
 
     # --- the READ handler (worker lock held) -------------------------------------------------------
     def _on_read(self, header: bytes, data: Any, length: int, param: Any) -> None:
-        reply_ep = _ucp.reply_endpoint(param)
+        reply_ep = _serve.reply_endpoint(param)
         if reply_ep is None or len(header) != _REQUEST.size:
             self._count("malformed")
             return  # not one of ours: nobody to answer
         token, batch, first = _REQUEST.unpack(header)
-        key = _ucp.endpoint_key(reply_ep)
+        key = _serve.endpoint_key(reply_ep)
         reader = self._readers.get(key)
         if reader is None:
             reader = self._readers[key] = _Reader(self._pool)
@@ -242,7 +243,7 @@ class Server:
             self._refuse(reply_ep, key, reader, batch, first, *checked)
             return
         rows, nbytes = checked
-        serve = _ucp.serve_rows(reader.counters, reply_ep, DATA_AM_ID, batch, first, self.base, rows, nbytes,
+        serve = _serve.serve_rows(reader.counters, reply_ep, DATA_AM_ID, batch, first, self.base, rows, nbytes,
                                 CHUNK_BYTES)
         self.reads_accepted += 1
         self.rows_served += rows.shape[0]
@@ -295,7 +296,7 @@ class Server:
                 limit: int) -> None:
         self._count(REFUSALS[code][0])
         first = first if first < (1 << 63) else -1
-        if not _ucp.refuse(reply_ep, DATA_AM_ID, _REFUSED.pack(batch, _REFUSED_ROW, code, first, asked, limit),
+        if not _serve.refuse(reply_ep, DATA_AM_ID, _REFUSED.pack(batch, _REFUSED_ROW, code, first, asked, limit),
                            reader.counters, READER_REFUSALS, MAX_REFUSALS):
             self.refusals_dropped += 1
         if reader.idle:
@@ -348,7 +349,7 @@ class Server:
                 if owner is not reader:
                     kept.append((serve, owner))
                     continue
-                _ucp.abandon_serve(serve)
+                _serve.abandon_serve(serve)
                 self._abandoned.append((serve, reader))
             self._serves = kept
             del self._readers[key]  # the same endpoint asking again is a new reader
@@ -495,7 +496,7 @@ class ServedBatch:
         if piece in self._landed:
             return
         self._landed.add(piece)
-        _ucp.memmove(int(self.dst[row]) + offset, data, length)
+        _serve.memmove(int(self.dst[row]) + offset, data, length)
         self.left -= length
         part = self._parts[bisect.bisect_right(self._starts, row) - 1]
         part.left -= length

@@ -1,0 +1,40 @@
+"""The ucx section of a source's meta: the fields this backend exports beside the geometry, decoded and
+checked once by the reader (``UcxSource.parse``), and the base64 they travel in."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from kvxfer.errors import PeerMetadataError
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@dataclass(frozen=True)
+class UcxSource:
+    """The ucx section of a source's meta, decoded and checked once: the worker address to reach it,
+    the packed rkey of its pool, and the token its served reads need (absent: it serves none)."""
+
+    address: bytes
+    rkey: bytes
+    read_token: Optional[bytes]
+
+    @staticmethod
+    def parse(meta: Mapping[str, Any]) -> "UcxSource":
+        token = unb64(meta, "ucx_read_token") if meta.get("ucx_read_token") is not None else None
+        return UcxSource(unb64(meta, "ucx_worker_address"), unb64(meta, "ucx_rkey"), token)
+
+
+def unb64(meta: Mapping[str, Any], field: str) -> bytes:
+    value = meta.get(field)
+    if not isinstance(value, str) or not value:
+        raise PeerMetadataError(f"peer meta field {field!r} must be a non-empty base64 string; export it with the ucx backend")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise PeerMetadataError(f"peer meta field {field!r} is not valid base64: {exc}") from None
