@@ -166,18 +166,14 @@ def test_the_doc_shows_the_layers():
 
 # --- loggers ----------------------------------------------------------------------------------------------
 
-#: Modules being edited apart from this test (issue 41) whose logger is still named by hand: tolerated until
-#: they move to ``__name__`` (``kvxfer.integrations``, with the same hand-typed names, is not checked yet).
-LOGGERS_PENDING = {"kvxfer.backends.ucx.binding", "kvxfer.backends.ucx.served"}
-
-
 def test_every_module_logs_under_its_own_name():
     """``logging.getLogger(__name__)``: a name typed by hand drifts (``kvxfer.engine.etcd`` beside
     ``kvxfer.engine.control_plane.etcd`` for one package). A module run with ``python -m`` spells out its
     own name (there ``__name__`` is ``"__main__"``)."""
     typed = []
     for name, path in sorted({**modules("kvxfer"), **modules("engine_integration")}.items()):
-        if name.startswith("kvxfer.integrations") or name in LOGGERS_PENDING:
+        # kvxfer.integrations: its loggers are being renamed apart from this test (issue 41), not checked yet
+        if name.startswith("kvxfer.integrations"):
             continue
         for node in ast.parse(path.read_text()).body:
             call = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None

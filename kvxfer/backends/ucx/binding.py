@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-logger = logging.getLogger("kvxfer.backends.ucx")
+logger = logging.getLogger(__name__)
 
 LIVE: Counter[str] = Counter()  # kind -> live objects of that kind in this process
 _LIVE_LOCK = threading.Lock()
