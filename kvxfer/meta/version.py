@@ -2,8 +2,8 @@
 
 Everything kvxfer puts on a wire between two processes carries this number: a backend's
 exported meta (``schema_version``, the geometry schema and every transport's section, e.g.
-``nixl_meta_version``), the seal over it (``meta_seal.version``) and the read-done / read-failed
-notices (``v``). Two processes speak to each other only if they carry the same version, so a
+``nixl_meta_version``), the seal over it (``meta_seal.version``), the read-done / read-failed
+notices (``v``) and the ``nccl`` backend's message header (``backends/nccl/wire.py``). Two processes speak to each other only if they carry the same version, so a
 change to any field's meaning bumps it once, here, with a line in ``HISTORY``.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from kvxfer.errors import PeerMetadataError
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 #: version -> what changed (newest last). Before 3 each part counted on its own.
 HISTORY: dict[int, str] = {
@@ -22,6 +22,7 @@ HISTORY: dict[int, str] = {
        "seals signed with the cluster key (HMAC-SHA256) and bound to the exporter's host",
     3: "one version for the whole wire (it was: geometry schema 2, nixl section 1, seal 2, notice 1); "
        "the ucx backend's read-done notices in the shared notice format",
+    4: "the nccl backend's message header carries this version (it counted its own, 1)",
 }
 
 

@@ -8,7 +8,8 @@ header the receiver checks *before* scattering a byte into its pool: a magic, th
 payload size the sender planned, both ranks, and a fingerprint of the source block
 ids (the one thing both sides know per request: the prefill pins them, the decode
 is told them in the meta). Blocks pinned at the same time are distinct, so two
-in-flight requests never share a fingerprint.
+in-flight requests never share a fingerprint. The version it carries is the wire's one version
+(``kvxfer.meta.version``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import numpy as np
 import torch
 
 from kvxfer.errors import TransferError
+from kvxfer.meta.version import WIRE_VERSION
 
 HEADER_BYTES = 64
 MAGIC = 0x6B76786665724E43  # "kvxferNC"
-VERSION = 1
 _FIELDS = 8  # int64 fields: magic, version, payload, src_rank, dst_rank, fp_hi, fp_lo, num_blocks
 
 
@@ -41,14 +42,14 @@ class MessageHeader:
     def for_request(kind: str, src_rank: int, dst_rank: int, src_ids: np.ndarray, payload_bytes: int) -> "MessageHeader":
         """The header both sides compute independently for the same request and pair."""
         digest = hashlib.sha256()
-        digest.update(f"kvxfer-nccl/{VERSION}/{kind}/{src_rank}/{dst_rank}/{payload_bytes}/".encode())
+        digest.update(f"kvxfer-nccl/{WIRE_VERSION}/{kind}/{src_rank}/{dst_rank}/{payload_bytes}/".encode())
         digest.update(np.ascontiguousarray(src_ids, dtype="<i8").tobytes())
         hi, lo = np.frombuffer(digest.digest()[:16], dtype="<i8").tolist()
         return MessageHeader(int(payload_bytes), int(src_rank), int(dst_rank), (int(hi), int(lo)), int(src_ids.size))
 
     def encode(self) -> torch.Tensor:
         """The header as 64 host bytes."""
-        fields = np.array([MAGIC, VERSION, self.payload_bytes, self.src_rank, self.dst_rank,
+        fields = np.array([MAGIC, WIRE_VERSION, self.payload_bytes, self.src_rank, self.dst_rank,
                            self.fingerprint[0], self.fingerprint[1], self.num_blocks], dtype="<i8")
         return torch.from_numpy(fields.view(np.uint8).copy())
 
@@ -56,7 +57,7 @@ class MessageHeader:
         """Raise ``TransferError`` unless ``raw`` (64 host bytes) is the header this side expects."""
         fields = raw.numpy().view("<i8")[:_FIELDS].tolist()
         magic, version, payload, src, dst, hi, lo, blocks = fields
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version != WIRE_VERSION:
             raise TransferError(
                 "received a message that is not a kvxfer nccl message of this version: another sender uses "
                 "this process group's point-to-point channel with the same peers, or the pair is out of step "
