@@ -8,7 +8,8 @@ the source, every import included (the lazy ones inside functions too):
 - each part imports only the parts ``LAYERS`` gives it (a part may always import itself);
 - nothing in ``kvxfer`` but the command line (the front door) imports ``engine_integration``;
 - no module imports another part's private names (``_name``, or a ``_module``);
-- every module logs under its own name.
+- every module logs under its own name;
+- no backend name is compared outside ``kvxfer/backends/`` (callers ask the backend class).
 """
 
 from __future__ import annotations
@@ -184,6 +185,79 @@ def test_every_module_logs_under_its_own_name():
                     or (isinstance(arg, ast.Constant) and arg.value == name)):
                 typed.append(f"{name}: {ast.unparse(call)}")
     assert typed == [], typed
+
+
+# --- capabilities live on the backend class, not in lists of names (issue 41, item 2) ----------------------
+
+#: Uses of backend names inside the engine adapters, which are being reworked apart from this test (issue 41):
+#: tolerated until they read the classes' capabilities too. Any other use fails.
+ADAPTER_NAME_USES = {("kvxfer/integrations/vllm/config.py", "SUPPORTED_BACKENDS"),
+                     ("kvxfer/integrations/sglang/plugin.py", "{'nixl': ..., 'ucx': ...}")}
+
+
+def backend_name_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, what)`` for each place ``tree`` decides by a backend's name: a comparison with one (``==``,
+    ``in`` a tuple of them), a ``case "ucx":``, a dict whose keys are all backend names (a table per
+    backend), and a module-level collection of only backend names."""
+    def is_name(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    def only_names(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("frozenset", "set",
+                                                                                               "tuple") and node.args:
+            node = node.args[0]
+        if isinstance(node, ast.Dict):
+            return bool(node.keys) and all(k is not None and is_name(k) for k in node.keys)
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(map(is_name, node.elts))
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(is_name(s) or only_names(s) for s in [node.left, *node.comparators]):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.MatchValue) and is_name(node.value):
+            found.append((node.lineno, f"case {ast.unparse(node.value)}"))
+        elif isinstance(node, ast.Dict) and only_names(node):
+            found.append((node.lineno, "{" + ", ".join(f"{ast.unparse(k)}: ..." for k in node.keys if k is not None) + "}"))
+    for node in getattr(tree, "body", []):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if targets and node.value is not None and only_names(node.value) and not isinstance(node.value, ast.Dict):
+            found.append((node.lineno, ",".join(ast.unparse(t) for t in targets)))
+    return sorted(found)
+
+
+def test_no_backend_name_is_compared_outside_the_backends():
+    """A new backend states what it can do on its class (``is_push``, ``reads_other_processes``, ...) and its
+    callers ask the class the registry returns: a ``backend == "local"``, a ``{"nixl": ..., "ucx": ...}``
+    table or a set of names anywhere else would need editing for it. A default (``backend: str = "local"``)
+    is configuration, not a decision, and is not looked at."""
+    import kvxfer.backends as registry
+
+    names = set(registry.BUILTIN_BACKENDS)
+    found = []
+    for module, path in sorted({**modules("kvxfer"), **modules("engine_integration")}.items()):
+        rel = str(path.relative_to(ROOT))
+        if module.startswith("kvxfer.backends"):
+            continue
+        for line, what in backend_name_uses(ast.parse(path.read_text()), names):
+            if (rel, what) not in ADAPTER_NAME_USES:
+                found.append(f"{rel}:{line}: {what}")
+    assert found == [], "ask the backend class instead:\n" + "\n".join(found)
+
+
+def test_the_backend_name_check_can_fail():
+    names = {"local", "nixl", "ucx", "nccl"}
+    code = """
+if b == "local": pass
+X = frozenset({"nixl", "ucx"})
+if kind in ("ucx", "nixl"): pass
+PER_BACKEND = {"nixl": 1, "ucx": 2}
+match b:
+    case "nccl": pass
+def f(backend: str = "local", connector={"nixl": 1, "kvxfer": 2}): return backend
+"""
+    assert backend_name_uses(ast.parse(code), names) == [
+        (2, "b == 'local'"), (3, "X"), (4, "kind in ('ucx', 'nixl')"), (5, "{'nixl': ..., 'ucx': ...}"), (7, "case 'nccl'")]
 
 
 if __name__ == "__main__":  # rewrite docs/architecture.md's section from LAYERS

@@ -1,4 +1,3 @@
-import ast
 import sys
 import textwrap
 
@@ -94,53 +93,3 @@ def test_broken_plugin_is_reported_not_fatal(clean_registry, tmp_path, monkeypat
         construct_kv_transfer_backend_class("broken")
     sys.modules.pop("kvx_demo_plugin", None)
 
-
-# --- capabilities live on the backend class, not in lists of names (issue 41, item 2) ----------------------
-
-#: Lists of backend names inside the engine adapters, which are being reworked apart from this test (issue 41):
-#: tolerated until they read the classes' capabilities too. Any other list or comparison fails.
-ADAPTER_NAME_LISTS = {("kvxfer/integrations/vllm/config.py", "SUPPORTED_BACKENDS")}
-
-
-def _backend_name_uses(tree, names):
-    """``(line, what)`` for each comparison with a backend name and each module-level list of them."""
-    def is_name(node):
-        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
-
-    def only_names(node):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("frozenset", "set",
-                                                                                               "tuple") and node.args:
-            node = node.args[0]
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(map(is_name, node.elts))
-
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            if any(is_name(s) or only_names(s) for s in sides):
-                found.append((node.lineno, ast.unparse(node)))
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if targets and node.value is not None and only_names(node.value):
-            found.append((node.lineno, ",".join(ast.unparse(t) for t in targets)))
-    return found
-
-
-def test_no_backend_name_is_compared_outside_the_registry():
-    """A new backend states what it can do on its class (``is_push``, ``reads_other_processes``, ...) and its
-    callers ask the class: a ``backend == "local"`` or a set of names elsewhere would need editing for it."""
-    from import_graph import ROOT, modules
-
-    names = set(registry.BUILTIN_BACKENDS)
-    found = []
-    for module, path in sorted({**modules("kvxfer"), **modules("engine_integration")}.items()):
-        rel = str(path.relative_to(ROOT))
-        if module.startswith("kvxfer.backends"):
-            continue
-        for line, what in _backend_name_uses(ast.parse(path.read_text()), names):
-            if (rel, what) not in ADAPTER_NAME_LISTS:
-                found.append(f"{rel}:{line}: {what}")
-    assert found == [], "ask the backend class instead:\n" + "\n".join(found)
-    assert _backend_name_uses(ast.parse('if b == "local": pass\nX = frozenset({"nixl", "ucx"})'), names) == [
-        (1, "b == 'local'"), (2, "X")]   # the check can fail
