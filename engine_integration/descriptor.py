@@ -6,7 +6,7 @@ registered meta to use (one per TP/PP rank), so per-request traffic is block ids
 hashes and a few tokens.
 
 ``generations`` are the source's per-block generation counters as they were when the
-blocks were pinned (``kvxfer.runtime.generations``); the reader re-reads the counters after the
+blocks were pinned (``kvxfer.handoff.generations``); the reader re-reads the counters after the
 data and refuses the bytes if any moved. Empty when the source does not track them.
 """
 

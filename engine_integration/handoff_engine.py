@@ -35,7 +35,7 @@ from engine_integration.source import HandoffSource
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.handoff.poll import KVPoll
-from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
+from kvxfer.handoff.generations import BlockGenerations, GenerationChecker
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -61,7 +61,7 @@ class InferenceStateHandoffMixin:
         """Register the KV pool with the transport named ``backend`` and take ``role``.
 
         The transfer meta is exported here, once; descriptors only reference it. With
-        ``verify_reads`` (torn-read detection, ``kvxfer.runtime.generations``) a prefill also
+        ``verify_reads`` (torn-read detection, ``kvxfer.handoff.generations``) a prefill also
         registers one generation counter per block beside the pool, exported in the same
         static meta, and its allocator bumps a block's counter whenever the block is freed
         or reallocated; a decode registers a small scratch vector and checks those counters

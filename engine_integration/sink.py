@@ -10,7 +10,7 @@ A pull that fails keeps its destination blocks out of reuse (``kvxfer.handoff.qu
 until its handle is ``storage_safe``: a late byte landing in a block that now belongs to
 another request would corrupt that request silently.
 
-With a ``checker`` (``kvxfer.runtime.generations.GenerationChecker``) the pull is verified:
+With a ``checker`` (``kvxfer.handoff.generations.GenerationChecker``) the pull is verified:
 when the source's meta carries its generation counters and the descriptor their values
 at pin time, the blocks are read, then the counters, and a moved counter fails the
 import with ``TornReadError``: the source freed or reused a block the descriptor names,

@@ -9,7 +9,7 @@ reader whose process is confirmed dead). There is deliberately no timer: a lease
 expires under a slow reader is how peer systems served garbage. Releasing twice is a
 no-op, because (a) and (c) both arrive for every successful request.
 
-With ``generations`` (a ``kvxfer.runtime.generations.BlockGenerations`` whose counters the
+With ``generations`` (a ``kvxfer.handoff.generations.BlockGenerations`` whose counters the
 allocator bumps on every free and reallocation), each descriptor also carries the
 counters of its blocks at pin time, so a reader can prove it read this request's bytes
 even if a bug elsewhere freed a pinned block early. Verified reads deliver their

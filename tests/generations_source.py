@@ -23,7 +23,7 @@ def source_pool(num_blocks: int, seed: int) -> torch.Tensor:
 
 def main() -> None:
     from kvxfer.backends import construct_kv_transfer_backend_class
-    from kvxfer.runtime.generations import BlockGenerations
+    from kvxfer.handoff.generations import BlockGenerations
 
     backend, num_blocks, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     cls = construct_kv_transfer_backend_class(backend)

@@ -6,7 +6,7 @@ import torch
 
 from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import BlockIdError, TornReadError
-from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
+from kvxfer.handoff.generations import BlockGenerations, GenerationChecker
 from tests.conftest import random_pool
 
 SHAPE = (2, 2, 32, 4, 2, 8)

@@ -19,7 +19,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.errors import BlockIdError, PeerMetadataError
-from kvxfer.runtime.generations import GenerationChecker
+from kvxfer.handoff.generations import GenerationChecker
 from kvxfer.security.auth import SECRET_FILE_ENV, new_secret_file
 from tests.generations_source import source_pool
 

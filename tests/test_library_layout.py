@@ -30,7 +30,7 @@ LAYERS: dict[str, set[str]] = {
     "kvxfer.handoff": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
                        "kvxfer.backends"},
     "kvxfer.runtime": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                       "kvxfer.backends", "kvxfer.handoff"},
+                       "kvxfer.backends"},
     "kvxfer.integrations": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
                             "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"},
     "kvxfer.megatron": {"kvxfer.errors", "kvxfer.backends"},

@@ -275,7 +275,7 @@ def test_close_while_reads_are_posted_keeps_the_memory_until_they_end(mode, tcp,
 def test_refused_generations_meta_is_refused_before_any_byte_moves():
     """A4: a verified pull whose generations meta is refused fails at once, nothing posted, and a
     verified pull whose check cannot start ends (no PROC past its timeout) and tells the source."""
-    from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
+    from kvxfer.handoff.generations import BlockGenerations, GenerationChecker
 
     cls = construct_kv_transfer_backend_class("nixl")
     src_pool = global_kv(SHAPE, 11)

@@ -20,7 +20,7 @@ computed with BLAKE2b, not Python's ``hash``, so every process agrees on them.
 ``on_recycle`` (optional) is called with the blocks that were just freed and with the
 blocks ``allocate`` just handed to a new owner, before anyone can rewrite them. A
 prefill instance bumps its per-block generation counters there
-(``kvxfer.runtime.generations``), so a reader holding a stale descriptor notices the reuse.
+(``kvxfer.handoff.generations``), so a reader holding a stale descriptor notices the reuse.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class KVTransportBackend(ABC):
         Sources are told "read done" under ``request_id``; without one (Megatron's
         calls) no read-done is sent, so a source that never drains is not filled up.
         ``notify=False`` also suppresses it, for a caller whose later read carries it
-        (``kvxfer.runtime.generations``). Several sources give one ``GroupHandle``.
+        (``kvxfer.handoff.generations``). Several sources give one ``GroupHandle``.
 
         ``parts``: read only these byte ranges of each block (``kvxfer.plan.parts``), from one source
         whose blocks are cut differently from ours (a hybrid model's pages across TP sizes); the

@@ -19,7 +19,7 @@ sends the read-done after it; ``ChainedLeaseGuard`` then has nothing to post and
 
 Two flavours behind the one ``Guard`` interface:
 
-* ``CounterGuard``: per-block generation counters (``kvxfer.runtime.generations``), bumped by
+* ``CounterGuard``: per-block generation counters (``kvxfer.handoff.generations``), bumped by
   the producer on every free; the guard must show the counters the descriptor carried.
 * ``LeaseSlotGuard``: one slot of a producer's lease table per request (the vLLM connector,
   SGLang's backend), taken from ``LeaseSlots``, pinned (``pin_lease``) and revoked

@@ -30,7 +30,7 @@ from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.errors import BackendUnavailableError, KVXferError
 from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.harness.loopback import run_key_file
-from kvxfer.runtime.generations import BlockGenerations, GenerationChecker
+from kvxfer.handoff.generations import BlockGenerations, GenerationChecker
 
 CONTROL_TIMEOUT_S = 60.0
 logger = logging.getLogger(__name__)

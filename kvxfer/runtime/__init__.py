@@ -1,6 +1,5 @@
-"""What runs beside the transports: counters, Prometheus metrics, torn-read checks.
+"""What runs beside the transports and is no part of a hand-off: multi-peer pulls, Prometheus metrics.
 
-Owns what runs on top of a backend: generation counters and the torn-read check, multi-peer
-pulls, metrics.
+(The generation counters and the torn-read check, a guard, are ``kvxfer.handoff.generations``.)
 Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
 """

@@ -27,7 +27,7 @@ whose identity registers again from another host: the only news of a restart the
 an insider can claim it too) is *presumed* dead and its pins are freed, but only for
 requests whose descriptor carries the source's generation counters: a zombie reader
 that wakes up later re-reads those counters after the data and fails its torn-read
-check, so it can never commit the reused blocks (``kvxfer.runtime.generations``). A
+check, so it can never commit the reused blocks (``kvxfer.handoff.generations``). A
 request without counters keeps its pins until death is confirmed: without the check, a
 timer must never free a pin.
 
