@@ -80,6 +80,16 @@ def test_only_the_command_line_imports_the_engine_layer():
     assert all(part(m) == "kvxfer.cli" for m in upward), upward
 
 
+def test_the_engine_layer_imports_none_of_the_librarys_tooling():
+    """``engine_integration`` stands beside the library and uses its public parts; the command line, the
+    harness and the bench sit above it (``kvxfer.cli`` drives it), so an import from them would be a circle
+    between the two trees in all but name."""
+    tooling = ("kvxfer.cli", "kvxfer.harness", "kvxfer.bench", "kvxfer.__main__")
+    graph = imports("engine_integration", among=("kvxfer",))
+    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if part(d) in tooling)
+    assert wrong == [], wrong
+
+
 def test_no_module_imports_another_parts_private_names():
     reaching = []
     for name, path in {**modules("kvxfer"), **modules("engine_integration")}.items():

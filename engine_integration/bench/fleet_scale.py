@@ -77,11 +77,13 @@ def default_point(plane: str, prefills: int, decodes: int, **over: Any) -> Fleet
 
 
 def percentiles(samples: Sequence[float]) -> dict[str, Optional[float]]:
-    """p50/p99 (ms) of samples in seconds."""
-    from kvxfer.bench.results import percentile
+    """p50/p99 (ms) of samples in seconds: numpy's linear interpolation, as ``kvxfer bench`` reports (the
+    engine layer imports none of the library's tooling, so it is computed here)."""
+    import numpy as np
 
-    ms = [s * 1000.0 for s in samples]
-    return {"n": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
+    ms = np.asarray(samples, dtype=np.float64) * 1000.0
+    return {"n": int(ms.size), "p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
+            "p99_ms": float(np.percentile(ms, 99)) if ms.size else None}
 
 
 def cpu_seconds(pid: int) -> float:
