@@ -2,27 +2,23 @@
 
 The tests run in the main environment; SGLang (0.5.23, CPU torch) lives in its own,
 ``.venv-sglang``, built by ``make test`` (``tools/bootstrap.sh``), or any Python named by
-``KVXFER_SGLANG_PYTHON``. Each rank is ``tests/sglang_peer.py`` in that Python.
+``KVXFER_SGLANG_PYTHON``. Each rank is ``tests/sglang_peer.py`` in that Python: kvxfer's own SGLang rank
+(``kvxfer.bench.sglang_rank``, which ``kvxfer bench-sglang`` runs), its controller (``SglangRank``), the pool it
+builds (``POOL``) and the room plans (``rooms_plan``) from ``kvxfer.bench.sglang_control``, plus the tests' own.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import socket
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
+from kvxfer.bench.sglang_control import POOL, SglangRank, free_port, rank_env, rooms_plan  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "sglang_peer.py"
-
-#: The pool every test rank builds unless told otherwise (SGLang's MHA layout, page_size > 1).
-POOL = {"tokens": 256, "page_size": 4, "heads": 2, "head_dim": 16, "layers": 3, "aux_rows": 16, "hidden": 32}
 
 
 def sglang_python() -> str:
@@ -37,104 +33,24 @@ def sglang_python() -> str:
     return str(candidate)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def peer_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"KVXFER_TRANSFER_TIMEOUT_S": "5", "KVXFER_SGLANG_HEARTBEAT_S": "0.5",
-                "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-                "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
-                "PYTHONWARNINGS": "ignore"})
-    env.update(extra)
-    return env
+    """A test rank's environment: short timeouts and heartbeats, so failures show in seconds."""
+    return rank_env(**{"KVXFER_TRANSFER_TIMEOUT_S": "5", "KVXFER_SGLANG_HEARTBEAT_S": "0.5",
+                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+                       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
+                       **extra})
 
 
-class Peer:
-    """One SGLang rank (``sglang_peer.py``) and its JSON line channel."""
+class Peer(SglangRank):
+    """One SGLang rank (``sglang_peer.py``: kvxfer's ``kvxfer.bench.sglang_rank`` with the tests' commands) and
+    its JSON line channel; a failed read is an ``AssertionError``."""
+
+    error = AssertionError
 
     def __init__(self, role: str, backend: str, bootstrap_port: int, *, env: Optional[dict[str, str]] = None,
                  **pool: Any) -> None:
-        cfg = {"role": role, "backend": backend, "bootstrap_port": bootstrap_port, **POOL, **pool}
-        self.role = role
-        self.proc = subprocess.Popen([sglang_python(), str(PEER), json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or peer_env(),
-                                     cwd=str(REPO))
-        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
-        self.info: dict[str, Any] = {}
-
-    @staticmethod
-    def _pump(stream: Any, out: "queue.Queue[Optional[str]]") -> None:
-        for line in stream:
-            out.put(line)
-        out.put(None)
-
-    def _pump_err(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            del self.stderr[:-400]
-
-    def read(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"{self.role}: no reply within {timeout_s}s; stderr:\n{self.log()}") from None
-        if line is None:
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"{self.role} exited ({self.proc.returncode}); stderr:\n{self.log()}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise AssertionError(f"{self.role}: {reply['error']}\n{reply.get('traceback', '')}\n{self.log()}")
-        return reply
-
-    def ready(self, timeout_s: float = 150.0) -> "Peer":
-        self.info = self.read(timeout_s)
-        return self
-
-    def send(self, **cmd: Any) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, timeout_s: float = 120.0, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.read(timeout_s)
-
-    def log(self) -> str:
-        return "".join(self.stderr[-60:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(op="exit")
-                self.proc.wait(timeout=10)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def rooms_plan(first_room: int, count: int, *, pages_per_room: int = 7, chunks: Any = (3, 4),
-               src_base: int = 1, dst_base: int = 40, scatter: bool = True) -> tuple[list[dict], list[dict]]:
-    """Matching prefill (``serve``) and decode (``receive``) room lists: distinct pages per room,
-    the destination pages in another order and place than the source's (page reuse across rooms is
-    what SGLang's allocator does; the test only needs them disjoint within one batch). ``chunks``: the
-    pages of each chunk, one tuple for every room, or a list of tuples taken in turn room by room."""
-    per_room = [tuple(chunks)] if isinstance(chunks[0], int) else [tuple(c) for c in chunks]
-    serve, receive = [], []
-    for i in range(count):
-        src = [src_base + i * pages_per_room + k for k in range(pages_per_room)]
-        dst = [dst_base + i * pages_per_room + k for k in range(pages_per_room)]
-        if scatter:
-            dst = dst[::2] + dst[1::2]
-        serve.append({"room": first_room + i, "pages": src, "chunks": list(per_room[i % len(per_room)]),
-                      "aux_index": i % 8})
-        receive.append({"room": first_room + i, "pages": dst, "aux_index": 8 + i % 8})
-    return serve, receive
+        super().__init__(role, backend, bootstrap_port, env=env or peer_env(), command=[sglang_python(), str(PEER)],
+                         **pool)
 
 
 def kvxfer_leftovers(managers: list[tuple[Peer, str]], peers: Any) -> list[str]:
@@ -149,7 +65,8 @@ def kvxfer_leftovers(managers: list[tuple[Peer, str]], peers: Any) -> list[str]:
             faults.append(f"{peer.role} {name}: kvxfer's tables not empty: {sizes}")
     for peer in peers:
         reads = peer.ask(op="unset_reads")["unset_reads"]
-        faults += [f"{peer.role}: kvxfer read KVArgs.{r[0]}, unset by SGLang" for r in reads if r[1].startswith("kvxfer")]
+        faults += [f"{peer.role}: kvxfer read KVArgs.{r[0]}, unset by SGLang" for r in reads
+                   if r[1].startswith("kvxfer.integrations")]
     return faults
 
 

@@ -6,7 +6,7 @@ manager made by SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
 ``_init_kv_manager``, SGLang's staging buffer off), each backend with its own SGLang bootstrap server
 and its own pool (filled with other random bytes on the prefill). In turn, through SGLang's ``nixl``
 (NIXL's UCX plugin on host memory; the one change: its KV regions declared ``DRAM``, see
-``sglang_peer.host_kv_for_sglang_nixl``), SGLang's ``mooncake`` (when the SGLang environment can import
+``kvxfer.bench.sglang_build.host_kv_for_sglang_nixl``), SGLang's ``mooncake`` (when the SGLang environment can import
 ``mooncake.engine``: TCP, ``MOONCAKE_PROTOCOL=tcp``), then kvxfer's ``kvxfer_ucx`` and ``kvxfer_nixl``:
 
 1. four rooms in flight, two or three chunks each, senders made by the queue's ``create_sender`` and
@@ -29,9 +29,9 @@ import time
 import warnings
 from typing import Optional
 
+from kvxfer.bench.sglang_control import byte_faults
 from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
 
-SUCCESS = 4
 SGLANG_OWN = ("nixl", "mooncake")
 KVXFER = ("kvxfer_ucx", "kvxfer_nixl")
 #: kvxfer's bound on an unread chunk is twice this: generous, as in test_sglang_backend's byte steps
@@ -51,22 +51,6 @@ def mooncake_unavailable(env: dict[str, str]) -> Optional[str]:
             "mooncake-transfer-engine-non-cuda into the SGLang environment, with libibverbs1 librdmacm1 libnl-3-200)")
 
 
-def _byte_faults(serve: list[dict], served: dict, received: dict) -> list[str]:
-    """What differs from a byte-exact hand-off with both sides ``Success`` (empty: none)."""
-    faults = []
-    for r in serve:
-        key = str(r["room"])
-        if served["rooms"][key]["status"] != SUCCESS or received["rooms"][key]["status"] != SUCCESS:
-            faults.append(f"room {key}: prefill {served['rooms'][key]}, decode {received['rooms'][key]}")
-            continue
-        src, dst = served["digests"][key], received["digests"][key]
-        faults += [f"room {key} buffer {i}: pages differ" for i, (a, b) in enumerate(zip(src["pages"], dst["pages"]))
-                   if a != b]
-        if not src["aux"] or src["aux"] != dst["aux"]:
-            faults.append(f"room {key}: aux rows differ")
-    return faults
-
-
 def _run_arm(backend: str, prefill: Peer, decode: Peer, port: int, main: bool) -> list[str]:
     """The two steps on one backend's managers; what went wrong, as lines (empty: all byte-exact)."""
     which = {} if main else {"manager": backend}
@@ -78,13 +62,13 @@ def _run_arm(backend: str, prefill: Peer, decode: Peer, port: int, main: bool) -
     serve, receive = rooms_plan(100, 4, pages_per_room=6, chunks=[(2, 4), (1, 2, 3)], src_base=30, dst_base=2)
     prefill.send(op="serve", rooms=serve, timeout=60, **which)
     received = decode.ask(op="receive", bootstrap=bootstrap, rooms=receive, timeout=60, **which)
-    faults += [f"four rooms: {f}" for f in _byte_faults(serve, prefill.read(), received)]
+    faults += [f"four rooms: {f}" for f in byte_faults(serve, prefill.read(), received)]
 
     serve, receive = rooms_plan(700, 3, pages_per_room=5, chunks=[(2, 3), (1, 2, 2)], src_base=3, dst_base=50)
     prefill.send(op="serve_queued", rooms=serve, timeout=60, **which)
     queued = decode.ask(op="receive_queued", bootstrap=bootstrap, rooms=receive, timeout=60, **which)
     served = prefill.read()
-    faults += [f"SGLang's queues: {f}" for f in _byte_faults(serve, served, queued)]
+    faults += [f"SGLang's queues: {f}" for f in byte_faults(serve, served, queued)]
     if any(served["left"].values()) or any(queued["left"].values()):
         faults.append(f"SGLang's queues: left behind: prefill {served['left']}, decode {queued['left']}")
     for r in serve:  # SGLang committed the first token from the aux row, after its bootstrap-room check
@@ -137,4 +121,4 @@ def test_same_rooms_through_sglang_own_backends_and_kvxfer():
                                       f"over byte-exact in the same processes: the fault is kvxfer's: "
                                       f"{results[backend]}{logs}")
     for role, seen in reads.items():  # kvxfer read no KVArgs field SGLang left unset (SGLang's own may)
-        assert not [r for r in seen if r[1].startswith("kvxfer")], (role, seen)
+        assert not [r for r in seen if r[1].startswith("kvxfer.integrations")], (role, seen)

@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench``, ``bench-vllm``, ``bench-prefix-routing`` and ``bench-fleet-scale`` (see ``kvxfer --help``).
+"""The ``kvxfer`` command: ``info``, ``loopback``, ``soak``, ``generate``, ``bench``, ``bench-vllm``, ``bench-sglang``, ``bench-prefix-routing`` and ``bench-fleet-scale`` (see ``kvxfer --help``).
 
 Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 130 interrupted. Every error is one line on stderr,
@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_parser = _subparser(sub, "bench-vllm", "vLLM P/D through KvxferConnector (nixl, ucx) and vLLM's NixlConnector")
     bench_vllm.add_arguments(vllm_parser)
     vllm_parser.set_defaults(func=lambda args: bench_vllm.run_command(args, commands.console))
+
+    from kvxfer.cli import bench_sglang  # noqa: PLC0415 - imports no SGLang itself
+
+    sglang_parser = _subparser(sub, "bench-sglang",
+                               "SGLang PD through SGLang's queues: kvxfer_ucx, kvxfer_nixl and SGLang's own nixl")
+    bench_sglang.add_arguments(sglang_parser)
+    sglang_parser.set_defaults(func=lambda args: bench_sglang.run_command(args, commands.console))
 
     from kvxfer.cli import bench_fleet  # noqa: PLC0415 - starts no engine itself
 
