@@ -11,16 +11,19 @@ Without the key (the default):
   waiting room ``Success`` holding another request's pages, and a chunk that comes after a gap (chunk 1
   before chunk 0) fails its room at once, with nothing read;
 * metadata from a stranger for rooms it will never own must not crowd a genuine room out of the
-  prefill's early-metadata table.
+  prefill's early-metadata table;
+* 1,500 replayed registrations must not make the prefill send a decode 1,500 HELLOs (at most one per
+  ``KVXFER_SGLANG_HELLO_PACE_S`` per decode endpoint), and a genuine room right after completes.
 
 With the key (a signed frame can be captured and replayed, or made by any key holder):
 * a genuine CHUNK replayed to another decode (which answers the prefill with a FAILED), and a
   lease-less FAILED, must not fail a live room: only the room's own decode, with the room's lease, can;
 * a prefill's status frame (what kvxfer's prefill sent before) and a revocation from another prefill
   must not fail a waiting room at the decode;
-* a chunk the prefill cannot hand to zmq (``zmq.Again``: replayed registrations queue thousands of
-  HELLOs to a decode that is stopped) fails its room on both sides at once, naming the chunk, instead
-  of a Success with that chunk's pages never read.
+* a chunk the prefill cannot hand to zmq (``zmq.Again``: a decode that is stopped, and thousands of
+  HELLOs queued for it, with the prefill's HELLO pacing turned off so that replayed registrations can
+  fill zmq's queue) fails its room on both sides at once, naming the chunk, instead of a Success with
+  that chunk's pages never read.
 """
 
 from __future__ import annotations
@@ -85,9 +88,12 @@ def keyless():
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    """A prefill and two decodes holding one cluster key; this test process holds it too."""
+    """A prefill and two decodes holding one cluster key; this test process holds it too. The prefill answers
+    every registration at once (HELLO pacing off, ``KVXFER_SGLANG_HELLO_PACE_S=0``): the one way left for a
+    test to queue thousands of HELLOs for a stopped decode."""
     secret = new_secret_file(str(tmp_path_factory.mktemp("secret")))
-    yield from _ranks(peer_env(KVXFER_SECRET_FILE=secret), {}, wire.FrameKey(load_secret(secret_file=secret)))
+    yield from _ranks(peer_env(KVXFER_SECRET_FILE=secret), {"KVXFER_SGLANG_HELLO_PACE_S": "0"},
+                      wire.FrameKey(load_secret(secret_file=secret)))
 
 
 def rank_key(peer: Peer) -> str:
@@ -206,6 +212,44 @@ def test_keyless_stranger_metadata_cannot_crowd_out_a_genuine_room(keyless):
     assert after.get("early_evicted", 0) >= evicted + 5, after
     assert early(prefill) <= 4
     assert "evicted" in "".join(prefill.stderr), text
+
+
+def test_keyless_replayed_registrations_cost_a_decode_one_hello_per_pace(keyless):
+    """A decode that registered with the prefill (a genuine room first) has its registration replayed to the
+    prefill 1,500 times in a burst, unsigned, as a stranger can (issue 38: each REG used to queue a HELLO, and
+    1,500 kept a decode busy for 1.5 s). The prefill answers one per second per decode endpoint (its default
+    pace), the rest coalesced: the decode takes at most ``2 + seconds elapsed`` HELLOs, not 1,500, and a
+    genuine room sent right after completes byte for byte."""
+    ranks = keyless
+    prefill, decode = ranks.prefill, ranks.second
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(5000, list(range(20, 27)), 12)], timeout=40)
+    prefill.send(op="serve", rooms=[room(5000, list(range(30, 37)), 2, (3, 4))], timeout=40)
+    served, received = prefill.read(), decode.read()
+    check_same_pages(served, received, "5000", logs(prefill, decode))
+
+    def hellos() -> int:  # every HELLO the decode took apart: from a prefill it registered with, or not
+        seen = counters(decode)
+        return seen["hellos"] + seen["strangers"]
+
+    before, pacing_before = hellos(), prefill.ask(op="sizes")["hellos"]
+    reg = wire.encode(wire.REG, {"endpoint": rank_key(decode), "layout": decode.info["layout"]})
+    began = time.monotonic()
+    push(prefill, [reg] * 1500, settle_s=0.0)
+    time.sleep(2.5)  # every window the burst opened has ended: what is owed was sent
+    elapsed = time.monotonic() - began
+    took = hellos() - before
+    pacing = prefill.ask(op="sizes")["hellos"]
+    text = logs(prefill, decode)
+    assert 1 <= took <= 2 + elapsed, (f"the decode took {took} HELLOs for 1,500 replayed registrations in "
+                                      f"{elapsed:.1f}s", pacing, text)
+    assert pacing["hellos"] - pacing_before["hellos"] == took, (pacing_before, pacing)
+    assert pacing["coalesced"] - pacing_before["coalesced"] >= 1500 - took - 2, pacing
+    assert pacing["hello_waiting"] == 0 and pacing["hello_endpoints"] <= 1, pacing
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(5001, list(range(40, 47)), 13)], timeout=40)
+    prefill.send(op="serve", rooms=[room(5001, list(range(10, 17)), 3, (3, 4))], timeout=40)
+    served, received = prefill.read(), decode.read(timeout_s=60)
+    check_same_pages(served, received, "5001", text)
+    print(f"1,500 replayed registrations: the decode took {took} HELLOs in {elapsed:.1f}s; prefill {pacing}")
 
 
 # --- with the cluster key --------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from sglang.srt.utils.network import NetworkAddress
 from kvxfer.backends.base import transfer_timeout_from_env
 from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
+from kvxfer.integrations.sglang.hellos import HelloPacer, pace_from_env
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
 from kvxfer.integrations.sglang.regions import kv_layout
@@ -125,8 +126,10 @@ class KvxferKVManager(CommonKVManager):
         self._kvxfer_unsent_logged_at: dict[bytes, float] = {}
         self.kvxfer_rooms: Optional[SourceRooms] = None
         self.kvxfer_puller: Optional[Puller] = None
+        self.kvxfer_hellos: Optional[HelloPacer] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._kvxfer_export = self.kvxfer_pool.export()
+            self.kvxfer_hellos = HelloPacer(self._kvxfer_hello, pace_s=pace_from_env())
             self.kvxfer_rooms = SourceRooms(LeaseTable(self.kvxfer_pool.table), prefill_key=self.kvxfer_key,
                                             timeout_s=2 * self.kvxfer_timeout_s, send=self._kvxfer_push,
                                             conclude=self._kvxfer_conclude, max_early=slots,
@@ -218,13 +221,8 @@ class KvxferKVManager(CommonKVManager):
                 return
             raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
         tag, body = parsed
-        if tag == wire.REG:
-            refused, _ = plan_pair(self.kvxfer_layout, body["layout"])
-            if refused:
-                logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", body["endpoint"], refused)
-            self._kvxfer_push(body["endpoint"], wire.encode(wire.HELLO, {
-                "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
-                "refused": refused}))
+        if tag == wire.REG:  # answered with a HELLO, at most one per decode endpoint per pace (hellos.py)
+            self.kvxfer_hellos.reg(body)
         elif tag == wire.META:
             room = body["room"]
             if self.kvxfer_rooms.metadata(room, body):  # a room SGLang has a sender for (else kept, bounded)
@@ -233,6 +231,15 @@ class KvxferKVManager(CommonKVManager):
             self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["endpoint"], body["reason"])
         else:
             raise wire.WireError(f"{tag.decode()} is a message for a decode, not a prefill")
+
+    def _kvxfer_hello(self, reg: dict) -> None:
+        """Answer a decode's registration: this prefill's metas and layout, or why its layout cannot be served."""
+        refused, _ = plan_pair(self.kvxfer_layout, reg["layout"])
+        if refused:
+            logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", reg["endpoint"], refused)
+        self._kvxfer_push(reg["endpoint"], wire.encode(wire.HELLO, {
+            "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
+            "refused": refused}))
 
     def _prefill_service(self) -> None:
         rooms, pool = self.kvxfer_rooms, self.kvxfer_pool
@@ -247,6 +254,7 @@ class KvxferKVManager(CommonKVManager):
                     busy = True
             rooms.expire()
             rooms.flush()
+            self.kvxfer_hellos.flush()
             if not busy:
                 time.sleep(0.0005)
 

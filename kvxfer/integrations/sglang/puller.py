@@ -136,7 +136,8 @@ class Puller:
         self._cancelling: set[int] = set()  # rooms with a "cancel" posted and not yet taken
         self.counters = {"chunks_pulled": 0, "rooms_succeeded": 0, "rooms_failed": 0, "lease_revoked": 0,
                          "stale_chunks": 0, "strangers": 0, "chunk_gaps": 0, "revoked": 0, "foreign_reports": 0,
-                         "stale_reports": 0, "descriptors": 0}  # descriptors: posted by every read, after merging
+                         "stale_reports": 0, "descriptors": 0,  # descriptors: posted by every read, after merging
+                         "hellos": 0}  # HELLOs taken from prefills this decode registered with
         self._foreign_logged_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-sglang-puller", daemon=True)
@@ -236,6 +237,7 @@ class Puller:
             return
         if body.get("metas") is None and not body.get("refused"):
             raise ValueError(f"HELLO from {body['prefill']} carries neither metas nor a refusal")
+        self.counters["hellos"] += 1
         refused, plan = body.get("refused"), None
         if not refused:
             refused, plan = plan_pair(body.get("layout") or {}, self._layout)
