@@ -127,7 +127,7 @@ def plan_pair(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional
     if min(tp_p, tp_d) < 1 or max(tp_p, tp_d) % min(tp_p, tp_d):
         return f"attention TP sizes {tp_p} and {tp_d} do not divide one another: {_both(prefill, decode)}", None
     if prefill.get("state_types"):
-        return (f"kvxfer does not slice state ({prefill['state_types']}) across attention TP sizes: "
+        return (f"kvxfer does not slice state ({prefill['state_types']}) across attention TP sizes ({STATE_TP_WHY}): "
                 f"{_both(prefill, decode)}"), None
     page = int(prefill["page_size"])
     src_lens, dst_lens = [int(x) for x in prefill["kv_item_lens"]], [int(x) for x in decode["kv_item_lens"]]
@@ -257,6 +257,12 @@ def stage_coverage(plans: list[tuple[str, PagePlan]], decode: dict[str, Any]) ->
     return None
 
 
+#: Why state across attention TP sizes is refused, and what to do instead (docs/sglang.md, "Mamba state across TP").
+STATE_TP_WHY = ("each decode rank would read its share of every Mamba conv and temporal state tensor, sliced along "
+                "the TP-sharded axis as SGLang's own nixl and mooncake write it, from one or several prefill ranks; "
+                "kvxfer copies state slots whole: run both roles at the same attention TP, or use SGLang's nixl")
+
+
 def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode_pp: int,
                      decode_state: list[Any]) -> Optional[str]:
     """What kvxfer refuses at bootstrap, from SGLang's parallel info alone (before any layout is exchanged)."""
@@ -274,5 +280,5 @@ def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode
             return "the attention TP sizes must divide one another"
         if decode_state:
             return (f"kvxfer does not slice state across attention TP sizes (this decode's state: "
-                    f"{[str(getattr(s, 'value', s)) for s in decode_state]})")
+                    f"{[str(getattr(s, 'value', s)) for s in decode_state]}; {STATE_TP_WHY})")
     return None
