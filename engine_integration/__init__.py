@@ -1,7 +1,7 @@
 """Engine integration: hand a request's KV from a prefill engine to a decode engine.
 
-Layers, bottom up (one job per module):
-  poll          ``KVPoll``, the one lifecycle enum
+Layers, bottom up (one job per module; the hand-off lifecycle they run, ``KVPoll`` included, is
+``kvxfer.handoff``'s; README.md beside this file is the map):
   descriptor    ``HandoffDescriptor``: what a prefill publishes per request
   adapter       ``HandoffEngineAdapter``: what the state machines need from an engine
   source        prefill side: pin, publish, release on read-done / safe failure
