@@ -38,13 +38,14 @@ from kvxfer.backends.base import transfer_timeout_from_env
 from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.hellos import HelloPacer, pace_from_env
+from kvxfer.integrations.sglang.plugin import BACKENDS
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
 from kvxfer.integrations.sglang.regions import kv_layout
 from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
 from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
 
-logger = logging.getLogger("kvxfer.integrations.sglang")
+logger = logging.getLogger(__name__)
 
 #: Rooms a prefill rank may have in flight (lease slots), and lease reads a decode rank may have in flight.
 MAX_ROOMS_ENV = "KVXFER_SGLANG_MAX_ROOMS"
@@ -87,7 +88,7 @@ class KvxferKVManager(CommonKVManager):
     """One SGLang rank's manager: registers SGLang's pool with kvxfer once, then serves (prefill) or
     pulls (decode) rooms. ``kvxfer_backend`` names the kvxfer transport."""
 
-    kvxfer_backend: ClassVar[str] = "nixl"
+    kvxfer_backend: ClassVar[str] = BACKENDS["kvxfer"].kvxfer_backend  # a subclass per backend: plugin.BACKENDS
     kv_status_msg_tag = b"KVXFER_STATUS"  # kvxfer sends none (KVXFER_REVOKED instead); a decode drops any
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -366,11 +367,11 @@ def _entries(table: Any) -> int:
 
 
 class KvxferNixlKVManager(KvxferKVManager):
-    kvxfer_backend = "nixl"
+    kvxfer_backend = BACKENDS["kvxfer_nixl"].kvxfer_backend
 
 
 class KvxferUcxKVManager(KvxferKVManager):
-    kvxfer_backend = "ucx"
+    kvxfer_backend = BACKENDS["kvxfer_ucx"].kvxfer_backend
 
 
 class KvxferKVSender(CommonKVSender):

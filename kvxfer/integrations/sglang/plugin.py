@@ -20,13 +20,30 @@ If SGLang moved any of these, ``register`` raises at load, naming the version it
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
-logger = logging.getLogger("kvxfer.integrations.sglang")
+logger = logging.getLogger(__name__)
 
 TESTED_SGLANG = "0.5.23"
-#: SGLang backend name -> kvxfer transport; ``kvxfer`` is ``kvxfer_nixl``.
-BACKENDS = {"kvxfer_nixl": "nixl", "kvxfer_ucx": "ucx", "kvxfer": "nixl"}
+
+
+@dataclass(frozen=True)
+class SGLangBackend:
+    """What one of kvxfer's SGLang backend names means: kvxfer's transport (a ``kvxfer.backends`` registry
+    name) and the manager class in ``conn`` that SGLang's ``get_kv_class`` answers with (senders, receivers and
+    the bootstrap server are the same classes for every transport)."""
+
+    kvxfer_backend: str
+    manager: str
+
+
+#: SGLang backend name (``--disaggregation-transfer-backend``) -> kvxfer's transport and manager class: the one
+#: table of kvxfer's SGLang backends (the flag's choices, the enum members, ``get_kv_class``'s answers and each
+#: manager's transport all come from it). ``kvxfer`` is ``kvxfer_nixl``.
+BACKENDS = {"kvxfer_nixl": SGLangBackend("nixl", "KvxferNixlKVManager"),
+            "kvxfer_ucx": SGLangBackend("ucx", "KvxferUcxKVManager"),
+            "kvxfer": SGLangBackend("nixl", "KvxferNixlKVManager")}
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 
 
@@ -69,22 +86,21 @@ def _add_enum_member(enum_cls: Any, name: str, value: str) -> None:
     enum_cls._member_names_.append(name)
 
 
-def kv_classes(transport: str) -> dict[Any, type]:
-    """kvxfer's classes for one transport, keyed by SGLang's ``KVClassType``."""
+def kv_classes(backend: SGLangBackend) -> dict[Any, type]:
+    """kvxfer's classes for one of its SGLang backends (``BACKENDS``), keyed by SGLang's ``KVClassType``."""
     from sglang.srt.disaggregation.utils import KVClassType
 
     from kvxfer.integrations.sglang import conn
 
-    manager = {"nixl": conn.KvxferNixlKVManager, "ucx": conn.KvxferUcxKVManager}[transport]
-    return {KVClassType.MANAGER: manager, KVClassType.SENDER: conn.KvxferKVSender,
+    return {KVClassType.MANAGER: getattr(conn, backend.manager), KVClassType.SENDER: conn.KvxferKVSender,
             KVClassType.RECEIVER: conn.KvxferKVReceiver, KVClassType.BOOTSTRAP_SERVER: conn.KvxferKVBootstrapServer}
 
 
 def _around_get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
-    transport = BACKENDS.get(getattr(transfer_backend, "value", None))
-    if transport is None:
+    backend = BACKENDS.get(getattr(transfer_backend, "value", None))
+    if backend is None:
         return original(transfer_backend, class_type)
-    classes = kv_classes(transport)
+    classes = kv_classes(backend)
     if class_type in classes:
         return classes[class_type]
     return original(transfer_backend, class_type)  # KVARGS: SGLang's one container

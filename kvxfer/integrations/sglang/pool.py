@@ -16,7 +16,7 @@ import torch
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.integrations.sglang.regions import Region, buffers_of, buffer_regions, region_bytes
 
-logger = logging.getLogger("kvxfer.integrations.sglang")
+logger = logging.getLogger(__name__)
 
 
 class PoolRegistration:

@@ -51,7 +51,7 @@ from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.source import request_id
 from kvxfer.integrations.sglang.tp import plan_pair, stage_coverage
 
-logger = logging.getLogger("kvxfer.integrations.sglang")
+logger = logging.getLogger(__name__)
 
 #: Prefill ranks a decode keeps a HELLO for (those it registered with; the oldest idle one goes first).
 MAX_PREFILLS = 4096

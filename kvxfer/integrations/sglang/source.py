@@ -37,7 +37,7 @@ import torch
 from kvxfer.handoff.guard import LeaseSlots, pin_lease, revoke_lease
 from kvxfer.integrations.sglang import wire
 
-logger = logging.getLogger("kvxfer.integrations.sglang")
+logger = logging.getLogger(__name__)
 
 
 class LeaseTable:
