@@ -61,7 +61,17 @@ class Send:
 
 
 class NoticeOutbox:
-    """``UcxBackend``'s notices (see the module docstring): sent, kept, retried, received."""
+    """``UcxBackend``'s notices (see the module docstring): sent, kept, retried, received.
+
+    Besides the state below (created by ``UcxBackend._register``) it uses the backend's ``_peer_for``,
+    ``_drop_peer``, ``_shut``, ``_stats``, ``agent_name`` and the contract's ``_deliver_read_*``."""
+
+    _worker: _ucp.Worker
+    _sends: list[Send]  # our AM sends UCX has not completed yet
+    _outbox: dict[bytes, deque[Notice]]  # source address -> notices waiting for a retry
+    _outbox_size: int
+    _notices: deque[bytes]  # peers' notices received, not yet drained
+    notices_dropped: int  # ours given up on (too old, or too many kept)
 
     def _notify(self, peer: Peer, kind: notify.Kind, request_id: RequestId, reason: str = "") -> None:
         """Send a notice to ``peer``'s source; one that cannot leave now is kept and retried."""
