@@ -11,6 +11,11 @@ never mixes with a command's own output.
 The payload (configs, and with them the cluster secret) travels the other way on an
 inherited pipe (``read_payload``), never in argv: ``/proc/<pid>/cmdline`` is readable by
 every local user.
+
+(The library's loopback, soak and bench start their second process with
+``kvxfer.harness.child`` instead: a function in a spawned interpreter that they converse with
+over a duplex pipe until it ends. Here a process is a service: it reports ready once, then
+serves on its own sockets until it is stopped.)
 """
 
 from __future__ import annotations

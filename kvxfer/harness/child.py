@@ -16,7 +16,9 @@ This module is that one thing:
   means the same on both sides.
 
 Spawned (not forked) children, because the parent may already hold transport
-state (UCX workers, NIXL agents, CUDA contexts) that must not be duplicated.
+state (UCX workers, NIXL agents, CUDA contexts) that must not be duplicated. (The engine
+layer's long-lived service processes, which report ready once and then serve on their own
+sockets, are started by ``engine_integration.procs``.)
 
 (A push backend's two processes also meet in one ``torch.distributed`` process group:
 ``kvxfer.backends.nccl.group``.)
