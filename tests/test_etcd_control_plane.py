@@ -210,6 +210,41 @@ def test_prefill_killed_mid_handoff_decode_fails_pull_promptly(fleet):
             p.deregister(), p.close()
 
 
+def test_a_source_key_deleted_after_its_read_is_done_is_waited_for_and_cleaned_up_only_once_the_source_is_gone(fleet):
+    """Issue 39 (a11 flaky): the reader key says READ_DONE (the request is decoding there) and someone deletes the
+    source key while the source lives. The reader's verdict was ``cleanup``: the decode dropped the request's
+    record, and its answer never reached its client. It is ``source_missing`` now: the source restores its key
+    and acts on READ_DONE. ``cleanup`` stays for a source that is gone."""
+    prefill, decode = fleet.plane(), fleet.plane()
+    layout = KeyLayout(fleet.cluster)
+    try:
+        pr = _register(prefill, "p0", "prefill", fleet.cluster_key)
+        dr = _register(decode, "d0", "decode", fleet.cluster_key)
+        for rid in ("r1", "r2"):
+            prefill.publish_handoff(rid, reader="d0", reader_incarnation=dr.incarnation, descriptor={"blocks": [1]})
+            for state in (HandoffState.PULLING, HandoffState.READ_DONE):
+                decode.set_reader_state("p0", rid, state, source_incarnation=pr.incarnation)
+        assert prefill.client.delete(layout.handoff("p0", "r1", "source").encode()) == 1   # the attack
+        assert [(v.request_id, v.action) for v in decode.snapshot().reader_verdicts("d0", dr.incarnation)] == [
+            ("r1", "source_missing")]
+        assert [(v.request_id, v.action) for v in prefill.snapshot().source_verdicts("p0", pr.incarnation)] == [
+            ("r2", "read_done")]
+        # the source restores its key (PrefillRole._restore_published), then acts on READ_DONE
+        prefill.publish_handoff("r1", reader="d0", reader_incarnation=dr.incarnation, descriptor={"blocks": [1]})
+        assert decode.snapshot().reader_verdicts("d0", dr.incarnation) == []
+        assert [(v.request_id, v.action) for v in prefill.snapshot().source_verdicts("p0", pr.incarnation)] == [
+            ("r1", "read_done"), ("r2", "read_done")]
+        prefill.clear_handoff("p0", "r1")
+        prefill.deregister()   # the source is gone, its key with its lease: the reader cleans its own up
+        assert [(v.request_id, v.action) for v in decode.snapshot().reader_verdicts("d0", dr.incarnation)] == [
+            ("r2", "cleanup")]
+        decode.clear_handoff("p0", "r2")
+        assert _handoff_keys(fleet, decode) == 0
+    finally:
+        prefill.close()
+        decode.deregister(), decode.close()
+
+
 def test_restart_under_same_name_is_a_new_instance(fleet):
     prefill = fleet.plane()
     first = Child(fleet, "d0", "decode")

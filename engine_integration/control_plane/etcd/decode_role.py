@@ -123,6 +123,16 @@ class DecodeRole(SharedState):
                 log.warning("decode %r: the reader key of handoff %s/%s was deleted by someone else: restored",
                             me.name, source, rid)
                 self._write_state(source, rid, read.state, read.source_incarnation)  # type: ignore[union-attr]
+            elif verdict.action == "source_missing" and verdict.record.state.terminal:  # type: ignore[union-attr]
+                # our side is settled (read done, its request perhaps still decoding here; or failed): no pull to
+                # abort, nothing to fail. The source restores its key and acts on our state. A key not restored
+                # within the grace (the source had acted, and ours was written again after its clear) is cleared
+                if read is not None:
+                    missing.add(rid)
+                    read.source_missing_since = read.source_missing_since or time.monotonic()
+                if read is None or time.monotonic() - read.source_missing_since > self.repair_grace_s:
+                    acted += 1
+                    self._clear(source, rid)
             elif verdict.action in ("source_missing", "source_gone") and read is not None and read.finished:
                 continue   # it left this engine with its result; the source's own verdicts clear its keys
             elif verdict.action == "source_missing" and read is not None and not read.source_gone:
@@ -139,7 +149,10 @@ class DecodeRole(SharedState):
                 self._source_gone(rid, read, source, verdict.detail)
             elif verdict.action == "cleanup":
                 acted += 1
-                self._reads.pop(rid, None)
+                if read is not None and read.finished:
+                    del self._reads[rid]
+                # else its request is still in this engine (read done, decoding): kept, so its answer reaches its
+                # client when it leaves; dropped then, its handoff's keys being gone (issue 39: a11 was never answered)
                 self._clear(source, rid)
         for rid, read in list(self._reads.items()):
             if rid not in missing:

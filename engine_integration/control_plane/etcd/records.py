@@ -418,18 +418,19 @@ class FleetView:
                 if source_alive and pub.reader == name and pub.reader_incarnation == incarnation:  # type: ignore[union-attr]
                     out.append(Verdict(source, rid, "start", record=pub))
                 continue
+            now = self.instances.get(source)
+            if pub is None and now is not None and now.incarnation == mine.source_incarnation:
+                # the source lives, and it clears a handoff's two keys in one transaction, never its own alone:
+                # its key was deleted by someone else. It restores it at its next poll, then acts on our state
+                # (a terminal one frees its pins); meanwhile a pull goes on and a finished read is kept
+                out.append(Verdict(source, rid, "source_missing", f"the source key of {source}/{rid} is gone "
+                                   f"while {source!r} lives", record=mine))
+                continue
             if mine.state.terminal:
                 if pub is None or pub.owner_incarnation != mine.source_incarnation:
                     out.append(Verdict(source, rid, "cleanup", "source acted or is gone", record=mine))
                 continue
             if not source_alive or pub.owner_incarnation != mine.source_incarnation:  # type: ignore[union-attr]
-                now = self.instances.get(source)
-                if pub is None and now is not None and now.incarnation == mine.source_incarnation:
-                    # the source lives and never withdraws a handoff it has not cleared: its key was
-                    # deleted by someone else, and the source restores it at its next poll
-                    out.append(Verdict(source, rid, "source_missing", f"the source key of {source}/{rid} is gone "
-                                       f"while {source!r} lives", record=mine))
-                    continue
                 why = (f"source {source!r} restarted" if now is not None and now.incarnation != mine.source_incarnation
                        else f"source {source!r} lease expired or deregistered" if now is None
                        else f"source {source!r} withdrew the handoff")
