@@ -41,7 +41,7 @@ class EngineSpec:
     control_plane: Optional[str] = None       #: the plane's URL (else the address the host is given)
     etcd_password_file: Optional[str] = None  #: the etcd user's password (a 0600 file; the path travels on the pipe)
     #: push backends: the ``torch.distributed`` world this engine joins before it builds its backend,
-    #: ``kvxfer.backends.nccl.group.GroupSpec`` fields plus ``rank`` (fixed at launch; see ``launch.DisaggCluster``)
+    #: ``kvxfer.backends.process_group.GroupSpec`` fields plus ``rank`` (fixed at launch; see ``launch.DisaggCluster``)
     process_group: Optional[dict[str, Any]] = None
     #: the engine computes nothing while this file exists (``DisaggDynamicInferenceEngine.pause_file``)
     pause_file: Optional[str] = None
@@ -145,7 +145,7 @@ def host_main(specs: Sequence[EngineSpec], plane_url: str, ready_fd: int) -> int
     group = next((s.process_group for s in specs if s.process_group), None)
     try:
         if group is not None:  # a push backend: the world must exist before the backend is built
-            from kvxfer.backends.nccl.group import GroupSpec, join_group
+            from kvxfer.backends.process_group import GroupSpec, join_group
 
             fields = dict(group)
             rank = int(fields.pop("rank"))

@@ -12,7 +12,7 @@ A push backend (``nccl``) reverses who acts: the decode posts its receives and t
 sends ``push`` (request id, source ids, its meta) -- Megatron's order --, the source
 pushes with ``begin_push_blocks`` and answers, as ``await`` does, with the moment its
 push completed (its read-done). Both processes are then one torch.distributed
-process group (``kvxfer.backends.nccl.group.join_group``), joined before the first command.
+process group (``kvxfer.backends.process_group.join_group``), joined before the first command.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend
-from kvxfer.backends.nccl.group import DECODE_RANK, PREFILL_RANK, GroupSpec, host_group, join_group, leave_group
+from kvxfer.backends.process_group import DECODE_RANK, PREFILL_RANK, GroupSpec, host_group, join_group, leave_group
 from kvxfer.harness.child import ERROR, Child, ChildFailure, Pipe
 from kvxfer.harness.loopback import LoopbackConfig, make_backend, make_pool
 

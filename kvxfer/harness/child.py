@@ -21,7 +21,7 @@ layer's long-lived service processes, which report ready once and then serve on 
 sockets, are started by ``engine_integration.procs``.)
 
 (A push backend's two processes also meet in one ``torch.distributed`` process group:
-``kvxfer.backends.nccl.group``.)
+``kvxfer.backends.process_group``.)
 """
 
 from __future__ import annotations

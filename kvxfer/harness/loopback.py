@@ -9,7 +9,7 @@ waits for the read-done notification before it frees the blocks. Any mismatch
 or missing notification makes the run fail.
 
 A push backend (``nccl``) runs in Megatron's push order instead: both processes
-join one Gloo process group (``kvxfer.backends.nccl.group.join_group``), the decode side
+join one Gloo process group (``kvxfer.backends.process_group.join_group``), the decode side
 posts its receives (``begin_pull_blocks``) and sends its meta to the prefill, the
 prefill pushes (``begin_push_blocks(decode_meta, src_ids, request_id=...)``), both
 poll to completion; the prefill's read-done is its push completing
@@ -39,7 +39,7 @@ from kvxfer.backends.base import KVTransportBackend
 from kvxfer.plan.descriptors import plan_block_copies
 from kvxfer.errors import KVXferError, TransferError
 from kvxfer.harness.loopback_config import LoopbackConfig
-from kvxfer.backends.nccl.group import DECODE_RANK, PREFILL_RANK, GroupSpec, host_group, join_group, leave_group
+from kvxfer.backends.process_group import DECODE_RANK, PREFILL_RANK, GroupSpec, host_group, join_group, leave_group
 from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.meta.geometry import parse_geometry_meta
 from kvxfer.plan.geometry import dtype_from_name

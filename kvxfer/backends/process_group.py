@@ -4,7 +4,8 @@ host memory), for the runs that start those processes themselves: the loopback, 
 :func:`host_group` (the process that hosts it: a TCP store on a free port of 127.0.0.1 the OS picks) gives a
 :class:`GroupSpec` that travels to the other processes as an argument; :func:`join_group` (every process, each
 with its rank, a timeout on the rendezvous) and :func:`leave_group` (``destroy_process_group``) bracket the run.
-Beside the backend rather than in a harness, so the engine layer can join a group without importing one.
+Beside the backends rather than in a harness, so the engine layer can join a group without importing one;
+and outside ``nccl/``, so joining one imports no backend (the registry imports only the backend it is asked for).
 """
 
 from __future__ import annotations
