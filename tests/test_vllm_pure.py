@@ -199,8 +199,8 @@ def test_tp_mismatch_is_refused_naming_both_layouts():
         check_compatible(layout(tp=1), "nixl", remote)
     text = str(err.value)
     assert "prefill: TP 2" in text and "decode: TP 1" in text and "1 per rank" in text and "2 per rank" in text
-    with pytest.raises(LayoutError, match="block_size"):
-        check_compatible(layout(block=64), "nixl", parse_handshake(handshake_doc(), None))
+    with pytest.raises(LayoutError, match="prefill block_size 32, decode block_size 16"):  # decode smaller
+        check_compatible(layout(block=16), "nixl", parse_handshake(handshake_doc(), None))
     with pytest.raises(LayoutError, match="backend"):
         check_compatible(layout(), "ucx", parse_handshake(handshake_doc(), None))
     check_compatible(layout(), "nixl", parse_handshake(handshake_doc(), None))

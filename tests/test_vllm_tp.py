@@ -82,9 +82,6 @@ def test_refusals_name_both_layouts():
     text = str(info.value)
     assert "prefill TP 2 (8 KV heads, 4 per rank), layout LBNHC" in text
     assert "decode TP 4 (8 KV heads, 2 per rank), layout LBHNC" in text
-    with pytest.raises(LayoutError, match="block sizes .16 vs 32.*prefill TP 2.*decode TP 1"):
-        check_tp_pair(src_tp=2, dst_tp=1, total_kv_heads=8, src_layout="LBHNC", dst_layout="LBHNC",
-                      src_block_size=16, dst_block_size=32)
     with pytest.raises(LayoutError, match="3 and 2 do not divide"):
         check_tp_pair(src_tp=3, dst_tp=2, total_kv_heads=6, src_layout="LBHNC", dst_layout="LBHNC",
                       src_block_size=16, dst_block_size=16)
@@ -276,12 +273,19 @@ def test_handshake_takes_different_tp_on_lbhnc_and_refuses_the_rest_naming_both_
     plan = rank_reads(0, engine(1), engine(2))  # decode TP 1 reads both prefill ranks, each its only reader
     assert [(r.src_rank, r.src_first, r.dst_first, r.count) for r in plan.reads] == [(0, 0, 0, 4), (1, 0, 4, 4)]
     assert plan.notify == (Notify(0, 0, 1), Notify(1, 0, 1))
-    with pytest.raises(LayoutError) as info:  # NHD: a head is not contiguous in a block
-        check_compatible(engine(4, layout="LBNHC"), "nixl", producer(engine(2, layout="LBNHC")))
+    # NHD both sides (NixlConnector refuses it): whole blocks, a head range of each read as one run per token
+    check_compatible(engine(4, layout="LBNHC"), "nixl", producer(engine(2, layout="LBNHC")))
+    nhd = rank_reads(3, engine(4, layout="LBNHC"), engine(2, layout="LBNHC"))
+    (read,) = nhd.reads
+    assert read.slabs == SlabRead(src_rank=1, src_first=0, dst_first=0, count=1, src_slabs=1, dst_slabs=1)
+    (parts,) = read.parts  # per token: heads 2..3 of 4 (2 x 128 bf16) into heads 0..1 of 2
+    assert [(p.src_offset, p.dst_offset, p.length) for p in parts] == [
+        (t * 4 * 256 + 2 * 256, t * 2 * 256, 2 * 256) for t in range(32)]
+    with pytest.raises(LayoutError) as info:  # a legacy layout: no head range to plan
+        check_compatible(engine(4, layout="order01234"), "nixl", producer(engine(2, layout="order01234")))
     text = str(info.value)
-    assert "tensor parallelism on layout LBNHC" in text and "LBHNC (HND)" in text
-    assert "prefill TP 2 (8 KV heads, 4 per rank), layout LBNHC" in text
-    assert "decode TP 4 (8 KV heads, 2 per rank), layout LBNHC" in text
+    assert "tensor parallelism on layout order01234" in text and "LBNHC (NHD" in text
+    assert "prefill TP 2 (8 KV heads, 4 per rank), layout order01234" in text
     with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*layout LBNHC.*layout LBHNC"):
         check_compatible(engine(4), "nixl", producer(engine(2, layout="LBNHC")))
     with pytest.raises(LayoutError, match="refused as NixlConnector refuses it .*replicates its KV heads"):

@@ -9,7 +9,12 @@ layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports e
 
 ``python -m tests.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
-B,B,..`` loads a request and answers ``{"finished"|"failed": ID}``; ``dump PATH`` saves the pool.
+B,B,..[@F]`` loads a request (its blocks from block position ``F``) and answers ``{"finished"|"failed": ID}``;
+``dump PATH`` saves the pool (``[layers, blocks, heads, block, 2*head]``, whatever the layout).
+
+Trailing ``layout LAYOUT block N views PATH`` lay the pool out as vLLM 0.32's ``create_kv_cache_views`` does
+on ``LAYOUT`` (``LBHNC`` or ``LBNHC``) with ``N``-token blocks, from the shapes, strides and offsets vLLM
+itself computed (``tests/vllm_tp_facts.py views``, saved at ``PATH``: ``vllm_views`` makes it).
 
 A trailing ``hybrid GROUPS LAYOUT`` makes the rank a hybrid attention+Mamba2 model's
 (``tests.vllm_hybrid_tp_model``: its one allocation registered as pages, Mamba2 with ``GROUPS``
@@ -38,13 +43,13 @@ LAYERS, HEADS, BLOCK, HEAD2 = 3, 4, 16, 32  # 4 KV heads: TP 1 and 2 each split 
 MARK = "KVXFER-TP-RANK "
 
 
-def values(blocks: int, heads: range, channels: int = HEAD2):
-    """``[layers, blocks, len(heads), BLOCK, channels]`` bf16: the KV of global ``heads``, as a function
+def values(blocks: int, heads: range, channels: int = HEAD2, block: int = BLOCK):
+    """``[layers, blocks, len(heads), block, channels]`` bf16: the KV of global ``heads``, as a function
     of where each element belongs (the block index is the *prefill's* block that computed it)."""
     import torch
 
     ix = [torch.arange(n).view(*([1] * i), n, *([1] * (4 - i))) for i, n in
-          enumerate((LAYERS, blocks, len(heads), BLOCK, channels))]
+          enumerate((LAYERS, blocks, len(heads), block, channels))]
     head = ix[2] + heads.start
     return ((ix[0] * 61 + ix[1] * 29 + head * 53 + ix[3] * 7 + ix[4] * 3) % 251).to(torch.bfloat16)
 
@@ -59,12 +64,35 @@ def mla_latent(args: list[str]) -> int:
     return int(args[args.index("mla") + 1]) if "mla" in args else 0
 
 
-def pool_values(blocks: int, rank: int, tp: int, latent: int):
+def pool_values(blocks: int, rank: int, tp: int, latent: int, block: int = BLOCK):
     """A rank's pool: its heads of the attention KV, or (MLA) the one latent cache every rank holds."""
-    return values(blocks, range(1), latent) if latent else values(blocks, heads_of(rank, tp))
+    return values(blocks, range(1), latent, block) if latent else values(blocks, heads_of(rank, tp), block=block)
 
 
-def layout(regions, tp: int, blocks: int, latent: int = 0):
+def view_args(args: list[str]) -> tuple[str, int, Optional[str]]:
+    """``(LAYOUT, BLOCK, PATH)`` of trailing ``layout LAYOUT`` / ``block N`` / ``views PATH`` (defaults: LBHNC,
+    ``BLOCK``, no file: the pool is the contiguous LBHNC tensor itself). ``PATH``: vLLM's own views
+    (``tests/vllm_tp_facts.py views``), keyed ``LAYOUT/heads/block/blocks``."""
+    def arg(name: str, default: Any) -> Any:
+        return args[args.index(name) + 1] if name in args else default
+    return arg("layout", "LBHNC"), int(arg("block", BLOCK)), arg("views", None)
+
+
+def vllm_pool(logical, layout_name: str, block: int, path: str):
+    """``logical`` (``[layers, blocks, heads, block, 2*head]``) laid out as vLLM 0.32's
+    ``create_kv_cache_views`` lays out one allocation for all layers on ``layout_name``: the per-layer views,
+    rebuilt from the shapes, strides and offsets vLLM computed (``path``), filled with ``logical``."""
+    import torch
+
+    specs = json.load(open(path))[f"{layout_name}/{logical.shape[2]}/{block}/{logical.shape[1]}"]
+    raw = torch.zeros(specs[0]["size"], dtype=logical.dtype)
+    views = [torch.as_strided(raw, s["shape"], s["stride"], s["offset"]) for s in specs]
+    for view, layer in zip(views, logical):
+        view.copy_(layer)
+    return views
+
+
+def layout(regions, tp: int, blocks: int, latent: int = 0, block: int = BLOCK):
     from kvxfer.integrations.vllm.handshake import EngineLayout
     from kvxfer.integrations.vllm.kv_buffers import layout_signature
 
@@ -72,8 +100,8 @@ def layout(regions, tp: int, blocks: int, latent: int = 0):
              "kv_dtype": "auto"}
     if latent:  # vLLM reports an MLA model's head size as the latent's width
         model.update(use_mla=True, head_size=latent)
-    return EngineLayout(model=model, tp_size=tp, pp_size=1, block_size=BLOCK,
-                        regions=tuple(layout_signature(regions, BLOCK)["regions"]), num_blocks=blocks)
+    return EngineLayout(model=model, tp_size=tp, pp_size=1, block_size=block,
+                        regions=tuple(layout_signature(regions, block)["regions"]), num_blocks=blocks)
 
 
 def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int):
@@ -83,7 +111,7 @@ def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int):
     from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import kv_regions
 
-    regions = kv_regions({f"model.layers.{i}.attn": pool[i] for i in range(LAYERS)}, blocks)
+    regions = kv_regions({f"model.layers.{i}.attn": pool[i] for i in range(LAYERS)}, blocks)  # a tensor or views
     cls = construct_kv_transfer_backend_class(backend)
     first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp), memory_buffer=regions[0].view,
                 expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=5.0)
@@ -134,7 +162,8 @@ def _commands() -> "queue.Queue[Optional[str]]":
 
 
 def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0,
-                 hybrid: Optional[tuple[int, str]] = None) -> None:
+                 hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None)
+                 ) -> None:
     import torch
 
     from kvxfer.integrations.vllm.sender import Sender
@@ -143,9 +172,12 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
     if hybrid:
         _, backends, mine = _hybrid_rank(f"prefill{rank}", rank, tp, backend, blocks, hybrid, True)
     else:
-        pool = pool_values(blocks, rank, tp, latent).contiguous()
+        name, block, path = views
+        pool = pool_values(blocks, rank, tp, latent, block).contiguous()
+        if path:
+            pool = vllm_pool(pool, name, block, path)
         regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp)
-        mine = layout(regions, tp, blocks, latent)
+        mine = layout(regions, tp, blocks, latent, block)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
     sender = Sender(backends + [lease], table, grace_s)
@@ -168,7 +200,8 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
 
 
 def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
-                hybrid: Optional[tuple[int, str]] = None) -> None:
+                hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None)
+                ) -> None:
     import torch
 
     from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
@@ -177,9 +210,12 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
     if hybrid:
         pool, backends, mine = _hybrid_rank(f"decode{rank}", rank, tp, backend, blocks, hybrid, False)
     else:
-        pool = torch.zeros_like(pool_values(blocks, rank, tp, latent))
+        name, block, path = views
+        pool = torch.zeros_like(pool_values(blocks, rank, tp, latent, block))
+        if path:
+            pool = vllm_pool(pool, name, block, path)
         regions, backends = _register(f"decode{rank}", pool, blocks, backend, rank, tp)
-        mine = layout(regions, tp, blocks, latent)
+        mine = layout(regions, tp, blocks, latent, block)
     scratch = torch.zeros(1025, dtype=torch.int64)
     scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
     handshakes = HandshakeCache(5.0, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
@@ -202,7 +238,7 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
             receiver.submit(load_spec(request_id, json.loads(params), ids))
             pending.add(request_id)
         elif line.startswith("dump "):
-            torch.save(pool, line.split(" ", 1)[1])
+            torch.save(torch.stack(list(pool)) if isinstance(pool, list) else pool, line.split(" ", 1)[1])
             _say({"dumped": line.split(" ", 1)[1]})
         if pending:
             finished, failed = receiver.collect()
@@ -220,8 +256,9 @@ def load_spec(request_id: str, params: dict, ids: str) -> Any:
     ``B,B,..;M``: the attention group's blocks, then the Mamba group's one slot."""
     from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA, GroupLoad, LoadSpec, TransferGroup
 
-    if ";" not in ids:
-        return LoadSpec(request_id, params, tuple(map(int, ids.split(","))), 0, True)
+    if ";" not in ids:  # ``B,B,..@F``: the blocks start at block position F (a local prefix-cache hit before)
+        ids, _, first = ids.partition("@")
+        return LoadSpec(request_id, params, tuple(map(int, ids.split(","))), int(first or 0), True)
     from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK, MAMBA_BLOCK
 
     attention, mamba = (tuple(map(int, part.split(","))) for part in ids.split(";"))
@@ -294,17 +331,20 @@ class Prefill:
         self.listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=True)
         stack.callback(self.listener.close)
         self.tp, self.backend = tp, backend
+        self.block = int(self.ranks[0].info["layout"]["block_size"])
 
-    def export(self, request_id: str, blocks: list[int], slot: int, lease: int, mamba: Optional[int] = None) -> dict:
+    def export(self, request_id: str, blocks: list[int], slot: int, lease: int, mamba: Optional[int] = None,
+               tokens: Optional[int] = None) -> dict:
         """What the producer's scheduler and workers do when a request finishes: pin on every rank, sign a
-        ticket. ``mamba``: a hybrid model's Mamba slot (``blocks`` are then the attention group's)."""
+        ticket. ``mamba``: a hybrid model's Mamba slot (``blocks`` are then the attention group's); ``tokens``:
+        the prompt tokens the blocks hold (default: they fill every block)."""
         from kvxfer.integrations.vllm.tickets import sign_ticket
 
         pinned = list(blocks) + ([] if mamba is None else [mamba])
         for rank in self.ranks:
             rank.send(f"pin {request_id} {slot} {lease} {','.join(map(str, pinned))}")
         if mamba is None:
-            groups, tokens = [list(blocks)], len(blocks) * BLOCK
+            groups, tokens = [list(blocks)], tokens or len(blocks) * self.block
         else:
             from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK
 
@@ -314,7 +354,7 @@ class Prefill:
                       remote_port=self.listener.port, tp_size=self.tp, remote_num_tokens=tokens,
                       transfer_mode="pull")
         return sign_ticket(params, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.backend,
-                                    "prompt": "0" * 64}, self.key)
+                                    "prompt": "0" * 64, "block_size": self.block}, self.key)
 
 
 def submit(decode: Rank, request_id: str, params: dict, blocks: "list[int] | str") -> dict:
@@ -331,6 +371,22 @@ def load(decode: Rank, request_id: str, params: dict, blocks: "list[int] | str")
     return event
 
 
+def vllm_views(directory: Any, geometries: list[dict]) -> str:
+    """Have vLLM compute its per-layer views for ``geometries`` (``{"layout", "heads", "block_size", "blocks"}``,
+    this module's layers and head size); the path of the JSON file ``layout ... views PATH`` ranks read."""
+    from pathlib import Path
+
+    from tests.vllm_support import require_vllm_python
+
+    full = [{"layers": LAYERS, "head_size": HEAD2 // 2, **g} for g in geometries]
+    out = subprocess.run([require_vllm_python(), str(Path(__file__).with_name("vllm_tp_facts.py")), "views",
+                          json.dumps(full)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    path = Path(directory) / "vllm_views.json"
+    path.write_text(out.stdout.strip().splitlines()[-1])
+    return str(path)
+
+
 def released(rank: Rank, timeout_s: float) -> dict | None:
     try:
         return rank.next(timeout_s)
@@ -341,7 +397,7 @@ def released(rank: Rank, timeout_s: float) -> dict | None:
 if __name__ == "__main__":
     if sys.argv[1] == "prefill":
         prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
-                     mla_latent(sys.argv), hybrid_args(sys.argv))
+                     mla_latent(sys.argv), hybrid_args(sys.argv), view_args(sys.argv))
     else:
         decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv),
-                    hybrid_args(sys.argv))
+                    hybrid_args(sys.argv), view_args(sys.argv))

@@ -3,9 +3,10 @@
 Built by the producer's scheduler from what each worker reported (``get_handshake_metadata``
 -> ``set_xfer_handshake_metadata``), checked by the decode's worker before it trusts any
 field (``parse_handshake``), and compared with the decode's own layout
-(``check_compatible``): the same block size, model (a hybrid model's KV cache groups included) and
-per-block layout, and equal tensor
-parallelism or different TP on ``LBHNC`` as NixlConnector maps it (``tp_reads``); MLA models
+(``check_compatible``): the same model (a hybrid model's KV cache groups included) and per-block
+layout; a block size equal, or a prefill block that divides the decode's as NixlConnector allows it
+(``block_sizes``); equal tensor parallelism or different TP on ``LBHNC`` (HND) as NixlConnector maps
+it, and on ``LBNHC`` (NHD), which NixlConnector refuses, read by runs (``tp_reads``); MLA models
 (``model["use_mla"]``: one latent cache per layer, the same on every TP rank) with any TP sizes
 that divide one another, each decode rank reading whole blocks from one prefill rank; hybrid
 attention+Mamba (Mamba2, Mamba1, GDN) models with different TP read by parts of their pages (``hybrid_tp``); else a
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
+from kvxfer.integrations.vllm.attn_format import TOKENS
+from kvxfer.integrations.vllm.block_sizes import block_size_problem, masked_regions
 from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
 from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
@@ -41,6 +44,8 @@ from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_me
 #: several TP ranks, each rank's metas name it (``rank_agent_name``)
 HANDSHAKE_VERSION = 4
 
+#: vLLM's layouts on which a decode rank reads a head range of a prefill rank's block (``tp_reads``).
+TP_LAYOUTS = ("LBHNC", "LBNHC")
 #: The most TP ranks a handshake may claim. Why: each rank's metas are listed and checked, and a decode
 #: rank walks the prefill ranks it maps to (``tp_mapping.target_ranks``); vLLM runs TP sizes up to 64.
 MAX_TP_SIZE = 1024
@@ -194,9 +199,11 @@ class EngineLayout:
         rank (no heads to split), so any rank's block is the whole block."""
         return self.model.get("use_mla") is True
 
-    def latent(self) -> str:
-        """One layer's latent block, as both sides must have it for an MLA read (``check_mla_pair``)."""
-        shapes = sorted({str(tuple(r.get("layer_shape") or ())) for r in self.regions})
+    def latent(self, any_block_size: bool = False) -> str:
+        """One layer's latent block, as both sides must have it for an MLA read (``check_mla_pair``);
+        ``any_block_size``: its tokens per block left out (``None``), for a pair of different block sizes."""
+        regions = masked_regions(self, tokens=True) if any_block_size else self.regions
+        shapes = sorted({str(tuple(r.get("layer_shape") or ())) for r in regions})
         dtypes = sorted({str(r.get("dtype")) for r in self.regions})
         layers = sum(int(r.get("layers") or 0) for r in self.regions)
         return f"MLA latent per layer {'/'.join(shapes)} {'/'.join(dtypes)} x {layers} layers"
@@ -366,10 +373,14 @@ def tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str]:
         return f"tensor parallelism, refused as NixlConnector refuses it ({exc})"
     sides = (f"prefill {describe_side('prefill', prefill.tp_size, heads, src_layout, prefill.block_size)}; "
              f"decode {describe_side('decode', decode.tp_size, heads, dst_layout, decode.block_size)}")
-    if src_layout != "LBHNC":
+    if src_layout not in TP_LAYOUTS:
         return (f"tensor parallelism on layout {src_layout}: KvxferConnector reads a head range only on LBHNC "
-                f"(HND), where a block's heads are contiguous ({sides})")
-    if _masked(prefill) != _masked(decode):
+                f"(HND: a head's tokens are one slab) or LBNHC (NHD: one run per token) ({sides})")
+    resized = prefill.block_size != decode.block_size  # ``block_size_problem`` decides on that
+    if src_layout == "LBNHC" and decode.model.get("kv_format", TOKENS) != TOKENS:
+        return (f"tensor parallelism on LBNHC with the attention kernel's packing {decode.model.get('kv_format')!r}: "
+                f"a head's bytes in a token are known here only for {TOKENS!r} ({sides})")
+    if masked_regions(prefill, heads=True, tokens=resized) != masked_regions(decode, heads=True, tokens=resized):
         return f"per-layer KV layout beyond the heads ({sides})"
     for lay in (prefill, decode):
         per_rank = max(1, heads // lay.tp_size)
@@ -385,12 +396,13 @@ def _mla_tp_problem(prefill: EngineLayout, decode: EngineLayout) -> Optional[str
         return (f"attention type: MLA on one side only (prefill use_mla={prefill.is_mla}, decode "
                 f"use_mla={decode.is_mla})")
     try:
-        check_mla_pair(src_tp=prefill.tp_size, dst_tp=decode.tp_size, src_latent=prefill.latent(),
-                       dst_latent=decode.latent(), src_block_size=prefill.block_size,
+        resized = prefill.block_size != decode.block_size  # ``block_size_problem`` decides on that
+        check_mla_pair(src_tp=prefill.tp_size, dst_tp=decode.tp_size, src_latent=prefill.latent(resized),
+                       dst_latent=decode.latent(resized), src_block_size=prefill.block_size,
                        dst_block_size=decode.block_size)
     except LayoutError as exc:
         return f"tensor parallelism, refused as NixlConnector refuses it ({exc})"
-    if [dict(r) for r in prefill.regions] != [dict(r) for r in decode.regions]:
+    if masked_regions(prefill, tokens=resized) != masked_regions(decode, tokens=resized):
         return f"MLA per-layer KV layout (prefill {prefill.latent()}; decode {decode.latent()})"
     return None
 
@@ -401,15 +413,6 @@ def _same_hybrid_model(prefill: EngineLayout, decode: EngineLayout) -> bool:
     drop = lambda model: {k: v for k, v in model.items() if k != "kv_groups"}  # noqa: E731
     return (prefill.is_hybrid and decode.is_hybrid and prefill.tp_size != decode.tp_size
             and drop(prefill.model) == drop(decode.model))
-
-
-def _masked(layout: EngineLayout) -> list[dict]:
-    """The regions' signatures without the heads per rank, which differ with the TP size."""
-    out = []
-    for region in layout.regions:
-        shape = list(region.get("layer_shape") or [])
-        out.append({**dict(region), "layer_shape": shape[:1] + [None] + shape[2:]})
-    return out
 
 
 def first_difference(theirs: EngineLayout, local: EngineLayout) -> Optional[str]:
@@ -424,12 +427,13 @@ def first_difference(theirs: EngineLayout, local: EngineLayout) -> Optional[str]
         problem = tp_problem(theirs, local)
         if problem is not None:
             return problem
-    if theirs.block_size != local.block_size:
-        return "block_size"
-    if theirs.tp_size == local.tp_size and [dict(r) for r in theirs.regions] != [dict(r) for r in local.regions]:
+    problem = block_size_problem(theirs, local, layout_name(local))
+    if problem is not None:
+        return problem
+    resized = theirs.block_size != local.block_size  # a prefill block read into part of a decode block
+    if theirs.tp_size == local.tp_size and \
+            masked_regions(theirs, tokens=resized) != masked_regions(local, tokens=resized):
         return "per-layer KV layout"
-    if (theirs.is_mla or local.is_mla) and theirs.latent() != local.latent() and theirs.tp_size == local.tp_size:
-        return f"MLA latent cache (prefill {theirs.latent()}; decode {local.latent()})"
     return None
 
 

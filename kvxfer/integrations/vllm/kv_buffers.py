@@ -23,8 +23,9 @@ block (so equal TP moves exactly what it moved before), and a head range ``h0..h
 ids ``b*H+h0 .. b*H+h1-1``: different TP (``tp_reads``) reads its heads with the existing
 whole-"block" reads, on both sides' own head counts. Other layouts keep one slab per block.
 
-Whole blocks are read, so the layout inside a block (NHD, HND, K and V interleaved) does
-not matter as long as both sides have the same one; ``layout_signature`` is what the
+Whole blocks are read with equal block sizes and TP, so the layout inside a block (NHD, HND, K and V
+interleaved, a kernel's packing) does not matter as long as both sides have the same one (a smaller
+prefill block or NHD across TP is read as parts: ``block_parts``); ``layout_signature`` is what the
 handshake compares, the memory order of the axes (``layout``) included. The number of blocks is not part of it: vLLM sizes each instance's
 pool by profiling its memory, so a prefill's and a decode's pools differ in length, and a
 block id is checked against the pool it names instead (the producer's ``num_blocks`` in the

@@ -7,8 +7,9 @@ confirmed off the engine's thread) -> the ticket's signature (without a cluster 
 key came in the handshake), instance, the two layouts, and the block ids against the
 producer's pool -> one ``begin_pull_blocks`` per KV region and prefill rank read from
 (``tp_reads``: this rank's own with equal TP; with different TP the ranks NixlConnector maps,
-reading only this rank's head slabs) with the producer's block ids from the ticket and the
-blocks vLLM allocated here, no read-done -> once every byte landed, one 8-byte read of the
+reading only this rank's head slabs, or on NHD its heads' runs) with the producer's block ids from the
+ticket and the blocks vLLM allocated here (a smaller prefill block: paired by token position,
+``block_sizes``, and read as parts into its place in the decode block), no read-done -> once every byte landed, one 8-byte read of the
 lease slot of each prefill rank this rank notifies, which carries the read-done labelled
 with this rank's reader index and count -> ``lease_holds`` on every rank read from ->
 reported in ``finished_recving``.
@@ -52,7 +53,8 @@ from kvxfer.integrations.vllm.handshake_cache import REFETCH_AFTER_S, HandshakeC
 from kvxfer.integrations.vllm.specs import MAMBA, LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 from kvxfer.integrations.vllm.hybrid_tp import PageRead
-from kvxfer.integrations.vllm.tp_reads import RankReads, SlabRead, notify_ranks, rank_reads, reader_label
+from kvxfer.integrations.vllm.block_sizes import sub_block_pairs
+from kvxfer.integrations.vllm.tp_reads import PartRead, RankReads, SlabRead, notify_ranks, rank_reads, reader_label
 from kvxfer.plan.parts import SlicePart
 
 logger = logging.getLogger("kvxfer.integrations.vllm")
@@ -186,6 +188,17 @@ def block_pairs(spec: LoadSpec, ticket: Ticket) -> "tuple[list[int], list[int]] 
     if isinstance(groups, str):
         return groups
     return [b for _, remote, _ in groups for b in remote], [b for _, _, local in groups for b in local]
+
+
+def load_pairs(spec: LoadSpec, ticket: Ticket, ratio: int, prefill_block: int
+               ) -> "list[tuple[list[int], list[int]]] | str":
+    """The producer's and this decode's block ids to read, paired in order: one pair of lists with equal
+    block sizes (``block_pairs``), else one per sub-block index (``block_sizes.sub_block_pairs``)."""
+    if ratio == 1 or spec.groups:  # a hybrid model's blocks are read whole (different sizes are refused)
+        paired = block_pairs(spec, ticket)
+        return paired if isinstance(paired, str) else [paired]
+    return sub_block_pairs(ticket.block_ids, spec.first_block, spec.local_block_ids, ratio, ticket.num_tokens,
+                           prefill_block)
 
 
 class Receiver:
@@ -350,16 +363,19 @@ class Receiver:
         load.marks["checked"] = self._clock()
         if not spec.local_block_ids:  # release only: no block to read, the lease read tells the producer
             return self._start_read(load)
-        paired = block_pairs(spec, ticket)
+        if ticket.block_size is not None and ticket.block_size != handshake.layout.block_size:
+            return self._refuse(load, f"the ticket was made with block_size {ticket.block_size}, the prefill's "
+                                      f"handshake says {handshake.layout.block_size}")
+        paired = load_pairs(spec, ticket, verdict.ratio, handshake.layout.block_size)
         if isinstance(paired, str):
             return self._refuse(load, paired)
-        remote, local = paired
+        remote = [b for src, _ in paired for b in src]
         pool = handshake.layout.num_blocks
         if remote and max(remote) >= pool:  # signed by the producer, but checked against what it serves
             return self._refuse(load, f"the ticket names block {max(remote)}, the prefill's pool has {pool} blocks")
-        if not local:
+        if not remote:
             return self._start_read(load)
-        self._post_data(load, remote, local)
+        self._post_data(load, paired)
 
     def _verdict(self, ticket: Ticket, handshake: Handshake) -> "RankReads | KVXferError":
         """This rank's reads of ``handshake`` or why it is refused: as the handshake cache worked it out off
@@ -374,14 +390,15 @@ class Receiver:
         check_compatible(self._layout, self._backend_name, handshake)
         return rank_reads(self._tp_rank, self._layout, handshake.layout)
 
-    def _post_data(self, load: _Load, remote: list[int], local: list[int]) -> None:
+    def _post_data(self, load: _Load, paired: "list[tuple[list[int], list[int]]]") -> None:
+        """``paired``: the blocks to read, one pair of id lists per sub-block index (``load_pairs``)."""
         ticket, handshake = load.ticket, load.handshake
         assert ticket is not None and handshake is not None
         assert load.reads is not None
-        if self._post_chained(load, remote, local):
+        if len(paired) == 1 and self._post_chained(load, *paired[0]):
             return
         labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
-        for read, region, src_ids, dst_ids, parts in self._data_reads(load, remote, local):
+        for read, region, src_ids, dst_ids, parts in self._data_reads(load, paired):
             backend, meta = self._regions[region], handshake.rank_kv_metas[read.src_rank][region]
             try:
                 source = self._prepared.get(handshake, ("kv", read.src_rank, region), backend, meta)
@@ -399,11 +416,12 @@ class Receiver:
         load.marks["data_posted"] = self._clock()
         self._start_read(load)
 
-    def _data_reads(self, load: _Load, remote: list[int], local: list[int]) -> Iterator[
+    def _data_reads(self, load: _Load, paired: "list[tuple[list[int], list[int]]]") -> Iterator[
             tuple[Any, int, list[int], list[int], Optional[tuple[SlicePart, ...]]]]:
         """Each data read to post: ``(read, region, src ids, dst ids, parts)``. A slab read (one per
-        prefill rank read from, one with equal TP) reads its slabs of every region; a page read (a
-        hybrid model with different TP) reads its parts of each group's pages."""
+        prefill rank read from, one with equal TP) reads its slabs of every region; a part read (NHD
+        across TP, a smaller prefill block) the parts of its slabs, per sub-block index; a page read (a
+        hybrid model with different TP) its parts of each group's pages."""
         assert load.reads is not None and load.ticket is not None and load.handshake is not None
         groups = None
         for read in load.reads.reads:
@@ -419,9 +437,15 @@ class Receiver:
                         yield read, 0, src_ids, dst_ids, parts
                 continue
             if isinstance(read, SlabRead):
-                src_ids, dst_ids = read.ids(remote, local)
+                src_ids, dst_ids = read.ids(*paired[0])
                 for region in range(regions):  # each region with its meta (parse_handshake: one per region)
                     yield read, region, src_ids, dst_ids, None
+            elif isinstance(read, PartRead):
+                for (remote, local), parts in zip(paired, read.parts):  # sub-block j: its blocks, its parts
+                    if remote:
+                        src_ids, dst_ids = read.slabs.ids(remote, local)
+                        for region in range(regions):
+                            yield read, region, src_ids, dst_ids, parts
 
     def _post_chained(self, load: _Load, remote: list[int], local: list[int]) -> bool:
         """One region read from one prefill rank that is also the one rank told "done" (equal TP):

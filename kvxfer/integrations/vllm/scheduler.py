@@ -306,7 +306,8 @@ class KvxferScheduler:
         )
         assert self._ticket_key is not None
         sign_ticket(out, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.cfg.backend_name,
-                          "prompt": prompt_digest(request.prompt_token_ids, num_tokens)}, self._ticket_key)
+                          "prompt": prompt_digest(request.prompt_token_ids, num_tokens),
+                          "block_size": self.block_size}, self._ticket_key)  # bounds the ids before the handshake
         self._slot_of[request.request_id] = slot
         self._sends.append(SendSpec(request.request_id, tuple(b for ids in remote_block_ids for b in ids), slot, lease))
         return True, out

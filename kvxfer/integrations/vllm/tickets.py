@@ -105,6 +105,9 @@ class Ticket:
     raw: Mapping[str, Any]
     #: a hybrid model's ids per transfer group (``block_ids`` is then the first group's); else empty
     groups: tuple[tuple[int, ...], ...] = ()
+    #: the producer's block size (``kvxfer.block_size``), None from a producer that does not say it: the
+    #: decode's own is assumed (a different one is refused at the handshake, ``block_sizes``)
+    block_size: Optional[int] = None
 
     def verify(self, key: bytes) -> None:
         """``PeerMetadataError`` unless the ticket was signed with ``key`` and is unchanged."""
@@ -200,8 +203,9 @@ def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: O
     """Schema-check a decode request's ``kv_transfer_params``; ``PeerMetadataError`` names the field.
 
     ``remote_num_tokens`` is bounded by ``max_tokens`` (the decode's prompt, when known) and
-    the block-id list by the blocks those tokens fill (``block_size``, plus the one the
-    producer may have allocated for the token it sampled), checked before the ids are read.
+    the block-id list by the blocks those tokens fill (the ticket's own ``kvxfer.block_size``, the
+    producer's, else ``block_size``; plus the one the producer may have allocated for the token it
+    sampled), checked before the ids are read.
     ``groups``: a hybrid model's transfer groups (``group_block_ids_of``); with a Mamba group the
     ticket must hold fewer tokens than the prompt, since vLLM recomputes the last loaded prompt token
     and a state that already holds it would advance twice."""
@@ -226,6 +230,10 @@ def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: O
             "state the prefill must stop one token short (KvxferConnector's producer does), since the decode "
             "recomputes the last prompt token: run KvxferConnector on the prefill"
         )
+    theirs = ticket.get("block_size")
+    if theirs is not None:  # the producer's blocks may be smaller than ours (``block_sizes``): bound by its own
+        theirs = _int(ticket, "block_size", 1, 1 << 24)
+        block_size = theirs
     max_blocks = -(-num_tokens // block_size) + 1 if block_size else num_tokens + 1
     per_group = group_block_ids_of(params.get("remote_block_ids"), groups, num_tokens) if groups else ()
     return Ticket(
@@ -243,6 +251,7 @@ def parse_ticket(params: Any, *, block_size: Optional[int] = None, max_tokens: O
         backend=_str(ticket, "backend"),
         raw=params,
         groups=per_group,
+        block_size=theirs,
     )
 
 

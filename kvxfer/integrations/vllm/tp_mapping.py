@@ -106,7 +106,8 @@ def check_tp_pair(*, src_tp: int, dst_tp: int, total_kv_heads: int, src_layout: 
     """Refuse what NixlConnector refuses (and what kvxfer cannot read byte-exact), naming both sides.
 
     ``*_layout`` are vLLM's layout names (``LBHNC`` = HND, ``LBNHC`` = NHD, or a legacy shape);
-    NixlConnector's optional LBHNC->LBNHC permute after the read is not done here.
+    NixlConnector's optional LBHNC->LBNHC permute after the read is not done here. Block sizes are named
+    only; whether they pair is ``block_sizes``' rule.
     """
     sides = (f"prefill {describe_side('prefill', src_tp, total_kv_heads, src_layout, src_block_size)}; "
              f"decode {describe_side('decode', dst_tp, total_kv_heads, dst_layout, dst_block_size)}")
@@ -123,8 +124,6 @@ def check_tp_pair(*, src_tp: int, dst_tp: int, total_kv_heads: int, src_layout: 
     if src_layout != dst_layout:
         raise LayoutError(f"different KV cache layouts ({src_layout} vs {dst_layout}); heads cannot be read in "
                           f"place: {sides}")
-    if src_block_size != dst_block_size:
-        raise LayoutError(f"different block sizes ({src_block_size} vs {dst_block_size}): {sides}")
 
 
 def mla_source_rank(dst_rank: int, dst_tp: int, src_tp: int) -> int:
@@ -137,14 +136,13 @@ def mla_source_rank(dst_rank: int, dst_tp: int, src_tp: int) -> int:
 def check_mla_pair(*, src_tp: int, dst_tp: int, src_latent: str, dst_latent: str, src_block_size: int,
                    dst_block_size: int) -> None:
     """Refuse an MLA pair NixlConnector refuses, naming both sides: TP sizes that do not divide one
-    another, different latent blocks (``*_latent`` describe one layer's block on each side), block sizes."""
+    another, different latent blocks (``*_latent`` describe one layer's block on each side; block sizes are
+    ``block_sizes``' rule)."""
     sides = f"prefill TP {src_tp}, {src_latent}; decode TP {dst_tp}, {dst_latent}"
     if min(src_tp, dst_tp) < 1 or max(src_tp, dst_tp) % min(src_tp, dst_tp):
         raise LayoutError(f"MLA: TP sizes {src_tp} and {dst_tp} do not divide one another: {sides}")
     if src_latent != dst_latent:
         raise LayoutError(f"MLA: different latent cache per block, a replicated cache is read whole: {sides}")
-    if src_block_size != dst_block_size:
-        raise LayoutError(f"MLA: different block sizes ({src_block_size} vs {dst_block_size}): {sides}")
 
 
 def plan_rank_reads(*, dst_rank: int, dst_tp: int, src_tp: int, total_kv_heads: int,

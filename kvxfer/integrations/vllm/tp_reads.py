@@ -5,8 +5,10 @@ Different TP is NixlConnector's mapping (``tp_mapping.plan_rank_reads``) turned 
 *head slabs*: on ``LBHNC`` each region is registered one slab per head (``kv_buffers``), so
 heads ``h0..h0+n-1`` of block ``b`` on a side with ``H`` heads per rank are backend ids
 ``b*H+h0 .. b*H+h0+n-1``, and the existing whole-"block" reads fetch exactly a rank's heads,
-byte-exact, with each side using its own ``H``. Only ``LBHNC`` has a head's bytes contiguous in
-a block; the handshake refuses different TP on other layouts (``handshake.tp_problem``).
+byte-exact, with each side using its own ``H``. On ``LBNHC`` (NHD) a head's bytes are not contiguous
+in a block: a decode rank reads its head range as one run per token (``PartRead``, ``block_parts``); the
+handshake refuses different TP on other layouts (``handshake.tp_problem``). A prefill block smaller than
+the decode's (``block_sizes``) is read as parts too: each prefill slab into its sub-block of a decode slab.
 MLA has no heads to split: every rank holds the same latent cache, so a decode rank reads its
 whole blocks from one prefill rank (``tp_mapping.mla_source_rank``) and still tells every
 prefill rank it maps to that it is done, as NixlConnector does. A hybrid attention+Mamba2 model's
@@ -28,6 +30,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from kvxfer.integrations.vllm.attn_format import CPU_VEC, TOKENS
+from kvxfer.integrations.vllm.block_parts import Parts, cpu_vec_parts, itemsize, nhd_head_parts, sub_block_parts
+from kvxfer.integrations.vllm.block_sizes import block_ratio
 from kvxfer.integrations.vllm.hybrid_tp import PageRead, page_reads
 from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
 from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
@@ -76,6 +81,19 @@ class SlabRead:
 
 
 @dataclass(frozen=True)
+class PartRead:
+    """The slabs ``slabs`` names, but only byte ranges of each (``block_parts``): ``parts[j]`` for a prefill
+    block that is sub-block ``j`` of its decode block (one entry with equal block sizes)."""
+
+    slabs: SlabRead
+    parts: tuple[Parts, ...]
+
+    @property
+    def src_rank(self) -> int:
+        return self.slabs.src_rank
+
+
+@dataclass(frozen=True)
 class Notify:
     """Prefill rank ``rank`` hears "done" from this decode rank as reader ``reader`` of ``readers``."""
 
@@ -86,8 +104,9 @@ class Notify:
 
 @dataclass(frozen=True)
 class RankReads:
-    reads: "tuple[SlabRead | PageRead, ...]"
+    reads: "tuple[SlabRead | PartRead | PageRead, ...]"
     notify: tuple[Notify, ...]
+    ratio: int = 1  # prefill blocks per decode block (``block_sizes``)
 
 
 def _slabs(regions: Sequence[Mapping]) -> int:
@@ -112,10 +131,33 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
     notify = notify_ranks(tp_rank, local.tp_size, remote.tp_size)
     if remote.tp_size != local.tp_size and remote.is_hybrid:  # parts of its pages (``hybrid_tp``)
         return RankReads(page_reads(tp_rank, remote, local), notify)
+    ratio = block_ratio(remote, local)
     if remote.tp_size == local.tp_size or remote.is_mla:
         source = mla_source_rank(tp_rank, local.tp_size, remote.tp_size)  # its own rank with equal TP
-        return RankReads((SlabRead(source, 0, 0, dst_slabs, src_slabs, dst_slabs),), notify)
-    plan = plan_rank_reads(dst_rank=tp_rank, dst_tp=local.tp_size, src_tp=remote.tp_size,
-                           total_kv_heads=int(local.model["num_kv_heads"]))
-    reads = tuple(SlabRead(r.src_rank, r.src_head, r.dst_head, r.num_heads, src_slabs, dst_slabs) for r in plan.reads)
-    return RankReads(reads, notify)
+        reads = [SlabRead(source, 0, 0, dst_slabs, src_slabs, dst_slabs)]
+    else:
+        plan = plan_rank_reads(dst_rank=tp_rank, dst_tp=local.tp_size, src_tp=remote.tp_size,
+                               total_kv_heads=int(local.model["num_kv_heads"]))
+        reads = [SlabRead(r.src_rank, r.src_head, r.dst_head, r.num_heads, src_slabs, dst_slabs) for r in plan.reads]
+    if _layout(local) == "LBNHC" and (ratio > 1 or remote.tp_size != local.tp_size) and not remote.is_mla:
+        # a head range or a sub-block of an NHD block: whole blocks (one slab each), read by runs
+        heads = [(r.src_first, r.dst_first, r.count) if remote.tp_size != local.tp_size
+                 else (0, 0, int(local.regions[0]["layer_shape"][1])) for r in reads]
+        return RankReads(tuple(PartRead(SlabRead(r.src_rank, 0, 0, 1, 1, 1), nhd_head_parts(
+            remote.regions[0], local.regions[0], src_tokens=remote.block_size, dst_tokens=local.block_size,
+            src_head=h[0], dst_head=h[1], num_heads=h[2])) for r, h in zip(reads, heads)), notify, ratio)
+    if ratio > 1:  # each prefill slab (a head's tokens, or a whole block) into its sub-block of a decode slab
+        region = remote.regions[0]
+        if local.model.get("kv_format", TOKENS) == CPU_VEC:  # K transposed, then V (``attn_format``)
+            parts = cpu_vec_parts(ratio, src_tokens=remote.block_size, head_size=int(region["layer_shape"][-1]) // 2,
+                                  item=itemsize(region))
+        else:
+            slab = remote.block_size * int(region["layer_shape"][-1]) * itemsize(region)
+            parts = sub_block_parts(ratio, slab * (int(region["layer_shape"][1]) if src_slabs == 1 else 1))
+        return RankReads(tuple(PartRead(r, parts) for r in reads), notify, ratio)
+    return RankReads(tuple(reads), notify)
+
+
+def _layout(layout) -> str:
+    names = {str(r.get("layout")) for r in layout.regions}
+    return names.pop() if len(names) == 1 else "?"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
+from kvxfer.integrations.vllm.attn_format import attention_facts
 from kvxfer.integrations.vllm.config import KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, Handshake, rank_agent_name
 from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
@@ -74,9 +75,11 @@ def kv_group_facts(kv_cache_config: "KVCacheConfig", kv_caches: Optional[dict[st
 
 
 def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"] = None,
-                 kv_caches: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+                 kv_caches: Optional[dict[str, torch.Tensor]] = None, block_size: Optional[int] = None
+                 ) -> dict[str, Any]:
     """The model facts both sides must share for their KV bytes to mean the same (a hybrid model's
-    groups too: a mismatch is refused by ``check_compatible`` before any byte moves)."""
+    groups too, and the attention backend with its packing of a block, ``attn_format``: a mismatch is
+    refused by ``check_compatible`` before any byte moves)."""
     mc = vllm_config.model_config
     facts = {
         "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
@@ -86,6 +89,7 @@ def engine_model(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheCo
         "dtype": str(mc.dtype).removeprefix("torch."),
         "kv_dtype": str(vllm_config.cache_config.cache_dtype),
         "use_mla": bool(getattr(mc, "use_mla", False)),  # one latent cache per layer: read whole, any TP
+        **attention_facts(vllm_config, block_size or vllm_config.cache_config.block_size),
     }
     if kv_cache_config is not None and is_hybrid(kv_cache_config):
         facts["kv_groups"] = kv_group_facts(kv_cache_config, kv_caches)
@@ -155,7 +159,8 @@ class KvxferWorker:
         else:
             regions = kv_regions(kv_caches, num_blocks)
         signature = layout_signature(regions, self.block_size)
-        self.layout = EngineLayout(model=engine_model(self.vllm_config, self.kv_cache_config, kv_caches),
+        self.layout = EngineLayout(model=engine_model(self.vllm_config, self.kv_cache_config, kv_caches,
+                                                      self.block_size),
                                    tp_size=self.tp_size,
                                    pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
                                    block_size=self.block_size, regions=tuple(signature["regions"]),
