@@ -19,7 +19,7 @@ from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
 from kvxfer.integrations.vllm.handshake import (EngineLayout, build_handshake, check_compatible, parse_handshake,
                                                 rank_agent_name)
 from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
-from kvxfer.integrations.vllm.leases import LeaseSlots
+from kvxfer.handoff.guard import LeaseSlots
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, fetch_handshake
 from kvxfer.integrations.vllm.tickets import derive_ticket_key, parse_ticket, prompt_digest, sign_ticket
 
@@ -157,6 +157,40 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConnectorConfigError, match="pin_grace_s"):
         KvxferConfig.from_extra_config({"pin_grace_s": 0})
     assert KvxferConfig.from_extra_config({"backend": "UCX", "kv_ip": "0.0.0.0"}).remote_host == "127.0.0.1"
+
+
+def test_the_backend_is_chosen_by_what_its_class_can_do_not_by_name(monkeypatch):
+    """``backend``: any registered class that reads another process's pool one-sided qualifies; the error names
+    why a class does not and which do (``connector_backends``, from the registry)."""
+    import kvxfer.backends as registry
+    from kvxfer.integrations.vllm.config import backend_problem, connector_backends
+
+    assert connector_backends() == ["nixl", "ucx"]
+    with pytest.raises(ConnectorConfigError, match="reads only its own process's memory.*one of \\['nixl', 'ucx'\\]"):
+        KvxferConfig.from_extra_config({"backend": "local"})
+    with pytest.raises(ConnectorConfigError, match="pushes blocks from the prefill"):
+        KvxferConfig.from_extra_config({"backend": "nccl"})
+    with pytest.raises(ConnectorConfigError, match="unknown backend 'rdma-x'"):
+        KvxferConfig.from_extra_config({"backend": "rdma-x"})
+    real = registry.construct_kv_transfer_backend_class
+
+    class Puller:  # a third party's one-sided backend: only its answers matter
+        is_push, reads_other_processes = False, True
+
+    monkeypatch.setattr(registry, "construct_kv_transfer_backend_class",
+                        lambda name: Puller if name == "rdma-x" else real(name))
+    assert backend_problem("rdma-x") is None
+    assert KvxferConfig.from_extra_config({"backend": "rdma-x"}).backend_name == "rdma-x"
+
+
+def test_modules_log_under_their_own_names():
+    """``logging.getLogger(__name__)`` in every module of the package: a name typed by hand drifts."""
+    from pathlib import Path
+
+    import kvxfer.integrations.vllm as package
+
+    typed = [f.name for f in Path(package.__file__).parent.glob("*.py") if 'getLogger("' in f.read_text()]
+    assert typed == []
 
 
 def layout(tp=1, heads=2, block=32, num_blocks=1024):

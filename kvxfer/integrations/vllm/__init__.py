@@ -11,9 +11,9 @@ this package (configuration, signed handoff tickets, the handshake) import witho
 
 Modules: ``config`` (extra-config parsing), ``tickets`` (the signed ``kv_transfer_params``),
 ``handshake`` and ``side_channel`` (the per-instance meta exchange), ``kv_buffers`` (vLLM's
-KV tensors -> one kvxfer registration), ``leases`` (the torn-read-safe pin check),
-``scheduler`` (scheduler role), ``worker`` / ``sender`` / ``receiver`` (worker role),
-``stats``, ``connector`` (the facade vLLM instantiates).
+KV tensors -> one kvxfer registration), ``scheduler`` (scheduler role), ``worker`` / ``sender`` / ``receiver`` (worker role),
+``stats``, ``connector`` (the facade vLLM instantiates); ``README.md`` has the reading order. The
+torn-read-safe pin check (leases) is the library's: ``kvxfer.handoff.guard``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,35 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA
 
-#: Backends the connector can drive: one-sided reads with a read-done to the source.
-SUPPORTED_BACKENDS = ("nixl", "ucx")
+
+
+def backend_problem(name: str) -> Optional[str]:
+    """Why kvxfer backend ``name`` cannot move this connector's blocks, or None. The connector reads the
+    prefill's pool from the decode's process, one-sided, with a read-done to the source, so it asks the
+    backend class the registry returns (``kvxfer.backends``): ``is_push`` False and ``reads_other_processes``
+    True. No list of names: a backend added to the registry with those answers qualifies."""
+    from kvxfer.backends import construct_kv_transfer_backend_class
+    from kvxfer.errors import BackendUnavailableError
+
+    try:
+        cls = construct_kv_transfer_backend_class(name)
+    except BackendUnavailableError as exc:
+        return str(exc)
+    if getattr(cls, "is_push", False) is not False:
+        return f"backend {name!r} pushes blocks from the prefill; KvxferConnector's decode reads them (one-sided)"
+    if getattr(cls, "reads_other_processes", True) is not True:
+        return f"backend {name!r} reads only its own process's memory; a prefill and a decode are two processes"
+    return None
+
+
+def connector_backends() -> list[str]:
+    """The registered backends that qualify (``backend_problem`` None), for an error message."""
+    from kvxfer.backends import available_backends
+
+    return sorted(info.name for info in available_backends() if backend_problem(info.name) is None)
 
 
 class ConnectorConfigError(ValueError):
@@ -75,7 +100,8 @@ def check_kv_cache_groups(group_specs: Sequence[Sequence[str]]) -> tuple[str, ..
 class KvxferConfig:
     """What ``kv_connector_extra_config`` may set (all optional)."""
 
-    #: kvxfer backend moving the blocks: ``nixl`` or ``ucx``; both sides must use the same.
+    #: kvxfer backend moving the blocks (``backend_problem`` says which qualify: ``nixl``, ``ucx``); both sides
+    #: must use the same.
     backend: str = "nixl"
     #: Address the producer's handshake listener binds, and the host decodes are told to
     #: connect to (``remote_host``). The port is ``KVTransferConfig.kv_port`` (+ the DP index);
@@ -85,7 +111,7 @@ class KvxferConfig:
     advertise_host: Optional[str] = None
     #: A pull that has not completed in this time is aborted and reported as a load failure
     #: (once no byte can still land).
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     #: Fetching a producer's metas over its side channel gives up after this.
     handshake_timeout_s: float = 10.0
     #: A producer frees an exported request's blocks without a read-done after this: safe,
@@ -114,10 +140,12 @@ class KvxferConfig:
         return cfg
 
     def check(self) -> None:
-        if not isinstance(self.backend, str) or self.backend.strip().lower() not in SUPPORTED_BACKENDS:
+        problem = backend_problem(self.backend) if isinstance(self.backend, str) and self.backend.strip() \
+            else "not a backend name"
+        if problem is not None:
             raise ConnectorConfigError(
-                f"kv_connector_extra_config 'backend' is {self.backend!r}; KvxferConnector moves KV with "
-                f"one of {list(SUPPORTED_BACKENDS)}"
+                f"kv_connector_extra_config 'backend' is {self.backend!r} ({problem}); KvxferConnector moves KV "
+                f"with one of {connector_backends()}"
             )
         for name in ("transfer_timeout_s", "handshake_timeout_s", "pin_grace_s"):
             value = getattr(self, name)

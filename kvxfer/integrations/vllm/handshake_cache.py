@@ -38,7 +38,7 @@ from kvxfer.integrations.vllm.handshake import Handshake, check_compatible, pars
 from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
 from kvxfer.integrations.vllm.tp_reads import rank_reads
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 #: A failed fetch (or confirmation) is not retried for this long.
 FAILED_KEPT_S = 3.0

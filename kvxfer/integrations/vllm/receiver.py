@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from kvxfer.backends.base import ChainedGuard, TransferHandle, TransferStartError, abort_parts
+from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.errors import KVXferError, TransferError
 from kvxfer.handoff.poll import KVPoll
 from kvxfer.handoff.guard import (
@@ -57,7 +58,7 @@ from kvxfer.integrations.vllm.block_sizes import sub_block_pairs
 from kvxfer.integrations.vllm.tp_reads import PartRead, RankReads, SlabRead, notify_ranks, rank_reads, reader_label
 from kvxfer.plan.parts import SlicePart
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 RECENT = 4096  # handoff records kept for stats()
 
@@ -204,7 +205,7 @@ def load_pairs(spec: LoadSpec, ticket: Ticket, ratio: int, prefill_block: int
 class Receiver:
     def __init__(self, *, tp_rank: int, backend_name: str, layout: EngineLayout, regions: Sequence[Any],
                  scratch_backend: Any, scratch: torch.Tensor, handshakes: HandshakeCache,
-                 cluster_key: Optional[bytes], handshake_timeout_s: float, transfer_timeout_s: float = 30.0,
+                 cluster_key: Optional[bytes], handshake_timeout_s: float, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
                  spin_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._tp_rank = tp_rank
         self._backend_name = backend_name

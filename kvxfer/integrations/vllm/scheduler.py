@@ -31,9 +31,9 @@ import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from kvxfer.errors import KVXferError
+from kvxfer.handoff.guard import LeaseSlots
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
-from kvxfer.integrations.vllm.leases import LeaseSlots
 from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHandshakeMetadata, LoadSpec,
                                                SendSpec)
 from kvxfer.integrations.vllm.side_channel import HandshakeListener, local_only_policy
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:

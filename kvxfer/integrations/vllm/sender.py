@@ -6,7 +6,7 @@ reader is in flight), or after ``pin_grace_s`` without all of them (a decode tha
 never came). A request has one reader per prefill rank with equal TP; with a decode of
 larger TP it has ``decode TP / prefill TP``, and each labels its reads with its index and
 that count (``tp_reads.reader_label``), so the count travels with the read-done.
-The last is safe only because of the lease (``kvxfer.integrations.vllm.leases``, the lease-slot
+The last is safe only because of the lease (``kvxfer.handoff.guard``, the lease-slot
 guard of ``kvxfer.handoff.guard``): the slot is revoked *before* vLLM gets the blocks back,
 and every reader checks the slot after its data. Reports are per request id (vLLM's, which
 the ticket names), drained from every registration the reads touch: the KV regions (failures)
@@ -27,7 +27,7 @@ from kvxfer.handoff.guard import pin_lease, revoke_lease
 from kvxfer.integrations.vllm.specs import SendSpec
 from kvxfer.integrations.vllm.tp_reads import parse_reader_label
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 _EARLY_KEEP = 4096  # requests with reports that came before their pin (kept so the pin goes at the right one)
 

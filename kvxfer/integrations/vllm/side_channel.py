@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 from kvxfer.errors import PeerMetadataError
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 MAX_HANDSHAKE_BYTES = 16 << 20
 REQUEST = b"KVXFER-VLLM-HANDSHAKE/2\n"

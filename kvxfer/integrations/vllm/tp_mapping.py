@@ -35,7 +35,7 @@ from kvxfer.errors import LayoutError
 from kvxfer.plan.layout import KVShardLayout
 from kvxfer.plan.reshard import kv_transfer_between
 
-log = logging.getLogger("kvxfer.integrations.vllm.tp_mapping")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger("kvxfer.integrations.vllm")
+logger = logging.getLogger(__name__)
 
 
 def is_hybrid(kv_cache_config: "KVCacheConfig") -> bool:
