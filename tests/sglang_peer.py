@@ -3,7 +3,9 @@
 The rank is kvxfer's own (``kvxfer.bench.sglang_rank``, which ``kvxfer bench-sglang`` runs too; built by
 ``kvxfer.bench.sglang_build``: every manager made by SGLang's own queues, the stand-ins saying what they carry).
 This file adds the tests' token-exact generation: ``model_prefill`` / ``model_decode``, a tiny decoder whose KV
-lives in SGLang's ``MHATokenToKVPool``.
+lives in SGLang's ``MHATokenToKVPool``; and for Mamba state across attention TP sizes ``state_slot`` (one slot's
+bytes of every state tensor, with what SGLang states of it) and ``slice_oracle`` (SGLang's own byte blocks for a
+pair of ranks, ``compute_mamba_state_slice_byte_blocks``: what its nixl writes, the test's reference).
 """
 
 from __future__ import annotations
@@ -104,5 +106,29 @@ def model_decode(cmd, backend, manager, pool, kv_args) -> dict:
     return {"tokens": generate(model_for_pool(), pool, cmd["pages"], cmd["prompt_len"], first, cmd["new_tokens"])}
 
 
+def state_slot(cmd, backend, manager, pool, kv_args) -> dict:
+    """Slot ``cmd["slot"]`` of every state tensor, per component: its bytes (hex), item length, TP-sharded axis,
+    rows before that axis and conv sub-blocks, as SGLang's ``setup_state_kv_args`` stated them in ``KVArgs``."""
+    from kvxfer.integrations.sglang.regions import raw_view
+
+    slot, out = int(cmd["slot"]), []
+    for c, (ptrs, items) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_item_lens)):
+        dims, outer = kv_args.state_dim_per_tensor[c], kv_args.state_slice_outer_counts[c]
+        groups = kv_args.state_conv_shard_groups[c]
+        out.append([{"hex": raw_view(ptr + slot * item, item, "cpu").numpy().tobytes().hex(), "item_len": item,
+                     "dim": dims[j], "outer": outer[j] if outer else 1, "groups": groups[j] if groups else None}
+                    for j, (ptr, item) in enumerate(zip(ptrs, items))])
+    return {"state": out}
+
+
+def slice_oracle(cmd, backend, manager, pool, kv_args) -> dict:
+    """SGLang's byte blocks ``(src_offset, dst_offset, bytes)`` of one state slot for one (prefill rank, decode
+    rank) pair: ``compute_mamba_state_slice_byte_blocks``, which its nixl backend writes by."""
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_byte_blocks
+
+    return {"blocks": [list(b) for b in compute_mamba_state_slice_byte_blocks(**cmd["args"])]}
+
+
 if __name__ == "__main__":
-    main(extra_ops={"model_prefill": model_prefill, "model_decode": model_decode})
+    main(extra_ops={"model_prefill": model_prefill, "model_decode": model_decode, "state_slot": state_slot,
+                    "slice_oracle": slice_oracle})

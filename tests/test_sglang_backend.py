@@ -131,9 +131,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
        tokens the prefill produced co-located, and other tokens without the prompt's KV;
     3. nothing left in any table on either side;
     4. a decode whose pool differs is refused, naming what differs (other heads: each layer's page
-       length, from SGLang's item lengths); a decode of another attention TP size (rank 0 of TP 2) that
-       holds Mamba state is refused at bootstrap naming both sizes (kvxfer does not slice state across TP;
-       KV across TP sizes is ``test_sglang_tp.py``), with nothing read or kept;
+       length, from SGLang's item lengths); a decode of another attention TP size (rank 0 of TP 2) whose
+       Mamba state does not split as the TP sizes say is refused at the HELLO naming the state tensor and both
+       layouts (KV across TP sizes is ``test_sglang_tp.py``, Mamba state ``test_sglang_tp_mamba.py``), with
+       nothing read or kept;
     5. the decode aborts two rooms at once: both sides conclude, the prefill's pages are freed and
        no table keeps an entry;
     6. the decode is SIGKILLed with its first page read in flight (one room mid-read, one published
@@ -208,18 +209,24 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
             lens = ", ".join(["256"] * 6), ", ".join(["512"] * 6)
             assert f"kv_item_lens: prefill=[{lens[0]}] decode=[{lens[1]}]" in reason, reason
 
-        # a decode of attention TP 2 (rank 0) with Mamba state bootstraps against the TP-1 prefill: refused before
-        # any receiver (kvxfer does not slice state across TP sizes)
+        # a decode of attention TP 2 (rank 0) whose Mamba state does not split as TP 1 -> 2 (one Mamba2 group: its
+        # conv state's sharded axis is 48 on a TP-1 rank, 32 on a TP-2 rank) is refused at the HELLO, naming the
+        # tensor and both layouts, with nothing read (Mamba state that splits: test_sglang_tp_mamba.py)
         began = time.monotonic()
-        refused = other.ask(op="receive", manager="tp2", bootstrap=bootstrap, rooms=rooms_plan(310, 1)[1], timeout=15)
-        assert "attn_tp_size=1" in refused.get("refused", "") and "attn_tp_size=2" in refused["refused"], refused
-        assert "does not slice state" in refused["refused"] and "mamba" in refused["refused"], refused
+        serve, receive = rooms_plan(310, 1)
+        prefill.send(op="serve", rooms=serve, timeout=5)
+        refused = other.ask(op="receive", manager="tp2", bootstrap=bootstrap, rooms=receive, timeout=15)
+        prefill.read()
+        reason = refused["rooms"]["310"]["reason"] or ""
+        assert refused["rooms"]["310"]["status"] == FAILED, refused
+        assert "mamba state tensor 0" in reason and "48 x TP 1" in reason and "32 x TP 2" in reason, reason
+        assert "attn_tp_size=1" in reason and "attn_tp_size=2" in reason, reason
         tp2 = other.ask(op="sizes", manager="tp2")
-        assert tp2["attn_tp_size"] == 2 and tp2["prefill_info_table"] == 0, tp2  # not cached as usable
-        assert not any(tp2["sizes"].values()) and not any(tp2["counters"].values()), tp2  # nothing read or kept
+        assert tp2["attn_tp_size"] == 2 and not any(tp2["sizes"].values()), tp2  # nothing kept
+        assert tp2["counters"]["descriptors"] == 0 and tp2["counters"]["chunks_pulled"] == 0, tp2  # nothing read
         _assert_no_unset_reads(other)  # its mismatched and TP-2 managers, made by SGLang's decode queue too
         print(f"{backend}: TP 2 decode refused in {time.monotonic() - began:.2f}s (manager built on first use): "
-              f"{refused['refused']}")
+              f"{reason}")
 
         serve, receive = rooms_plan(200, 2)  # the decode aborts right after publishing its pages
         prefill.send(op="serve", rooms=serve, timeout=20)

@@ -48,6 +48,51 @@ def read_page(src: np.ndarray, dst: np.ndarray, parts) -> None:
         dst[p.dst_offset:p.dst_offset + p.length] = src[p.src_offset:p.src_offset + p.length]
 
 
+def mamba(tp: int, rank: int, heads: int, role: str, *, dims, outer=(1, 1), groups=(None, None), elem=4, mla=False):
+    """A layout with one Mamba component of two tensors (a conv state, a temporal state) of one layer: each slot
+    ``outer`` rows of its TP-sharded axis (``dims``, this rank's size of it) of ``elem``-byte units."""
+    return layout(tp, rank, heads, role=role, mla=mla, state_types=["mamba"],
+                  state_item_lens=[[d * o * elem for d, o in zip(dims, outer)]], state_dims=[list(dims)],
+                  state_outer_counts=[list(outer)], state_conv_groups=[list(groups)])
+
+
+def shard(full: np.ndarray, tp: int, rank: int, groups) -> np.ndarray:
+    """A rank's slot of a state tensor, as SGLang's ranks hold it: ``full`` is ``[outer, axis, unit]``; the axis
+    is one block sharded by TP, or sub-blocks (``groups``, their full sizes) each sharded apart, concatenated."""
+    subs, at, out = groups or [full.shape[1]], 0, []
+    for size in subs:
+        per = size // tp
+        out.append(full[:, at + rank * per:at + (rank + 1) * per])
+        at += size
+    return np.concatenate(out, axis=1).reshape(-1)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4)])
+@pytest.mark.parametrize("groups,outer", [((None, None), (1, 1)), (([16, 16, 32], None), (1, 1)),
+                                          ((None, None), (3, 2))])
+def test_each_decode_rank_ends_up_holding_exactly_its_mamba_state(tp_p, tp_d, groups, outer):
+    """A conv state (its axis 64 in all, plain or three sub-blocks each sharded apart as GDN's) and a temporal
+    state (8 heads), ``outer`` rows each, split as SGLang's ranks hold them: every decode rank reads from the
+    prefill ranks SGLang pairs it with, through ``plan_pair``'s state parts: its slot is its shard, byte for byte."""
+    rng = np.random.default_rng(tp_p * 10 + tp_d + outer[0])
+    full = [rng.integers(0, 256, size=(o, n, 4), dtype=np.uint8) for o, n in zip(outer, (64, 8))]
+
+    def side(tp, rank, role):
+        return mamba(tp, rank, 4, role, dims=[64 // tp, 8 // tp], outer=outer, groups=groups)
+
+    for d in range(tp_d):
+        sources = [d // (tp_d // tp_p)] if tp_d >= tp_p else list(range(d * (tp_p // tp_d), (d + 1) * (tp_p // tp_d)))
+        for j, tensor in enumerate(full):
+            got = np.zeros_like(shard(tensor, tp_d, d, groups[j]))
+            for p in sources:
+                refused, plan = plan_pair(side(tp_p, p, "prefill"), side(tp_d, d, "decode"))
+                assert refused is None, refused
+                read_page(shard(tensor, tp_p, p, groups[j]), got, plan.state.parts[0][j])
+            assert (got == shard(tensor, tp_d, d, groups[j])).all(), (tp_p, tp_d, d, j)
+    same = plan_pair(side(2, 1, "prefill"), side(2, 1, "decode"))
+    assert same[0] is None and same[1].state is None  # the same TP: whole slots, as before
+
+
 @pytest.mark.parametrize("tp_p,tp_d,heads", [(1, 2, 4), (2, 1, 4), (2, 4, 8), (4, 2, 8), (1, 4, 2), (1, 2, 1),
                                              (2, 4, 2)])
 def test_each_decode_rank_ends_up_holding_exactly_its_heads(tp_p, tp_d, heads):
@@ -88,8 +133,19 @@ def test_plans_name_their_heads_and_merge_nothing_they_need_not():
     (layout(1, 0, 6, role="prefill"), layout(4, 1, 6, role="decode"), ["6 KV heads do not divide evenly", "tp_size=4"]),
     (layout(2, 0, 4, role="prefill"), layout(3, 0, 4, role="decode"), ["do not divide one another"]),
     (layout(4, 0, 2, role="prefill"), layout(2, 0, 2, role="decode"), ["replicates its 2 KV heads"]),
+    (layout(1, 0, 4, role="prefill", state=["swa"]), layout(2, 0, 4, role="decode", state=["swa"]),
+     ["does not slice state", "only Mamba"]),
     (layout(1, 0, 4, role="prefill", state=["mamba"]), layout(2, 0, 4, role="decode", state=["mamba"]),
-     ["does not slice state"]),
+     ["mamba state tensors do not pair"]),  # no sharded axis stated
+    (mamba(1, 0, 4, "prefill", dims=[48, 4]), mamba(2, 0, 4, "decode", dims=[32, 2]),
+     ["mamba state tensor 0", "a sharded axis of 48 x TP 1 on the prefill, 32 x TP 2"]),
+    (mamba(1, 0, 4, "prefill", dims=[0, 4]), mamba(2, 0, 4, "decode", dims=[0, 2]), ["replicated"]),
+    (mamba(2, 0, 4, "prefill", dims=[32, 2], mla=True), mamba(1, 0, 4, "decode", dims=[64, 4], mla=True),
+     ["dummy pairings"]),
+    (mamba(1, 0, 4, "prefill", dims=[64, 4], outer=(10**6, 1)), mamba(2, 0, 4, "decode", dims=[32, 2], outer=(10**6, 1)),
+     ["blocks per slot"]),  # a peer's layout cannot cost a plan of any size
+    (mamba(1, 0, 4, "prefill", dims=[64, 4], outer=(-1, 1)), mamba(2, 0, 4, "decode", dims=[32, 2], outer=(-1, 1)),
+     ["-1 rows"]),
     (layout(1, 0, 4, role="prefill", mla=True), layout(2, 0, 4, role="decode", mla=True, kv_item_lens=[9] * 2),
      ["MLA pages differ"]),
     (layout(1, 0, 4, role="prefill", kv_head_num=None, total_kv_head_num=None), layout(2, 0, 4, role="decode"),
@@ -120,7 +176,8 @@ def test_bootstrap_refuses_decode_pp_pp_across_tp_uneven_tp_and_state():
     assert "pipeline stages" in parallel_refusal(prefill_tp=1, prefill_pp=2, decode_tp=1, decode_pp=1,
                                                  decode_state=["mamba"])
     assert "divide" in parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=3, decode_pp=1, decode_state=[])
-    assert "mamba" in parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"])
+    assert parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"]) is None
+    assert "swa" in parallel_refusal(prefill_tp=1, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["swa"])
     assert parallel_refusal(prefill_tp=2, prefill_pp=1, decode_tp=2, decode_pp=1, decode_state=["mamba"]) is None
 
 

@@ -190,12 +190,15 @@ MAMBA: dict = {}
 
 def mamba_pool(cfg: dict):
     """SGLang's real ``HybridReqToTokenPool`` (its ``MambaPool``: conv and temporal state per layer,
-    one item per slot), as a hybrid Mamba model's scheduler builds it; ``cfg["mamba"]`` its request rows."""
+    one item per slot), as a hybrid Mamba model's scheduler builds it; ``cfg["mamba"]`` its request rows,
+    ``cfg["mamba_groups"]`` its Mamba2 groups (1 unless given; a multiple of the attention TP size shards them
+    evenly, as a model meant for that TP does), the state sharded for the rank's attention-TP size."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     layers = list(range(cfg["layers"]))
-    shape = Mamba2StateShape.create(tp_world_size=cfg.get("attn_tp_size", 1), intermediate_size=32, n_groups=1,
+    shape = Mamba2StateShape.create(tp_world_size=cfg.get("attn_tp_size", 1), intermediate_size=32,
+                                    n_groups=cfg.get("mamba_groups", 1),
                                     num_heads=4, head_dim=8, state_size=8, conv_kernel=4)
     return HybridReqToTokenPool(size=cfg["mamba"], mamba_size=cfg["mamba"], mamba_spec_state_size=0, max_context_len=64,
                                 device="cpu", enable_memory_saver=False, cache_params=Mamba2CacheParams(
@@ -455,16 +458,19 @@ def pool_buffers(pool) -> list:
 
 
 def fill(pool, kv_args, seed: int, rank: int = 0, stage: int = 0, aux_seed: Optional[int] = None) -> None:
-    """Random KV bytes, other on each attention-TP rank and pipeline stage (each holds other heads or layers), and
-    random aux and state rows, the same on every rank of an instance (SGLang's TP ranks compute the same first
-    token and metadata) unless ``aux_seed`` says otherwise."""
+    """Random KV and state bytes, other on each attention-TP rank and pipeline stage (each holds other heads,
+    state shards or layers), and random aux rows, the same on every rank of an instance (SGLang's TP ranks compute
+    the same first token and metadata) unless ``aux_seed`` says otherwise."""
     from kvxfer.integrations.sglang.regions import raw_view
 
     gen = torch.Generator().manual_seed(seed + 7919 * rank + 104729 * stage)
     for buf in pool_buffers(pool):
         buf.view(torch.int16).copy_(torch.randint(-2**15, 2**15, buf.shape, dtype=torch.int16, generator=gen))
     gen = torch.Generator().manual_seed(seed if aux_seed is None else aux_seed)
-    state = [(p, n) for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens) for p, n in zip(ptrs, lens)]
-    for ptr, n in list(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)) + state:
+    for ptr, n in zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens):
         raw_view(ptr, n, "cpu").copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+    gen = torch.Generator().manual_seed(seed + 7919 * rank + 104729 * stage + 13)  # each rank its shard of the state
+    for ptrs, lens in zip(kv_args.state_data_ptrs, kv_args.state_data_lens):
+        for ptr, n in zip(ptrs, lens):
+            raw_view(ptr, n, "cpu").copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
 

@@ -18,7 +18,8 @@ answer for the pair, taken when the source's HELLO comes (whole pages, or each t
 stage's layers into the decode's buffers of those layers). A room read from pipeline stages is read only
 if they give every layer of this decode exactly once (``tp.stage_coverage``), checked again before
 ``Success``. The aux row and state slots are read from the first source only (the last pipeline stage,
-which samples the first token: ``KvxferKVReceiver.send_metadata`` orders them).
+which samples the first token: ``KvxferKVReceiver.send_metadata`` orders them); Mamba state across attention
+TP sizes is read from every source, each its blocks of the slot (``tp.plan_state``).
 
 Failure reports are bound to the room's prefill: a ``KVXFER_REVOKED`` is taken only from one of the room's
 prefill ranks, naming that source's lease (or any while it has none yet), so a report replayed from
@@ -429,14 +430,19 @@ class Puller:
                 chunk.data.append(begin_data_read(
                     self._pool.backend(region), by_buffer["aux"][region.buffers[0]], [int(body["aux_index"])],
                     [int(meta["aux_index"])], request_id=chunk.key))
-        for c, src_slots in enumerate((body.get("state") or []) if first else []):
+        # state slots: whole, from the first source; across attention TP sizes (``plan.state``), each source's
+        # blocks of the slot (one prefill rank: this decode rank's window; several: each its shard)
+        sliced = None if plan is None else plan.state
+        for c, src_slots in enumerate((body.get("state") or []) if first or sliced is not None else []):
             dst_slots = (meta.get("state_indices") or [])[c] if c < len(meta.get("state_indices") or []) else None
             if not src_slots or not dst_slots:
                 continue
             comp_metas = _by_buffer(metas["state"][c])
             for region in self._pool.state_regions[c]:
+                parts = None if sliced is None else sliced.parts[c][region.buffers[0]]
                 chunk.data.append(begin_data_read(self._pool.backend(region), comp_metas[region.buffers[0]],
-                                                  list(src_slots), list(dst_slots), request_id=chunk.key))
+                                                  list(src_slots), list(dst_slots), request_id=chunk.key,
+                                                  parts=parts))
         self.counters["descriptors"] += sum(int(getattr(h, "descriptors_posted", 0)) for h in chunk.data)
 
     def _advance(self) -> bool:

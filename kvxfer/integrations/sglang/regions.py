@@ -143,6 +143,12 @@ def kv_layout(kv_args: Any, *, model: str, tp_size: int, pp_size: int, tp_rank: 
         "aux_item_lens": [int(x) for x in kv_args.aux_item_lens],
         "state_types": [str(getattr(t, "value", t)) for t in kv_args.state_types],
         "state_item_lens": [[int(x) for x in comp] for comp in kv_args.state_item_lens],
+        # per state tensor: its TP-sharded axis on this rank (0: replicated), the rows before that axis, and a conv
+        # state's independently sharded sub-blocks (GDN); how a slot splits across attention TP sizes (tp.plan_state)
+        "state_dims": [[int(x) for x in comp] for comp in kv_args.state_dim_per_tensor],
+        "state_outer_counts": [[int(x) for x in comp] for comp in kv_args.state_slice_outer_counts],
+        "state_conv_groups": [[None if g is None else [int(x) for x in g] for g in comp]
+                              for comp in kv_args.state_conv_shard_groups],
     }
     if stage is not None:
         out["prefill_end_layer"] = None if stage[1] is None else int(stage[1])

@@ -27,13 +27,16 @@ layers then V layers (MHA/GQA) or one latent per layer (MLA); the decode's are e
 ``n`` the stage's): ``PagePlan.buffers``. Whole pages, at the same attention TP only. Each decode layer must
 be read from exactly one stage: ``stage_coverage`` checks a room's stages tile the decode's layers.
 
+Mamba state across attention TP sizes (``plan_state``): each state tensor's slot is sliced along its TP-sharded
+axis as SGLang's own nixl slices it (``PagePlan.state``, read from every source the decode rank pairs with).
+
 ``plan_pair`` answers for one (prefill rank, decode rank) pair: why not (one line naming both layouts), or
 what to read. The layouts are ``regions.kv_layout`` dicts, one from each side.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from kvxfer.errors import GeometryError
@@ -44,7 +47,7 @@ from kvxfer.plan.reshard import kv_transfer_between
 #: Layout fields that may differ between the two sides when their attention TP differs (checked here);
 #: every other field must be equal.
 TP_FIELDS = ("attn_tp_size", "attn_tp_rank", "kv_head_num", "total_kv_head_num", "kv_item_lens", "state_item_lens",
-             "prefill_end_layer")
+             "state_dims", "prefill_end_layer")
 #: Layout fields that may differ between a prefill stage and a decode of PP 1 (checked here).
 PP_FIELDS = ("pp_size", "pp_rank", "layers", "kv_buffers", "kv_item_lens", "prefill_end_layer", "attn_tp_rank",
              "kv_head_num", "total_kv_head_num")
@@ -67,6 +70,7 @@ class PagePlan:
     heads: Optional[tuple[int, int, int]] = None
     buffers: Optional[tuple[int, ...]] = None
     layers: Optional[tuple[int, int]] = None
+    state: Optional["StatePlan"] = None  # Mamba state across attention TP sizes; None: whole slots, first source
 
     @property
     def whole_pages(self) -> bool:
@@ -76,6 +80,17 @@ class PagePlan:
         """``(prefill buffer, decode buffer)`` for every KV buffer this pair reads."""
         targets = self.buffers if self.buffers is not None else range(len(self.parts))
         return list(enumerate(targets))
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """What one decode rank reads of one state slot from one prefill rank across attention TP sizes: per state
+    component (``state_types`` order), per tensor (``state_item_lens`` order), the byte blocks of the slot
+    (``plan_state``). Every source a decode rank reads the room from gives its blocks (several prefill ranks:
+    each its shard)."""
+
+    parts: tuple[tuple[tuple[SlicePart, ...], ...], ...]
+
 
 
 def describe(layout: dict[str, Any]) -> str:
@@ -126,9 +141,17 @@ def plan_pair(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional
         return "; ".join(diffs), None
     if min(tp_p, tp_d) < 1 or max(tp_p, tp_d) % min(tp_p, tp_d):
         return f"attention TP sizes {tp_p} and {tp_d} do not divide one another: {_both(prefill, decode)}", None
-    if prefill.get("state_types"):
-        return (f"kvxfer does not slice state ({prefill['state_types']}) across attention TP sizes ({STATE_TP_WHY}): "
-                f"{_both(prefill, decode)}"), None
+    state_plan = None
+    if prefill.get("state_types") or decode.get("state_types"):
+        refused, state_plan = plan_state(prefill, decode)
+        if refused:
+            return refused, None
+    refused, plan = _plan_pages(prefill, decode, buffers)
+    return (refused, None) if refused else (None, replace(plan, state=state_plan))
+
+
+def _plan_pages(prefill: dict[str, Any], decode: dict[str, Any], buffers: int) -> tuple[Optional[str],
+                                                                                         Optional[PagePlan]]:
     page = int(prefill["page_size"])
     src_lens, dst_lens = [int(x) for x in prefill["kv_item_lens"]], [int(x) for x in decode["kv_item_lens"]]
     if prefill.get("mla"):  # one latent copy per rank: the same page on every rank of either side
@@ -257,10 +280,9 @@ def stage_coverage(plans: list[tuple[str, PagePlan]], decode: dict[str, Any]) ->
     return None
 
 
-#: Why state across attention TP sizes is refused, and what to do instead (docs/sglang.md, "Mamba state across TP").
-STATE_TP_WHY = ("each decode rank would read its share of every Mamba conv and temporal state tensor, sliced along "
-                "the TP-sharded axis as SGLang's own nixl and mooncake write it, from one or several prefill ranks; "
-                "kvxfer copies state slots whole: run both roles at the same attention TP, or use SGLang's nixl")
+#: Why state other than Mamba's across attention TP sizes is refused, and what to do instead.
+STATE_TP_WHY = ("kvxfer slices only Mamba state slots across attention TP sizes (as SGLang's own nixl does); other "
+                "state kinds are copied whole: run both roles at the same attention TP")
 
 
 def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode_pp: int,
@@ -278,7 +300,90 @@ def parallel_refusal(*, prefill_tp: int, prefill_pp: int, decode_tp: int, decode
     if prefill_tp != decode_tp:
         if min(prefill_tp, decode_tp) < 1 or max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
             return "the attention TP sizes must divide one another"
-        if decode_state:
-            return (f"kvxfer does not slice state across attention TP sizes (this decode's state: "
+        other = [str(getattr(s, "value", s)) for s in decode_state if str(getattr(s, "value", s)) != SLICED_STATE]
+        if other:
+            return (f"kvxfer does not slice state across attention TP sizes other than Mamba's (this decode's state: "
                     f"{[str(getattr(s, 'value', s)) for s in decode_state]}; {STATE_TP_WHY})")
     return None
+
+
+#: SGLang's state kind whose slots kvxfer slices across attention TP sizes (``StateType.MAMBA``'s value).
+SLICED_STATE = "mamba"
+#: The most byte blocks one state tensor's slot is read in (rows x sub-blocks; SGLang's have 1-3 of each).
+MAX_STATE_BLOCKS = 256
+
+
+def plan_state(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[Optional[str], Optional[StatePlan]]:
+    """Mamba state across attention TP sizes (docs/sglang.md, "Mamba state across attention TP"): per state
+    tensor, the byte blocks of one slot this decode rank reads from this prefill rank. Each tensor's slot is
+    ``outer`` rows of its TP-sharded axis (``state_dims``: that axis's size on the rank, as SGLang's
+    ``setup_state_kv_args`` states it on both roles). One prefill rank feeding several decode ranks gives each its
+    window of the axis; several prefill ranks feeding one decode rank each give their shard at its place. A conv
+    state whose axis is several independently sharded sub-blocks (``state_conv_groups``, their full sizes: GDN's
+    ``[q | k | v]``) is sliced sub-block by sub-block. Refused: state kinds other than Mamba, state replicated
+    across the TP group (an axis of 0), axes and item lengths that do not split as the TP sizes say."""
+    both = _both(prefill, decode)
+    kinds = list(prefill.get("state_types") or [])
+    if kinds != list(decode.get("state_types") or []):
+        return f"state kinds differ: prefill={kinds} decode={decode.get('state_types')}: {both}", None
+    if any(kind != SLICED_STATE for kind in kinds):
+        return (f"kvxfer does not slice state ({kinds}) across attention TP sizes (only Mamba's): {both}"), None
+    tp_p, tp_d = int(prefill["attn_tp_size"]), int(decode["attn_tp_size"])
+    rank_p, rank_d = int(prefill["attn_tp_rank"]), int(decode["attn_tp_rank"])
+    if prefill.get("mla") and tp_p > tp_d:
+        return (f"an MLA prefill's ranks past the first are SGLang's dummy pairings for a decode of fewer ranks, "
+                f"which hand nothing over: their shards of the Mamba state would not be read: {both}"), None
+    plans = []
+    for c, kind in enumerate(kinds):
+        fields = [[list(side.get(key) or [])[c] if c < len(side.get(key) or []) else [] for side in (prefill, decode)]
+                  for key in ("state_item_lens", "state_dims", "state_outer_counts", "state_conv_groups")]
+        (src_lens, dst_lens), (src_dims, dst_dims), (outers, dst_outers), (groups, _) = fields
+        counts = {len(src_lens), len(dst_lens), len(src_dims), len(dst_dims), len(outers)}
+        if len(counts) != 1 or outers != dst_outers:
+            return (f"{kind} state tensors do not pair (item lengths {src_lens} / {dst_lens}, sharded axes {src_dims} "
+                    f"/ {dst_dims}, outer rows {outers} / {dst_outers}): {both}"), None
+        tensors = []
+        for j, (s_len, d_len, s_dim, d_dim, outer) in enumerate(zip(src_lens, dst_lens, src_dims, dst_dims, outers)):
+            group = groups[j] if j < len(groups) else None
+            blocks = _state_blocks(int(s_len), int(d_len), int(s_dim), int(d_dim), int(outer or 1), tp_p, tp_d,
+                                   rank_p, rank_d, group)
+            if isinstance(blocks, str):
+                return f"{kind} state tensor {j}: {blocks}: {both}", None
+            tensors.append(blocks)
+        plans.append(tuple(tensors))
+    return None, StatePlan(tuple(plans))
+
+
+def _state_blocks(s_len: int, d_len: int, s_dim: int, d_dim: int, outer: int, tp_p: int, tp_d: int, rank_p: int,
+                  rank_d: int, group: Optional[list[int]]) -> "tuple[SlicePart, ...] | str":
+    """One state tensor's slot: the byte blocks (``SlicePart``) this decode rank reads from this prefill rank, or
+    why not."""
+    if outer < 1 or s_dim < 0 or d_dim < 0:
+        return f"{outer} rows of a sharded axis of {s_dim} / {d_dim}"
+    if not s_dim or not d_dim:
+        return ("state replicated across the attention-TP group (a sharded axis of 0) is not read across TP sizes "
+                "(SGLang's own nixl refuses it too)")
+    if s_dim * tp_p != d_dim * tp_d:
+        return f"a sharded axis of {s_dim} x TP {tp_p} on the prefill, {d_dim} x TP {tp_d} on the decode"
+    unit, rest = divmod(s_len, s_dim * outer)
+    if rest or not unit or d_len != d_dim * outer * unit:
+        return (f"slots of {s_len} B (prefill) and {d_len} B (decode) are not {outer} row(s) of the sharded axis "
+                f"({s_dim} / {d_dim}) of one element size")
+    subs = [int(g) for g in group] if group else None
+    if subs is not None and (sum(subs) != s_dim * tp_p or any(g <= 0 or g % tp_p or g % tp_d for g in subs)):
+        subs = None  # sub-blocks that do not describe this axis: one contiguous block, as SGLang then sends it
+    if subs is None:
+        subs = [s_dim * tp_p]
+    if outer * len(subs) > MAX_STATE_BLOCKS:  # a peer's layout must not cost this rank a plan of any size
+        return f"{outer} rows x {len(subs)} sub-blocks make more than {MAX_STATE_BLOCKS} blocks per slot"
+    axis = []  # (src start, dst start, count) along the sharded axis
+    s_off = d_off = 0
+    for full in subs:
+        s_sub, d_sub = full // tp_p, full // tp_d
+        if tp_p > tp_d:  # several prefill ranks into one decode rank: this one's shard at its place
+            axis.append((s_off, d_off + (rank_p % (tp_p // tp_d)) * s_sub, s_sub))
+        else:  # one prefill rank into several decode ranks: this decode rank's window
+            axis.append((s_off + (rank_d * d_sub) % s_sub, d_off, d_sub))
+        s_off, d_off = s_off + s_sub, d_off + d_sub
+    return tuple(SlicePart(row * s_dim * unit + s * unit, row * d_dim * unit + d * unit, n * unit)
+                 for row in range(outer) for s, d, n in axis)
