@@ -4,7 +4,7 @@ SGLang finds it through its plugin entry point (group ``sglang.srt.plugins``, na
 object ``kvxfer.integrations.sglang:register``); after ``load_plugins()`` both roles accept
 ``--disaggregation-transfer-backend kvxfer_nixl`` (or ``kvxfer``, the same) and ``kvxfer_ucx``.
 
-Modules: ``plugin`` (the hooks and ``BACKENDS``, the one table of kvxfer's SGLang backend names),
+Modules: ``names`` (``BACKENDS``, the one table of kvxfer's SGLang backend names), ``plugin`` (the hooks),
 ``regions`` (``KVArgs`` raw pointers -> registrable tensors, the layout both sides compare), ``pool`` (one
 kvxfer registration per manager), ``wire`` (messages on SGLang's ZMQ sockets), ``hellos`` (the prefill's
 paced answers to registrations), ``source`` (prefill: rooms, leases, read-done), ``puller`` (decode: the

@@ -38,7 +38,7 @@ from kvxfer.backends.base import transfer_timeout_from_env
 from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
 from kvxfer.integrations.sglang.hellos import HelloPacer, pace_from_env
-from kvxfer.integrations.sglang.plugin import BACKENDS
+from kvxfer.integrations.sglang.names import BACKENDS
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
 from kvxfer.integrations.sglang.regions import kv_layout
@@ -88,7 +88,7 @@ class KvxferKVManager(CommonKVManager):
     """One SGLang rank's manager: registers SGLang's pool with kvxfer once, then serves (prefill) or
     pulls (decode) rooms. ``kvxfer_backend`` names the kvxfer transport."""
 
-    kvxfer_backend: ClassVar[str] = BACKENDS["kvxfer"].kvxfer_backend  # a subclass per backend: plugin.BACKENDS
+    kvxfer_backend: ClassVar[str] = BACKENDS["kvxfer"].kvxfer_backend  # a subclass per backend: names.BACKENDS
     kv_status_msg_tag = b"KVXFER_STATUS"  # kvxfer sends none (KVXFER_REVOKED instead); a decode drops any
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True

@@ -20,30 +20,13 @@ If SGLang moved any of these, ``register`` raises at load, naming the version it
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
+
+from kvxfer.integrations.sglang.names import BACKENDS, SGLangBackend
 
 logger = logging.getLogger(__name__)
 
 TESTED_SGLANG = "0.5.23"
-
-
-@dataclass(frozen=True)
-class SGLangBackend:
-    """What one of kvxfer's SGLang backend names means: kvxfer's transport (a ``kvxfer.backends`` registry
-    name) and the manager class in ``conn`` that SGLang's ``get_kv_class`` answers with (senders, receivers and
-    the bootstrap server are the same classes for every transport)."""
-
-    kvxfer_backend: str
-    manager: str
-
-
-#: SGLang backend name (``--disaggregation-transfer-backend``) -> kvxfer's transport and manager class: the one
-#: table of kvxfer's SGLang backends (the flag's choices, the enum members, ``get_kv_class``'s answers and each
-#: manager's transport all come from it). ``kvxfer`` is ``kvxfer_nixl``.
-BACKENDS = {"kvxfer_nixl": SGLangBackend("nixl", "KvxferNixlKVManager"),
-            "kvxfer_ucx": SGLangBackend("ucx", "KvxferUcxKVManager"),
-            "kvxfer": SGLangBackend("nixl", "KvxferNixlKVManager")}
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 
 
