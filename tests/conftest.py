@@ -62,6 +62,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+#: seconds each test file took (setup, call and teardown of its tests, summed; under xdist the
+#: controller receives every worker's reports): the suite's budget is watched per file in CI's log
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES_SHOWN = 20
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    if not _FILE_SECONDS or hasattr(config, "workerinput"):
+        return
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES_SHOWN]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} files (seconds, all their tests; "
+                                    f"{sum(_FILE_SECONDS.values()):.0f} s over {len(_FILE_SECONDS)} files)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+
+
 @pytest.fixture(scope="session")
 def etcd_required() -> None:
     """The fleet tests need the etcd binary that ``make test`` installs (the ``etcd`` extra):
