@@ -25,7 +25,7 @@ def test_bench_sglang_small_run_reports_every_target_byte_exact(tmp_path):
     run = _kvxfer("bench-sglang", "--rooms", "2", "--batches", "2", "--pages", "4", "--chunks", "2",
                   "--json", str(out))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    for column in ("rooms/s", "handoff p50", "descr/room", "byte-exact"):
+    for column in ("rooms/s", "p50", "pub p50", "descr", "exact"):
         assert column in run.stdout, run.stdout
     report = json.loads(out.read_text())
     assert report["command"] == "kvxfer bench-sglang" and report["sglang"] == "0.5.23", report
@@ -37,6 +37,7 @@ def test_bench_sglang_small_run_reports_every_target_byte_exact(tmp_path):
         assert "error" not in r and r["faults"] == [], r
         assert r["rooms"] == 4 and r["rooms_byte_exact"] == 4 and r["warmup_byte_exact"] is True, r
         assert r["rooms_per_s"] > 0 and 0 < r["handoff_p50_ms"] <= r["handoff_p99_ms"] < 60_000, r
+        assert 0 < r["published_p50_ms"] <= r["handoff_p99_ms"], r  # the hand-off's first part
         # every page of every buffer is read or written once, plus the aux row: 4 pages x 6 KV buffers at least
         assert r["descriptors_per_room"] >= 4 * 6, r
 

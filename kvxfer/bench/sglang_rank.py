@@ -408,7 +408,7 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
         reqs = {r: stand_in_req(plan[r], page_size, host, int(port)) for r in plan}
         puller = getattr(manager, "kvxfer_puller", None)
         descriptors = puller.counters["descriptors"] if puller is not None else None
-        added, committed_at = {}, {}
+        added, committed_at, published = {}, {}, {}
         for room, req in reqs.items():
             added[room] = time.monotonic()
             prealloc.add(req)
@@ -417,6 +417,7 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
             ready, dropped = prealloc.pop_preallocated()
             failed += dropped
             dst_slots.update({d.req.bootstrap_room: d.metadata_buffer_index for d in ready})
+            published.update({d.req.bootstrap_room: time.monotonic() for d in ready})
             transfer.extend(ready)
             for req in transfer.pop_transferred():
                 committed[req.bootstrap_room] = req
@@ -430,7 +431,10 @@ def receive_queued(cmd, backend, manager, pool, kv_args) -> dict:
                                "output_ids": committed[r].output_ids if r in committed else None,
                                "reason": None if r in committed else str(reqs[r].finished_reason),
                                # from SGLang's queue taking the request (``add``) to committing it
-                               "handoff_s": committed_at[r] - added[r] if r in committed else None} for r in plan},
+                               "handoff_s": committed_at[r] - added[r] if r in committed else None,
+                               # of which: until SGLang's prealloc queue published the room's pages (its bootstrap,
+                               # the decode's handshake, send_metadata), then until its transfer queue committed it
+                               "published_s": published[r] - added[r] if r in published else None} for r in plan},
             "digests": {str(r): {"pages": page_digests(pool, plan[r]["pages"]),
                                  "aux": aux_seen.get(dst_slots.get(r), [])} for r in plan},
             "failed": [d.req.rid for d in failed], "left": left,
