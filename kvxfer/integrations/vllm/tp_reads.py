@@ -33,6 +33,7 @@ import numpy as np
 from kvxfer.integrations.vllm.attn_format import CPU_VEC, TOKENS
 from kvxfer.integrations.vllm.block_parts import Parts, cpu_vec_parts, itemsize, nhd_head_parts, sub_block_parts
 from kvxfer.integrations.vllm.block_sizes import block_ratio
+from kvxfer.integrations.vllm.handshake import layout_name
 from kvxfer.integrations.vllm.hybrid_tp import PageRead, page_reads
 from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
 from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
@@ -139,7 +140,7 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
         plan = plan_rank_reads(dst_rank=tp_rank, dst_tp=local.tp_size, src_tp=remote.tp_size,
                                total_kv_heads=int(local.model["num_kv_heads"]))
         reads = [SlabRead(r.src_rank, r.src_head, r.dst_head, r.num_heads, src_slabs, dst_slabs) for r in plan.reads]
-    if _layout(local) == "LBNHC" and (ratio > 1 or remote.tp_size != local.tp_size) and not remote.is_mla:
+    if layout_name(local) == "LBNHC" and (ratio > 1 or remote.tp_size != local.tp_size) and not remote.is_mla:
         # a head range or a sub-block of an NHD block: whole blocks (one slab each), read by runs
         heads = [(r.src_first, r.dst_first, r.count) if remote.tp_size != local.tp_size
                  else (0, 0, int(local.regions[0]["layer_shape"][1])) for r in reads]
@@ -156,8 +157,3 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
             parts = sub_block_parts(ratio, slab * (int(region["layer_shape"][1]) if src_slabs == 1 else 1))
         return RankReads(tuple(PartRead(r, parts) for r in reads), notify, ratio)
     return RankReads(tuple(reads), notify)
-
-
-def _layout(layout) -> str:
-    names = {str(r.get("layout")) for r in layout.regions}
-    return names.pop() if len(names) == 1 else "?"
