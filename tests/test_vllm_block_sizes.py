@@ -207,3 +207,20 @@ def test_placement_in_vllm_cpus_packed_block_matches_its_own_kernel(views):
         assert refused and f"cpu-{facts['isa']}" in refused
         pytest.skip(f"this machine's CPU attention kernel is {facts['isa']!r}; the parts are for 'vec'")
     assert facts["exact"]
+
+
+def test_a_ticket_whose_block_size_is_not_its_handshakes_is_refused(views, tmp_path):
+    """The ticket's ``kvxfer.block_size`` bounds its block list before the handshake; once the handshake is
+    there, a ticket (signed by the producer) that names another size than the handshake's is refused, and no
+    byte moves."""
+    from kvxfer.integrations.vllm.tickets import sign_ticket
+
+    with ExitStack() as stack:
+        prefill, (decode,) = ranks(stack, views, "LBHNC", (1, 16), (1, 16))
+        params = prefill.export("req-a", [1, 2, 3, 4], slot=1, lease=1)
+        ticket = {k: v for k, v in params.pop("kvxfer").items() if k not in ("sig", "v")}
+        sign_ticket(params, {**ticket, "block_size": 8}, prefill.key)  # 4 blocks of 8 fit 64 tokens' bound too
+        event = submit(decode, "req-a", params, [5, 6, 7, 8])
+        assert event.get("failed") == "req-a", event
+        assert "made with block_size 8, the prefill's handshake says 16" in event["recent"][0]["failed"], event
+        assert not dump(decode, tmp_path / "d.pt").any()
