@@ -23,7 +23,8 @@ Two flavours behind the one ``Guard`` interface:
   the producer on every free; the guard must show the counters the descriptor carried.
 * ``LeaseSlotGuard``: one slot of a producer's lease table per request (the vLLM connector,
   SGLang's backend), taken from ``LeaseSlots``, pinned (``pin_lease``) and revoked
-  (``revoke_lease``) before the blocks go back; the guard must show the lease held
+  (``revoke_lease``) before the blocks go back (``LeaseTable`` does all three for a producer
+  that takes and writes its slots in one process); the guard must show the lease held
   (``lease_holds``). The reader's copies land in ``ScratchSlots``. ``ChainedLeaseGuard`` is the
   same check for one producer whose slot the transport read behind the data.
 """
@@ -220,6 +221,34 @@ def revoke_lease(table: torch.Tensor, slot: int, lease: int) -> None:
     """Producer: ``lease`` is over. Call *before* the blocks go back to the engine: a reader that
     reads the slot afterwards fails its guard instead of trusting reused blocks."""
     table[slot] = -lease
+
+
+class LeaseTable:
+    """A producer's registered int64 lease table and its ``LeaseSlots``, kept together where one
+    process both takes a slot and writes it (SGLang's prefill): ``take`` pins the lease as it hands it
+    out, ``revoke`` revokes it and frees the slot (call it *before* the blocks go back). Its leases are
+    random (``LeaseSlots(random_leases=True)``): pinned when taken, a slot needs no order among leases
+    (a reader's ``lease_holds(..., pinned_at_offer=True)``), a peer never told a lease cannot name
+    one, and a reused slot never shows its last lease again."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self._slots = LeaseSlots(table.numel(), random_leases=True)
+
+    def take(self) -> Optional[tuple[int, int]]:
+        """``(slot, lease)``, already pinned, or None when every slot is held."""
+        taken = self._slots.take()
+        if taken is not None:
+            pin_lease(self.table, *taken)
+        return taken
+
+    def revoke(self, slot: int, lease: int) -> None:
+        revoke_lease(self.table, slot, lease)
+        self._slots.give_back(slot)
+
+    @property
+    def in_use(self) -> int:
+        return self._slots.in_use
 
 
 class ScratchSlots:

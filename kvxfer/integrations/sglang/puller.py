@@ -381,7 +381,7 @@ class Puller:
             return
         chunk.lease = LeaseSlotGuard(self._slots, self._pool.table_backend, [target], int(body["lease"]),
                                      pinned_at_offer=True, explain=lambda _, seen: _lease_moved(body, seen))
-        chunk.read = GuardedRead(chunk.data, chunk.lease, poll=_done)
+        chunk.read = GuardedRead(chunk.data, chunk.lease)  # a handle's poll() fails it past its own timeout
 
     def _on_revoked(self, body: dict[str, Any]) -> None:
         """A prefill failed a room and revoked its lease (``KVXFER_REVOKED``): taken only from one of the room's
@@ -569,11 +569,3 @@ def _lease_moved(body: dict[str, Any], seen: int) -> str:
 def _by_buffer(entries: list) -> dict[int, dict[str, Any]]:
     return {int(buffers[0]): meta for buffers, meta in entries}
 
-
-def _done(handle: Any) -> bool:
-    """Poll a handle, failing it once it is past its own timeout (poll alone never gives up)."""
-    if handle.poll():
-        return True
-    if handle.elapsed_s > handle.timeout_s:
-        handle.wait(timeout_s=0)  # fails it with the timeout error, raised here
-    return False

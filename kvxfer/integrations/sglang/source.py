@@ -17,10 +17,10 @@ SGLang's prefill frees a request's pages once its sender polls ``KVPoll.Success`
 Failures the decode did not report itself are sent to it (``KVXFER_REVOKED``: the room, its lease,
 this prefill), tried again until zmq takes the frame or the bound passes.
 
-In every case the lease slot is revoked (``-lease``) *before* SGLang may reuse the pages. A
-reader checks the slot after its data (``kvxfer.handoff.guard.LeaseSlotGuard``), so a late reader of reused pages fails
-its check instead of handing SGLang someone else's KV: freeing on a timer is safe only because
-of this.
+In every case the lease slot is revoked (``-lease``, by ``kvxfer.handoff.guard.LeaseTable``) *before*
+SGLang may reuse the pages. A reader checks the slot after its data (``kvxfer.handoff.guard.LeaseSlotGuard``),
+so a late reader of reused pages fails its check instead of handing SGLang someone else's KV: freeing on a
+timer is safe only because of this.
 """
 
 from __future__ import annotations
@@ -32,36 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
-from kvxfer.handoff.guard import LeaseSlots, pin_lease, revoke_lease
+from kvxfer.handoff.guard import LeaseTable
 from kvxfer.integrations.sglang import wire
 
 logger = logging.getLogger(__name__)
-
-
-class LeaseTable:
-    """The registered int64 table and its slots (``kvxfer.handoff.guard.LeaseSlots`` with random leases:
-    a peer never told a lease cannot name one, and a reused slot never shows its last lease again);
-    a slot is pinned when taken."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self._slots = LeaseSlots(table.numel(), random_leases=True)
-
-    def take(self) -> Optional[tuple[int, int]]:
-        taken = self._slots.take()
-        if taken is not None:
-            pin_lease(self.table, *taken)
-        return taken
-
-    def revoke(self, slot: int, lease: int) -> None:
-        revoke_lease(self.table, slot, lease)
-        self._slots.give_back(slot)
-
-    @property
-    def in_use(self) -> int:
-        return self._slots.in_use
 
 
 @dataclass
