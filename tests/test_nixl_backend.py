@@ -30,6 +30,7 @@ from _nixl_peer import Peer, PoolSpec, make_pool  # noqa: E402
 from kvxfer.backends import construct_kv_transfer_backend_class  # noqa: E402
 from kvxfer.meta import notice as notify  # noqa: E402
 from kvxfer.backends.nixl.backend import NixlBackend, nixl_transport_info, slice_indices  # noqa: E402
+from kvxfer.backends.nixl.peer import parse_nixl_peer  # noqa: E402
 from kvxfer.plan.descriptors import plan_block_copies  # noqa: E402
 from kvxfer.errors import (  # noqa: E402
     BackendClosedError,
@@ -293,6 +294,32 @@ def test_slice_indices_match_plan():
         si, di = slice_indices(plan, g.bytes_per_slice)
         outer = np.arange(g.num_outer)[:, None] * 32
         assert sorted(zip(si, di)) == sorted(zip((outer + s).ravel(), (outer + d).ravel()))
+
+
+def test_confirm_peer_loads_the_source_agent_so_the_first_pull_does_not(peer):
+    """Issue 39 (``test_lease_slot_returns_after_unsafe_timeout`` flaky: a vLLM engine step held 0.63 s): the first
+    pull from a new source loaded its agent's metadata (NIXL ``loadRemoteMD``, which connects to it: 0.1-0.2 s on
+    this loaded machine) in the pull, on the engine step, since nixl had no ``confirm_peer`` for the connector's
+    handshake thread to call. Now ``confirm_peer`` loads it there, and the pull loads nothing."""
+    spec = SPECS[2]
+    b = NixlBackend("nixl-test-confirm", torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)), spec.num_blocks,
+                    timeout_s=10, **spec.kwargs())
+    try:
+        with pytest.raises(PeerMetadataError):
+            b.confirm_peer({**peer.metas[2], "nixl_agent_instance": ""})
+        assert "nixl-test-src" not in b._share._remote_md
+        assert b.confirm_peer(peer.metas[2]) is True
+        assert b._share._remote_md["nixl-test-src"] == parse_nixl_peer(peer.metas[2]).metadata
+        agent, loads = b._share.agent, []
+        load = agent.add_remote_agent
+        agent.add_remote_agent = lambda md: loads.append(md) or load(md)
+        b.begin_pull_blocks(peer.metas[2], [3, 60], [0, 1], request_id="confirmed").wait(10)
+        assert loads == [], "the pull loaded the source's agent again"
+        assert torch.equal(blocks(b.memory_buffer, [0, 1]), blocks(make_pool(spec), [3, 60]))
+        assert drain_until(peer, 2, 1)[0] == ["confirmed"]
+        assert b.confirm_peer(peer.metas[2]) is True and loads == []   # cheap when done already
+    finally:
+        b.close()
 
 
 def test_siblings_share_agent_and_close(peer):
