@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kvxfer.integrations.sglang import wire
-from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms, request_id
+from kvxfer.handoff.guard import LeaseTable
+from kvxfer.integrations.sglang.source import SourceRooms, request_id
 from kvxfer.integrations.sglang.tp import MAX_READERS
 
 EMPTY = {"rooms": 0, "leases_in_use": 0, "early": 0, "early_peers": 0, "tells": 0}

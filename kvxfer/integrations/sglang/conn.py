@@ -42,7 +42,8 @@ from kvxfer.integrations.sglang.names import BACKENDS
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
 from kvxfer.integrations.sglang.regions import kv_layout
-from kvxfer.integrations.sglang.source import LeaseTable, SourceRooms
+from kvxfer.handoff.guard import LeaseTable
+from kvxfer.integrations.sglang.source import SourceRooms
 from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
 
 logger = logging.getLogger(__name__)
