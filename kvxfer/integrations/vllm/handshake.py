@@ -29,20 +29,22 @@ import json
 import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.integrations.vllm.attn_format import TOKENS
 from kvxfer.integrations.vllm.block_sizes import block_size_problem, masked_regions
 from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
+from kvxfer.integrations.vllm.pp_stages import Stage, parse_stages, stage_problem, stage_region_slice
 from kvxfer.integrations.vllm.tp_mapping import check_mla_pair, check_tp_pair, describe_side, plan_rank_reads
 from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_meta
 
 #: 2: regions without the pool length, num_blocks apart; 3: a hybrid model's attention page facts
 #: (``kv_layout``, ``kv_page``, ``kv_split``), Mamba type and group count, for different TP; 4: with
-#: several TP ranks, each rank's metas name it (``rank_agent_name``)
-HANDSHAKE_VERSION = 4
+#: several TP ranks, each rank's metas name it (``rank_agent_name``); 5: a prefill of PP > 1 lists its
+#: stages (``EngineLayout.stages``) and one rank entry per (stage, TP rank), stage-major (``pp_stages``)
+HANDSHAKE_VERSION = 5
 
 #: vLLM's layouts on which a decode rank reads a head range of a prefill rank's block (``tp_reads``).
 TP_LAYOUTS = ("LBHNC", "LBNHC")
@@ -192,6 +194,17 @@ class EngineLayout:
     block_size: int
     regions: tuple[Mapping[str, Any], ...]  # kv_buffers.layout_signature()["regions"]
     num_blocks: int = 0  # this instance's pool length: not compared, block ids are checked against it
+    #: PP > 1: each stage's layer window and region count, its regions those of ``regions`` in stage order
+    stages: tuple[Stage, ...] = ()
+
+    def stage_regions(self, index: int) -> tuple[Mapping[str, Any], ...]:
+        """The regions of stage ``index`` (all of them at PP 1)."""
+        return self.regions[stage_region_slice(self.stages, index)] if self.stages else self.regions
+
+    @property
+    def num_rank_entries(self) -> int:
+        """Rank entries a handshake lists: one per (stage, TP rank)."""
+        return self.tp_size * max(1, len(self.stages))
 
     @property
     def is_mla(self) -> bool:
@@ -234,9 +247,12 @@ class EngineLayout:
                 f"{self.block_size}, per-layer KV {shapes} {self.model.get('kv_dtype')}, {self.num_blocks} blocks")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "tp_size": self.tp_size, "pp_size": self.pp_size,
-                "block_size": self.block_size, "regions": [dict(r) for r in self.regions],
-                "num_blocks": self.num_blocks}
+        doc = {"model": dict(self.model), "tp_size": self.tp_size, "pp_size": self.pp_size,
+               "block_size": self.block_size, "regions": [dict(r) for r in self.regions],
+               "num_blocks": self.num_blocks}
+        if self.stages:
+            doc["stages"] = [[s.first, s.layers, s.regions] for s in self.stages]
+        return doc
 
     @classmethod
     def from_dict(cls, d: Any) -> "EngineLayout":
@@ -256,6 +272,8 @@ class EngineLayout:
             raise PeerMetadataError("handshake layout field 'regions' must be objects with a 'layer_shape' list")
         layout = cls(model=dict(d["model"]), regions=tuple(d["regions"]), **ints)
         check_layout_bounds(layout)
+        if d.get("stages") is not None:
+            layout = replace(layout, stages=parse_stages(d.get("stages"), layout.pp_size, len(layout.regions)))
         return layout
 
 
@@ -267,7 +285,7 @@ class Handshake:
     instance: str
     backend: str
     layout: EngineLayout
-    rank_kv_metas: tuple[tuple[dict[str, Any], ...], ...]  # per TP rank, one meta per KV region
+    rank_kv_metas: tuple[tuple[dict[str, Any], ...], ...]  # per rank entry (stage-major), one meta per its region
     rank_lease_metas: tuple[dict[str, Any], ...]
     ticket_key: Optional[bytes]  # only without a cluster secret
 
@@ -275,16 +293,19 @@ class Handshake:
 def build_handshake(*, engine_id: str, instance: str, backend: str, layout: EngineLayout,
                     ranks: Mapping[int, Mapping[str, Any]], ticket_key: Optional[bytes],
                     cluster_key: Optional[bytes]) -> bytes:
-    """The sealed document (JSON bytes). ``ranks[tp_rank] = {"kv": [meta...], "lease": meta}``."""
-    if sorted(ranks) != list(range(layout.tp_size)):
-        raise LayoutError(f"handshake metadata came from TP ranks {sorted(ranks)}, expected 0..{layout.tp_size - 1}")
+    """The sealed document (JSON bytes). ``ranks[tp_rank] = {"kv": [meta...], "lease": meta}``; with pipeline
+    stages (``layout.stages``) keyed ``pp_rank * tp_size + tp_rank``, each with its stage's regions' metas."""
+    entries = layout.num_rank_entries
+    if sorted(ranks) != list(range(entries)):
+        raise LayoutError(f"handshake metadata came from ranks {sorted(ranks)}, expected 0..{entries - 1} "
+                          f"(TP {layout.tp_size} x {max(1, len(layout.stages))} stage(s))")
     doc: dict[str, Any] = {
         "kvxfer_vllm_handshake": HANDSHAKE_VERSION,
         "engine_id": engine_id,
         "instance": instance,
         "backend": backend,
         "layout": layout.to_dict(),
-        "ranks": [{"kv": list(ranks[r]["kv"]), "lease": ranks[r]["lease"]} for r in range(layout.tp_size)],
+        "ranks": [{"kv": list(ranks[r]["kv"]), "lease": ranks[r]["lease"]} for r in range(entries)],
         HOST_FIELD: host_identity(),
     }
     if ticket_key is not None:
@@ -304,15 +325,17 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
                                     "characters")
     layout = EngineLayout.from_dict(sealed.get("layout"))
     ranks = sealed.get("ranks")
-    if not isinstance(ranks, list) or len(ranks) != layout.tp_size:
-        raise PeerMetadataError(f"handshake field 'ranks' must list {layout.tp_size} TP ranks")
+    if not isinstance(ranks, list) or len(ranks) != layout.num_rank_entries:
+        raise PeerMetadataError(f"handshake field 'ranks' must list {layout.num_rank_entries} ranks (TP "
+                                f"{layout.tp_size} x {max(1, len(layout.stages))} stage(s))")
     kv, lease = [], []
     for index, rank in enumerate(ranks):
         if not isinstance(rank, Mapping) or not isinstance(rank.get("kv"), list) or not isinstance(rank.get("lease"), dict):
             raise PeerMetadataError("handshake field 'ranks' is malformed")
-        if len(rank["kv"]) != len(layout.regions) or not all(isinstance(m, dict) for m in rank["kv"]):
+        stage_regions = layout.stage_regions(index // layout.tp_size)
+        if len(rank["kv"]) != len(stage_regions) or not all(isinstance(m, dict) for m in rank["kv"]):
             raise PeerMetadataError("handshake rank metas do not match its layout's regions")
-        _check_rank_metas(index, layout.tp_size, [*rank["kv"], rank["lease"]])
+        _check_rank_metas(index % layout.tp_size, layout.tp_size, [*rank["kv"], rank["lease"]])
         kv.append(tuple(rank["kv"]))
         lease.append(rank["lease"])
     key = sealed.get("ticket_key")
@@ -421,6 +444,9 @@ def first_difference(theirs: EngineLayout, local: EngineLayout) -> Optional[str]
     difference, so nothing about a peer's TP (``tp_problem``) is worked out for a pair refused already."""
     if theirs.model != local.model and not _same_hybrid_model(theirs, local):
         return _model_difference(theirs.model, local.model)
+    if theirs.stages:  # a prefill's stages into a decode of PP 1 (``pp_stages``: the whole check, TP, block size
+        # and per-layer layout included)
+        return stage_problem(theirs, local)
     if theirs.pp_size != local.pp_size:
         return "pipeline parallelism"
     if theirs.tp_size != local.tp_size:

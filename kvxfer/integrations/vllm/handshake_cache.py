@@ -216,5 +216,7 @@ def confirm_rank_sources(handshake: Handshake, tp_rank: int, local: Any, backend
         return
     read_from = {read.src_rank for read in reads.reads}
     for target in reads.notify:
-        kv = list(zip(backends, handshake.rank_kv_metas[target.rank])) if target.rank in read_from else []
+        metas = handshake.rank_kv_metas[target.rank] if target.rank in read_from else ()
+        # a pipeline stage's regions are not the decode's one for one (``pp_stages``): any region loads its agent
+        kv = [(backends[0], m) for m in metas] if handshake.layout.stages and backends else list(zip(backends, metas))
         confirm_sources(handshake, target.rank, kv, lease_backend, timeout_s)

@@ -55,6 +55,7 @@ from kvxfer.integrations.vllm.specs import MAMBA, LoadSpec
 from kvxfer.integrations.vllm.tickets import Ticket, parse_ticket, ticket_key
 from kvxfer.integrations.vllm.hybrid_tp import PageRead
 from kvxfer.integrations.vllm.block_sizes import sub_block_pairs
+from kvxfer.integrations.vllm.pp_stages import StageRead, StageWindows
 from kvxfer.integrations.vllm.tp_reads import PartRead, RankReads, SlabRead, notify_ranks, rank_reads, reader_label
 from kvxfer.plan.parts import SlicePart
 
@@ -211,6 +212,7 @@ class Receiver:
         self._backend_name = backend_name
         self._layout = layout
         self._regions = list(regions)
+        self._windows = StageWindows(self._regions, layout)  # layer windows of its regions, for a PP prefill
         self._scratch_backend = scratch_backend
         self.slots = ScratchSlots(scratch)
         self._handshakes = handshakes
@@ -282,6 +284,11 @@ class Receiver:
             if load.lease is not None:  # its lease reads' scratch slots: back, or held until none can land
                 load.lease.drop(f"request {load.spec.request_id!r}: unexpected failure")
             self._fail_or_quarantine(load, f"unexpected {type(exc).__name__}: {exc}", safe, "transfer")
+
+    def window_registrations(self) -> list[Any]:
+        """The layer-window registrations made for pipeline-stage reads (``pp_stages.StageWindows``), for the
+        worker to close with (before) its regions; forgotten here."""
+        return self._windows.take()
 
     @property
     def in_flight(self) -> int:
@@ -400,8 +407,11 @@ class Receiver:
             return
         labels = {n.rank: reader_label(ticket.request_id, n.reader, n.readers) for n in load.reads.notify}
         for read, region, src_ids, dst_ids, parts in self._data_reads(load, paired):
-            backend, meta = self._regions[region], handshake.rank_kv_metas[read.src_rank][region]
+            meta = handshake.rank_kv_metas[read.src_rank][region]
             try:
+                # a stage's region i goes into the window of the decode's region holding its layers (``pp_stages``)
+                backend = self._windows.get(read.targets[region]) if isinstance(read, StageRead) \
+                    else self._regions[region]
                 source = self._prepared.get(handshake, ("kv", read.src_rank, region), backend, meta)
                 handle = begin_data_read(backend, source, src_ids, dst_ids, parts=parts,
                                          request_id=labels.get(read.src_rank, ticket.request_id))
@@ -437,7 +447,11 @@ class Receiver:
                     if parts and dst_ids:
                         yield read, 0, src_ids, dst_ids, parts
                 continue
-            if isinstance(read, SlabRead):
+            if isinstance(read, StageRead):  # every region of the stage, each into its window of the decode's
+                src_ids, dst_ids = read.slabs.ids(*paired[0])
+                for region in range(min(len(read.targets), len(load.handshake.rank_kv_metas[read.src_rank]))):
+                    yield read, region, src_ids, dst_ids, None
+            elif isinstance(read, SlabRead):
                 src_ids, dst_ids = read.ids(*paired[0])
                 for region in range(regions):  # each region with its meta (parse_handshake: one per region)
                     yield read, region, src_ids, dst_ids, None

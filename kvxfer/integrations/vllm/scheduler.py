@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from kvxfer.errors import KVXferError
 from kvxfer.handoff.guard import LeaseSlots
 from kvxfer.integrations.vllm.config import ConnectorConfigError, KvxferConfig
+from kvxfer.integrations.vllm.pp_stages import compose_stages
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
 from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHandshakeMetadata, LoadSpec,
                                                SendSpec)
@@ -110,15 +111,25 @@ class KvxferScheduler:
 
         ranks: dict[int, Any] = {}
         layout: Optional[EngineLayout] = None
-        for tp_rank, item in metadata.items():
+        stage_layouts: dict[int, EngineLayout] = {}
+        windows: dict[int, Any] = {}
+        for key, item in metadata.items():  # ``tp_rank``, or ``(pp_rank, tp_rank)`` from a prefill of PP > 1
+            pp_rank, tp_rank = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (0, int(key))
             if not isinstance(item, KvxferHandshakeMetadata):
                 raise ConnectorConfigError(f"KvxferConnector got handshake metadata of type {type(item).__name__}")
             payload = json.loads(item.payload)
-            ranks[int(tp_rank)] = payload
-            if int(tp_rank) == 0:
-                layout = EngineLayout.from_dict(payload["layout"])
+            ranks[pp_rank * self.tp_size + tp_rank] = {"kv": payload["kv"], "lease": payload["lease"]}
+            if tp_rank == 0:
+                stage_layouts[pp_rank] = EngineLayout.from_dict(payload["layout"])
+                if payload.get("stage") is not None:
+                    windows[pp_rank] = payload["stage"]
+        if self.pp_size > 1 and len(stage_layouts) == self.pp_size:  # every stage's regions and window
+            layout = compose_stages(stage_layouts, windows)
+        else:
+            layout = stage_layouts.get(0) if self.pp_size == 1 else None
         if layout is None:
-            raise ConnectorConfigError("KvxferConnector got no handshake metadata from TP rank 0")
+            raise ConnectorConfigError(f"KvxferConnector got no handshake metadata from TP rank 0 of each of its "
+                                       f"{self.pp_size} pipeline stage(s)")
         again = self.listener is not None
         if again:
             if self._served_ranks == ranks:

@@ -13,7 +13,9 @@ MLA has no heads to split: every rank holds the same latent cache, so a decode r
 whole blocks from one prefill rank (``tp_mapping.mla_source_rank``) and still tells every
 prefill rank it maps to that it is done, as NixlConnector does. A hybrid attention+Mamba2 model's
 pages hold a different share of each state on each TP size: its reads are ``hybrid_tp.PageRead``s,
-the parts of each group's pages a decode rank needs from each prefill rank.
+the parts of each group's pages a decode rank needs from each prefill rank. A prefill of PP > 1 (at equal
+TP) is read stage by stage (``pp_stages.StageRead``): each stage's regions from that stage's rank, each
+stage told "done" on its own lease.
 
 A prefill rank frees a request only once *every* decode rank that reads it is done. That count
 is the decode's to know (it depends on the decode's TP), so it travels in the read-done: each
@@ -36,6 +38,7 @@ from kvxfer.integrations.vllm.block_sizes import block_ratio
 from kvxfer.integrations.vllm.handshake import layout_name
 from kvxfer.integrations.vllm.hybrid_tp import PageRead, page_reads
 from kvxfer.integrations.vllm.kv_buffers import slabs_per_block
+from kvxfer.integrations.vllm.pp_stages import StageRead, stage_targets
 from kvxfer.integrations.vllm.tp_mapping import mla_source_rank, plan_rank_reads, readers_per_source, target_ranks
 
 _LABEL = re.compile(r"^(?P<id>.+)#kvxfer-reader-(?P<i>\d{1,4})-of-(?P<n>\d{1,4})$", re.S)
@@ -105,7 +108,7 @@ class Notify:
 
 @dataclass(frozen=True)
 class RankReads:
-    reads: "tuple[SlabRead | PartRead | PageRead, ...]"
+    reads: "tuple[SlabRead | PartRead | PageRead | StageRead, ...]"
     notify: tuple[Notify, ...]
     ratio: int = 1  # prefill blocks per decode block (``block_sizes``)
 
@@ -129,6 +132,12 @@ def rank_reads(tp_rank: int, local, remote) -> RankReads:
     """The reads and notifications of decode rank ``tp_rank`` (``local``/``remote``: the decode's and
     the prefill's ``EngineLayout``, already found compatible by ``handshake.check_compatible``)."""
     src_slabs, dst_slabs = _slabs(remote.regions), _slabs(local.regions)
+    if remote.stages:  # pipeline stages at equal TP (``pp_stages``): each stage's own rank, each told "done"
+        entries = [stage.index * remote.tp_size + tp_rank for stage in remote.stages]
+        return RankReads(tuple(StageRead(SlabRead(entry, 0, 0, dst_slabs, src_slabs, dst_slabs), stage.index,
+                                         stage_targets(remote, local, stage))
+                               for entry, stage in zip(entries, remote.stages)),
+                         tuple(Notify(entry, 0, 1) for entry in entries))
     notify = notify_ranks(tp_rank, local.tp_size, remote.tp_size)
     if remote.tp_size != local.tp_size and remote.is_hybrid:  # parts of its pages (``hybrid_tp``)
         return RankReads(page_reads(tp_rank, remote, local), notify)

@@ -168,6 +168,15 @@ class KvxferWorker:
         self._regions = regions
         self._register()
 
+    def _stage_window(self) -> Optional[list[int]]:
+        """This pipeline stage's layers ``[first, count]`` (vLLM's ``get_layers_start_end_indices``, the window
+        NixlConnector's push path slices by), None at PP 1."""
+        parallel = self.vllm_config.parallel_config
+        if parallel.pipeline_parallel_size == 1:
+            return None
+        start, end = self.vllm_config.model_config.get_layers_start_end_indices(parallel)
+        return [int(start), int(end) - int(start)]
+
     def _register(self) -> None:
         """Register ``_regions`` (vLLM's KV tensors) with a new agent: the KV regions, a fresh lease table
         (producer) or lease scratch (consumer), and the halves that use them; counters carry over."""
@@ -193,6 +202,7 @@ class KvxferWorker:
                 "kv": [b.export_meta() for b in self.backends],
                 "lease": self.lease_backend.export_meta(),
                 "layout": self.layout.to_dict(),
+                "stage": self._stage_window(),
             })
         if self.is_consumer:
             scratch = torch.zeros(max(1024, min(num_blocks, 65536)) + 1, dtype=torch.int64)
@@ -250,7 +260,8 @@ class KvxferWorker:
         if self.handshakes is not None:
             self.handshakes.close()
             self.handshakes = None
-        registrations = [self.scratch_backend, self.lease_backend, *reversed(self.backends)]
+        windows = self.receiver.window_registrations() if self.receiver is not None else []
+        registrations = [self.scratch_backend, self.lease_backend, *windows, *reversed(self.backends)]
         if keep:
             self._retired.extend(b for b in registrations if b is not None)
         else:
@@ -364,7 +375,8 @@ class KvxferWorker:
     def shutdown(self) -> None:
         if self.handshakes is not None:
             self.handshakes.close()
-        self._close([self.scratch_backend, self.lease_backend, *reversed(self.backends),
+        windows = self.receiver.window_registrations() if self.receiver is not None else []
+        self._close([self.scratch_backend, self.lease_backend, *windows, *reversed(self.backends),
                      *(r for r in self._retired if not isinstance(r, torch.Tensor))])
 
     @staticmethod
