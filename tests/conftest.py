@@ -7,10 +7,15 @@ no CUDA device exists; they run unchanged on a GPU machine.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+#: the helpers every folder's tests import by their plain names (``from ucx_peer import ...``)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh               # from the checkout root, about 8 minutes
 #
 # The project's own checks run first (they are what a user with a GPU runs too): `kvxfer info` (which UCX
-# lanes a VRAM pool takes), every test marked `gpu` (tests/test_vram_xproc.py: two processes, VRAM to VRAM,
+# lanes a VRAM pool takes), every test marked `gpu` (tests/backends/test_vram_xproc.py: two processes, VRAM to VRAM,
 # nixl and ucx, scattered and contiguous ids, staged TP 2->1, a killed source), and `kvxfer bench --device
 # cuda` (VRAM pulls against the GPU's own device-to-device copy). Then the kit's whole-pool timings
 # (.whl/gpu_xproc.py: 1 GiB pools) and NCCL on one GPU. Each step has its own timeout, the run a deadline
@@ -44,9 +44,9 @@ main() {
   install_kit || return
   step info 60 python3 -m kvxfer info
   local pt="python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 150"
-  step pytest_vram_xproc 200 $pt tests/test_vram_xproc.py
-  step pytest_gpu_rest 150 $pt tests/test_geometry.py tests/test_local_backend.py tests/test_nixl_backend.py \
-    tests/test_ucx_backend.py tests/test_nccl_backend.py tests/test_bench.py
+  step pytest_vram_xproc 200 $pt tests/backends/test_vram_xproc.py
+  step pytest_gpu_rest 150 $pt tests/unit/test_geometry.py tests/backends/test_local_backend.py tests/backends/test_nixl_backend.py \
+    tests/backends/test_ucx_backend.py tests/backends/test_nccl_backend.py tests/cli/test_bench.py
   step bench_cuda 120 python3 -m kvxfer bench --device cuda --backends nixl,ucx --sizes 256K,1M --blocks 64 \
     --reshard off --repeats 5 --max-request-mib 128 --json "$OUT/bench.json"
   local x="python3 $KIT/gpu_xproc.py"

@@ -17,7 +17,7 @@ in that venv, with this checkout's kvxfer first on the path:
 
 Exit status: 0 all passed; 1 a check failed (each failure printed); 2 the wheel could not be fetched or installed
 (pip's words printed): nothing was checked. ``--installed`` runs the same checks against the vLLM environment's own
-vLLM, without fetching anything (the suite does, ``tests/test_vllm_versions.py``).
+vLLM, without fetching anything (the suite does, ``tests/integrations/vllm/test_vllm_versions.py``).
 """
 
 from __future__ import annotations

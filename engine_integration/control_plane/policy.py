@@ -4,7 +4,7 @@ Both control planes call these pure functions: the ZeroMQ coordinator with the e
 has registered (``zmq.coordinator``), the etcd engines and clients with the instances of
 one snapshot (``etcd.plane``, ``etcd.client``). Each plane turns what it knows into the
 plain inputs below (``Member``, ``DecodeCandidate``), so the same fleet and the same
-request give the same decision on either plane (``tests/test_plane_policy.py`` checks
+request give the same decision on either plane (``tests/engine/test_plane_policy.py`` checks
 that on a table of fleets and requests, against the real coordinator and the etcd plane).
 
 The rules:

@@ -17,7 +17,7 @@ Owns the transports (one package each) and the contract they implement (``base.p
 each can do as class attributes (``is_push``, ``reads_other_processes``, ...) that callers read from
 the class returned here rather than keeping lists of names. A backend package never imports
 another backend package.
-Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations

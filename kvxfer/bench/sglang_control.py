@@ -1,5 +1,5 @@
 """Start, drive and stop SGLang ranks (``kvxfer.bench.sglang_rank`` processes) from another process: the
-controller side of ``kvxfer bench-sglang``, and of the SGLang tests (``tests/sglang_support.py``).
+controller side of ``kvxfer bench-sglang``, and of the SGLang tests (``tests/support/sglang_support.py``).
 
 Each rank runs in the SGLang environment's Python (``sglang_python()``: ``$KVXFER_SGLANG_PYTHON``, else
 ``.venv-sglang/bin/python`` of the checkout once ``tools/bootstrap.sh`` stamped it) and speaks one JSON object a

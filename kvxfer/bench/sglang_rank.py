@@ -1,6 +1,6 @@
 """One SGLang disaggregation rank as a process, run by the SGLang environment's Python:
 ``python -m kvxfer.bench.sglang_rank CONFIG_JSON`` (``kvxfer bench-sglang``, and the SGLang tests through
-``tests/sglang_peer.py``, which adds the tests' own commands).
+``tests/support/sglang_peer.py``, which adds the tests' own commands).
 
 The rank is built by ``kvxfer.bench.sglang_build`` (SGLang's own queues make every manager). Then it answers JSON
 commands on stdin, one reply line each on stdout: ``serve`` (prefill: senders made by the queue's

@@ -6,7 +6,7 @@ Exit status: 0 success, 1 a run that failed, 2 a usage error (nothing ran),
 
 Owns the command line, its process's logging setup and the console: the front door, the only
 part of ``kvxfer`` that imports ``engine_integration``; nothing imports it.
-Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations

@@ -7,5 +7,5 @@ guard read that carries the read-done, judged by generation counters or a lease 
 kept in one place), ``generations`` (the counters a source bumps when it frees a block, and the
 verified pull that reads them: the counter flavour of the guard) and ``quarantine`` (storage a
 failed read may still write, held until every handle is ``storage_safe``).
-Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers").
 """

@@ -4,5 +4,5 @@
 error delivered to the parent) that loopback, soak and the bench share;
 ``progress`` is the delayed progress display the CLI wraps around them.
 
-Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers").
 """

@@ -11,5 +11,5 @@ typed beside its backend and stamped with the same version.
 
 ``kvxfer.plan`` gives it the typed records it parses into, ``kvxfer.security`` the cluster key the
 seal signs with. Nothing here does I/O beyond reading the key file.
-Its imports: its row of ``LAYERS`` in tests/test_library_layout.py (docs/architecture.md, "Layers").
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers").
 """

@@ -12,7 +12,7 @@ source, so ``BlockCopier.for_pair`` checks it once:
 
 A request then only checks its block ids and builds its rows, in plain Python for lists up to
 ``FAST_IDS`` (numpy's cost per call is most of the time on the short lists requests carry).
-The rows are the general planner's, row for row (``tests/test_prepared_copier.py``). A pair
+The rows are the general planner's, row for row (``tests/unit/test_prepared_copier.py``). A pair
 that fails a check gets no copier: its requests take the general planner, which refuses them
 with its own words.
 """

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from pull_source import SourceProcess, SourceSpec, global_kv, shard  # noqa: E402
 

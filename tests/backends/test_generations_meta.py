@@ -21,9 +21,9 @@ from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.errors import BlockIdError, PeerMetadataError
 from kvxfer.handoff.generations import GenerationChecker
 from kvxfer.security.auth import SECRET_FILE_ENV, new_secret_file
-from tests.generations_source import source_pool
+from tests.support.generations_source import source_pool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND, NUM_BLOCKS, SEED = "ucx", 32, 7
 SRC, DST = [5, 6, 9], [1, 2, 3]
 
@@ -32,7 +32,7 @@ SRC, DST = [5, 6, 9], [1, 2, 3]
 def source(tmp_path_factory):
     env = {**os.environ, SECRET_FILE_ENV: new_secret_file(str(tmp_path_factory.mktemp("key"))),
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.generations_source", BACKEND, str(NUM_BLOCKS), str(SEED)],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.generations_source", BACKEND, str(NUM_BLOCKS), str(SEED)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT)
     try:
         metas = json.loads(proc.stdout.readline())

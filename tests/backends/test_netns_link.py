@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from netns_support import ip, require_namespaces
-from tests.netns_peer import AUTHKEY, NUM_BLOCKS
+from tests.support.netns_peer import AUTHKEY, NUM_BLOCKS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0  # the backends' transfer timeout in netns_peer
 CUT_S = 12.0  # how long the cable stays down (issue 15: a 12 s cut lost ucx's read-failed)
 NOTICE_AFTER_LINK_S = 15.0  # the read-failed must reach the source within this after the cable returns
@@ -65,7 +65,7 @@ class Peer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
                "KVXFER_SECRET_FILE": str(secret)}
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.netns_peer", role, self.socket, backend],
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.support.netns_peer", role, self.socket, backend],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 90
         while not os.path.exists(self.socket):

@@ -28,7 +28,7 @@ import pytest
 
 from kvxfer.backends.nixl.ucx_env import nixl_transport_info
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SETUP = textwrap.dedent("""
     import json, logging

@@ -1,6 +1,6 @@
 """A reader's death never takes its source down (issue 26, row 1).
 
-Every test runs real processes: a source (``tests/pull_source.py``) and a reader process
+Every test runs real processes: a source (``tests/support/pull_source.py``) and a reader process
 (``ReaderProcess``) that connects, then posts a whole-pool pull while the source is
 SIGSTOPped (a GC pause, a preemption, a frozen cgroup), so the source's socket holds the
 reader's requests. The reader is then SIGKILLed, or closes its backend; the source stays
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from pull_source import ForkedSources, ReaderProcess, SourceProcess, SourceSpec, global_kv, pool_digest, shard  # noqa: E402,E501
 from proc_state import stop as stop_process  # noqa: E402
@@ -248,7 +248,7 @@ def test_unanswered_confirmation_is_remembered_so_next_pulls_fail_fast(monkeypat
         forks.close()
 
 
-# --- two hosts: network namespaces joined by a veth cable (tests/netns_support.py) ---------------
+# --- two hosts: network namespaces joined by a veth cable (tests/support/netns_support.py) ---------------
 @pytest.fixture
 def two_hosts(tmp_path: Path) -> Iterator[dict]:
     """Namespaces a (source, 10.78.0.1) and b (readers, 10.78.0.2), a cluster secret for both."""

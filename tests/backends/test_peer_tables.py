@@ -2,7 +2,7 @@
 
 Measured before: a reader that met 41 source processes one after another, 40 of them gone,
 kept 41 ucx endpoints, rkeys and pidfds (its open fds 27 -> 67) and 41 nixl remote agents.
-Here real source processes (``tests/pull_source.py``) are met one after another and ended;
+Here real source processes (``tests/support/pull_source.py``) are met one after another and ended;
 the reader (this process) must forget each one that exited, keep its open fd count flat, cap
 its table when sources stay alive (never dropping one with a read in flight), and still read
 the next source byte-exact.
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from pull_source import ForkedSources, SourceProcess, SourceSpec, global_kv, shard  # noqa: E402
 

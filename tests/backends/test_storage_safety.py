@@ -4,7 +4,7 @@ no byte of the transfer can land any more (issue 21, section 1).
 Megatron's waiter (``megatron_driver.wait_for_transfer_handles``, written from Megatron's
 ``_wait_for_transfer_handles``) frees the destination on any exception but a
 ``TimeoutError``. Every test here drives real sources in their own processes
-(``tests/pull_source.py``) over UCX's TCP transport, the one where a read needs the
+(``tests/support/pull_source.py``) over UCX's TCP transport, the one where a read needs the
 source's CPU, so that a SIGSTOPped source really stalls a read mid-way; then checks that
 whatever the waiter concludes is true: when it says "free", the blocks are reused at once
 by another request, and after the stalled source resumes (or dies) not one byte of the
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from megatron_driver import wait_for_transfer_handles  # noqa: E402
 from pull_source import SourceProcess, SourceSpec, closing_sources, global_kv  # noqa: E402

@@ -1,6 +1,6 @@
 """The UCX backend against real UCX, across real OS processes.
 
-The source (prefill) side runs in a spawned process (``tests/ucx_peer.py``);
+The source (prefill) side runs in a spawned process (``tests/support/ucx_peer.py``);
 the decode side is this process. Every test runs once with UCX's default
 transport choice (shared memory / CMA on one host) and once with ``UCX_TLS=tcp``.
 """
@@ -22,7 +22,7 @@ import pytest
 from kvxfer.meta.seal import seal_meta
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from proc_state import stop as stop_process  # noqa: E402
 from ucx_peer import make_pool, source_main  # noqa: E402
@@ -263,7 +263,7 @@ def test_notice_that_cannot_leave_is_kept_and_sent_later(monkeypatch: pytest.Mon
     """Issue 15, item 6: a read-done / read-failed the source cannot be sent now (link cut, endpoint
     failing) is kept per source and sent again on a later pass, not dropped; kept notices are bounded,
     and close() with notices still kept leaves no UCX object behind. (The real cable cut is in
-    ``tests/test_netns_link.py``.)"""
+    ``tests/backends/test_netns_link.py``.)"""
     from kvxfer.backends.ucx import notices as ucx_notices
 
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -449,9 +449,9 @@ def test_a_peers_rendezvous_active_messages_are_dropped_cleanly() -> None:
     serves on. Run in a child process: UCX reports at the end of the process."""
     import subprocess
 
-    probe = Path(__file__).with_name("ucx_rndv_probe.py")
+    probe = (Path(__file__).resolve().parents[2] / "tests/support/ucx_rndv_probe.py")
     out = subprocess.run([sys.executable, str(probe), "5"], capture_output=True, text=True, timeout=120,
-                         cwd=str(probe.parent.parent), env={**os.environ, "PYTHONPATH": str(probe.parent.parent)})
+                         cwd=str(probe.parents[2]), env={**os.environ, "PYTHONPATH": str(probe.parents[2])})
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "PROBE-OK" in out.stdout, text[-3000:]
     assert out.stdout.count("Success") == 5, text[-3000:]

@@ -6,7 +6,7 @@ real source), sealed it again, and the decode read the forger's bytes as the req
 Now the process a meta names must confirm, over a Unix socket whose peer the kernel vouches
 for (``SO_PEERCRED``), that it exported exactly that meta (``kvxfer/backends/ucx/confirm.py``).
 
-Real processes: a source and a forger (``tests/ucx_peer.py``), the decode in this process.
+Real processes: a source and a forger (``tests/support/ucx_peer.py``), the decode in this process.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from ucx_peer import make_pool, source_main  # noqa: E402
 
@@ -236,7 +236,7 @@ def test_a_stopped_source_at_first_contact_fails_the_pull_plainly_before_anythin
 
     from kvxfer.errors import TransferError, TransferTimeoutError
 
-    from tests.proc_state import stop as stop_process
+    from tests.support.proc_state import stop as stop_process
 
     source, _ = peers
     stop_process(source.pid)  # every thread stopped: its confirmation server cannot answer

@@ -10,7 +10,7 @@ every READ's 262,144 chunk sends were posted at once from its handler. Now a REA
 those bounds is paced by its reader (its next READs sent as earlier ones land), and a reader that stops
 taking its chunks is given up after ``SERVE_STALL_S``.
 
-Real processes: the source is its own process (``tests/ucx_served_source.py``); the attackers are raw UCP
+Real processes: the source is its own process (``tests/support/ucx_served_source.py``); the attackers are raw UCP
 workers and endpoints of this process (the binding kvxfer uses) sending crafted READs over tcp with the
 source's real token; the genuine reader is a ``UcxBackend``.
 """
@@ -36,8 +36,8 @@ from kvxfer.backends.ucx import served
 from kvxfer.backends.ucx.backend import UcxBackend
 from kvxfer.errors import TransferError
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).with_name("ucx_served_source.py")
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = (Path(__file__).resolve().parents[2] / "tests/support/ucx_served_source.py")
 POOL_MIB = 16
 POOL_BYTES = POOL_MIB << 20
 BLOCKS = 64

@@ -1,6 +1,6 @@
 """The product's own path: a decode process reads a prefill process's pool, pool to pool.
 
-Every test here runs two (or three) OS processes: sources from ``tests/pull_source.py``
+Every test here runs two (or three) OS processes: sources from ``tests/support/pull_source.py``
 and the reader in this process. Each is parametrized by device: ``cuda`` (marked ``gpu``:
 both pools in VRAM on ``cuda:0``, which is what kvxfer is for, and what no single-process
 test covers) and ``cpu``, the same code on host memory, which keeps the test itself
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
 
 from pull_source import SourceProcess, SourceSpec, closing_sources, global_kv  # noqa: E402
 

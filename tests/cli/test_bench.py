@@ -98,7 +98,7 @@ def test_bench_nccl_pushes_and_verifies_every_point(tmp_path):
 def test_a_wrong_transfer_is_a_failure_not_a_result():
     cfg = tiny_config(slice_sizes=(4 * KiB,))
     points = list(cfg.points())
-    results = run_in_worker("tests.bench_support:run_backend_with_lying_source", (cfg, "local", points), points,
+    results = run_in_worker("tests.support.bench_support:run_backend_with_lying_source", (cfg, "local", points), points,
                             "local", "backend")
     assert len(results) == len(points)
     assert all(not r.ok and not r.verified and "verification failed" in r.error for r in results)

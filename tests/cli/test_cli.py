@@ -50,7 +50,7 @@ def test_soak_still_refuses_a_push_backend_and_generate_takes_it():
     out = _kvxfer("soak", "--backend", "nccl")
     assert out.returncode == 2 and "push backend" in out.stderr and out.stdout == "", out.stderr
     assert "'kvxfer generate' run 'nccl'" in out.stderr
-    # generate drives pushes (tests/test_engine_push.py runs it): its argument check passes, the prompts file fails
+    # generate drives pushes (tests/engine/test_engine_push.py runs it): its argument check passes, the prompts file fails
     out = _kvxfer("generate", "--prompts", "README.md", "--disagg", "--backend", "nccl")
     assert "push backend" not in out.stderr and out.returncode != 0 and out.stdout == "", out.stderr
 

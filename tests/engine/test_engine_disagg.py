@@ -28,7 +28,7 @@ from kvxfer.errors import BackendUnavailableError
 from engine_helpers import ETCD_PLANE, build_engine_here, varied_prompts
 
 _INFOS = available_backends()
-# Push backends (nccl) have their own engine tests (tests/test_engine_push.py): a Gloo world cannot restart an engine.
+# Push backends (nccl) have their own engine tests (tests/engine/test_engine_push.py): a Gloo world cannot restart an engine.
 # Every registered pull backend; one that cannot run here fails with its install hint (not skipped).
 RUNNABLE = [info.name for info in _INFOS if not info.is_push]
 
@@ -45,7 +45,7 @@ DECODE_BLOCKS = 24  # smaller than the demand of the batches below: requests mus
 # The etcd control plane with every cross-process backend (ucx, nixl): the engine's behaviour must
 # not depend on the plane. ``-etcd`` ids; the coordinator runs every backend. Skipped (with the
 # fix) only when no etcd binary is installed; ``local`` shares one host process between prefill
-# and decode, so it has nothing to kill and is not run on etcd (tests/test_engine_etcd.py).
+# and decode, so it has nothing to kill and is not run on etcd (tests/engine/test_engine_etcd.py).
 _ETCD = ["ucx-etcd", "nixl-etcd"]
 
 

@@ -13,8 +13,8 @@ Engine hosts are started with ``ip netns exec`` by ``_start_host`` below (the wo
 module and its pipe protocol of ``engine_integration.procs``, with the command prefixed).
 Checked: one generation token-exact against co-located; then ``kill -9`` of the decode
 mid-handoff, and the prefill frees its pins within TTL + etcd's expiry sweep + one poll
-(+ slack for this shared 2-core machine, as in tests/test_engine_etcd.py).
-Needs root and ``ip netns``; without them the tests fail with the reason (tests/netns_support.py), never skip.
+(+ slack for this shared 2-core machine, as in tests/engine/test_engine_etcd.py).
+Needs root and ``ip netns``; without them the tests fail with the reason (tests/support/netns_support.py), never skip.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from engine_integration.worker import EngineHost, EngineSpec
 from netns_support import ip, require_namespaces
 from engine_helpers import ETCD_POLL_S, ETCD_TTL_S, MODEL, varied_prompts
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ETCD_ADDR, ETCD_PORT = "10.79.0.1", 2379          # host A's address on the A-B cable
 DETECT_BOUND_S = ETCD_TTL_S + 0.5 + ETCD_POLL_S + 2.5
 DECODE_BLOCKS = 24

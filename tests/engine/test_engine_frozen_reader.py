@@ -13,7 +13,7 @@ proved). Then:
 3. SIGCONT: the zombie's import must fail its torn-read check (``TornReadError``), and it
    never admits the request, i.e. never commits the reused KV.
 
-The decode side of this file (``python tests/test_engine_frozen_reader.py``) reads its
+The decode side of this file (``python tests/engine/test_engine_frozen_reader.py``) reads its
 settings, secret included, from stdin and reports on stdout, one JSON object per line.
 """
 
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # run as the frozen decode: make the repository importable
     sys.path.insert(0, str(ROOT))
 

@@ -17,7 +17,7 @@ request, how many prompt blocks it reused from its own cache and how many it pul
 - every token equals co-located generation.
 
 The routing decision itself, on a table of fleets and on both planes alike, is in
-``tests/test_plane_policy.py``; the pure pieces (eviction reports, eviction order) are here.
+``tests/engine/test_plane_policy.py``; the pure pieces (eviction reports, eviction order) are here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tools" / "gpu_check.sh"
 
 
@@ -15,8 +15,8 @@ def test_driver_parses():
 
 
 def test_driver_runs_every_test_file_that_has_gpu_tests():
-    marked = {p.name for p in (ROOT / "tests").glob("test_*.py")
+    marked = {p.name for p in (ROOT / "tests").rglob("test_*.py")
               if re.search(r"pytest\.mark\.gpu|marks=pytest\.mark\.gpu|^gpu = pytest\.mark\.gpu", p.read_text(), re.M)}
-    named = set(re.findall(r"tests/(test_\w+\.py)", DRIVER.read_text()))
+    named = set(re.findall(r"tests/(?:\w+/)*(test_\w+\.py)", DRIVER.read_text()))
     assert marked, "no GPU tests found: the marker's spelling changed?"
     assert marked <= named, f"GPU tests the driver would not run: {sorted(marked - named)}"

@@ -2,7 +2,7 @@
 
 ``LAYERS`` below is the one statement of which part of ``kvxfer`` may import which: docs/architecture.md
 shows it (a section generated from it, which ``test_the_doc_shows_the_layers`` compares, and
-``python tests/test_library_layout.py`` rewrites), and the packages' docstrings point here. Read from
+``python tests/project/test_library_layout.py`` rewrites), and the packages' docstrings point here. Read from
 the source, every import included (the lazy ones inside functions too):
 - no import circle anywhere in ``kvxfer``;
 - each part imports only the parts ``LAYERS`` gives it (a part may always import itself);
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ast
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script, too
 from import_graph import ROOT, cycle, imports, modules
 
 #: part -> the parts it may import. A part is ``kvxfer.<first name>``, or ``engine_integration``.
@@ -47,7 +49,7 @@ LAYERS: dict[str, set[str]] = {
 
 DOC = ROOT / "docs" / "architecture.md"
 #: The generated section of ``DOC``: everything between these two lines.
-DOC_BEGIN = "<!-- layers: generated from LAYERS in tests/test_library_layout.py; run that file to rewrite -->"
+DOC_BEGIN = "<!-- layers: generated from LAYERS in tests/project/test_library_layout.py; run that file to rewrite -->"
 DOC_END = "<!-- /layers -->"
 
 
@@ -121,9 +123,9 @@ def test_every_part_points_to_the_one_statement_of_the_layers():
     inits = [p for p in sorted((ROOT / "kvxfer").glob("*/__init__.py"))
              if str(p.relative_to(ROOT)) not in DOCSTRINGS_PENDING]
     wrong = [str(p.relative_to(ROOT)) for p in inits
-             if "tests/test_library_layout.py" not in (doc := ast.get_docstring(ast.parse(p.read_text())) or "")
+             if "tests/project/test_library_layout.py" not in (doc := ast.get_docstring(ast.parse(p.read_text())) or "")
              or "May import" in doc]
-    assert wrong == [], f"say 'Its imports: LAYERS in tests/test_library_layout.py', and no 'May import': {wrong}"
+    assert wrong == [], f"say 'Its imports: LAYERS in tests/project/test_library_layout.py', and no 'May import': {wrong}"
 
 
 def test_every_part_with_a_rule_exists():
@@ -171,7 +173,7 @@ def _doc_section(text: str) -> str:
 def test_the_doc_shows_the_layers():
     shown = _doc_section(DOC.read_text())
     assert shown == layers_section(), (f"{DOC.relative_to(ROOT)} and LAYERS disagree: change LAYERS, then run "
-                                       "'python tests/test_library_layout.py' to rewrite the doc's section")
+                                       "'python tests/project/test_library_layout.py' to rewrite the doc's section")
     assert "kvxfer.integrations" in shown and "| `kvxfer.cli` | `engine_integration`" in shown
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ENV = "KVXFER_PACKAGING_SOURCE"
 TORCH = "torch==2.13.0"  # as tools/bootstrap.sh: the CPU build served from local disk
 

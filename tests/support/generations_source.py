@@ -2,7 +2,7 @@
 counter tables each wrong in one way, every meta exported (and sealed with the key in
 ``$KVXFER_SECRET_FILE``) by this process.
 
-Started as ``python -m tests.generations_source BACKEND NUM_BLOCKS SEED``; prints one JSON line
+Started as ``python -m tests.support.generations_source BACKEND NUM_BLOCKS SEED``; prints one JSON line
 (``{"kv": ..., "generations": ..., "wrong": {what: meta}}``) and holds its registrations
 until its stdin closes. The pool is ``source_pool(NUM_BLOCKS, SEED)``, so the test can rebuild
 every byte it should read.

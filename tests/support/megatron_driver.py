@@ -24,7 +24,7 @@ at the commit named in ``docs/megatron.md``; no code of theirs is used. What it 
   ``transfer_destinations_safe`` read off it, ``_wait_for_transfer_handles`` over the KV and
   SSM handles before the storage is released, quarantine otherwise, retried at reset.
 
-Run as a script it is the prefill process: ``python tests/megatron_driver.py BACKEND CASES_JSON``
+Run as a script it is the prefill process: ``python tests/support/megatron_driver.py BACKEND CASES_JSON``
 prints ``METAS {json}`` (each case's transfer meta and source ids as JSON, and the same request
 as a pickle and as the msgpack frame Megatron's coordinator sends the decode engine, base64)
 and serves until stdin closes.

@@ -1,6 +1,6 @@
 """One side of the cross-namespace tests, run inside its own network namespace.
 
-Started as ``ip netns exec NS python -m tests.netns_peer ROLE SOCKET BACKEND``;
+Started as ``ip netns exec NS python -m tests.support.netns_peer ROLE SOCKET BACKEND``;
 the test drives it over a Unix socket (filesystem sockets cross namespaces,
 TCP between them goes over the veth link under test). Every command gets a reply.
 """

@@ -1,7 +1,7 @@
 """A prefill-side process for the storage-safety tests: one pool, one backend, one process.
 
 One process per source is the point: each can be SIGSTOPped, resumed or SIGKILLed on its
-own (a stalled stage beside a dead one). Started as ``python -m tests.pull_source SPEC``
+own (a stalled stage beside a dead one). Started as ``python -m tests.support.pull_source SPEC``
 with a JSON ``SourceSpec``; it prints ``READY <export_meta() as JSON>`` and then answers
 ``drain`` lines on stdin with ``DRAIN <json>`` (the read-done and read-failed request ids
 received since the last drain) until stdin closes.
@@ -9,7 +9,7 @@ received since the last drain) until stdin closes.
 Pools are cut from a seeded global tensor (``global_kv``), so the test rebuilds every
 expected byte itself and nothing but metas crosses the pipe.
 
-``python -m tests.pull_source --read SPEC`` is the other side: a reader (decode) process with
+``python -m tests.support.pull_source --read SPEC`` is the other side: a reader (decode) process with
 an empty pool, one that a test can SIGKILL mid-read (``ReaderProcess``). It answers ``pull``,
 ``post``, ``close`` and ``stat`` lines (JSON) with one ``OK <json>`` or ``ERR <message>`` line.
 """
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class ReaderProcess:
         if spec.ucx_tls:
             full["UCX_TLS"] = spec.ucx_tls
         self.spec = spec
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.pull_source", "--read",
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.support.pull_source", "--read",
                                       json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full, cwd=ROOT)
         self._line(("READY",))
@@ -225,7 +225,7 @@ class ForkedSources:
         env.pop("UCX_TLS", None)
         if ucx_tls:
             env["UCX_TLS"] = ucx_tls
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.pull_source", "--fork-server", "{}"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.pull_source", "--fork-server", "{}"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.pids: list[int] = []
         self._next_line("READY")
@@ -267,7 +267,7 @@ class SourceProcess:
         env.pop("UCX_TLS", None)
         if spec.ucx_tls:
             env["UCX_TLS"] = spec.ucx_tls
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.pull_source", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.support.pull_source", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self._meta: Optional[dict[str, Any]] = None
         self.done: list[Any] = []

@@ -2,7 +2,7 @@
 
 The tests run in the main environment; SGLang (0.5.23, CPU torch) lives in its own,
 ``.venv-sglang``, built by ``make test`` (``tools/bootstrap.sh``), or any Python named by
-``KVXFER_SGLANG_PYTHON``. Each rank is ``tests/sglang_peer.py`` in that Python: kvxfer's own SGLang rank
+``KVXFER_SGLANG_PYTHON``. Each rank is ``tests/support/sglang_peer.py`` in that Python: kvxfer's own SGLang rank
 (``kvxfer.bench.sglang_rank``, which ``kvxfer bench-sglang`` runs), its controller (``SglangRank``), the pool it
 builds (``POOL``) and the room plans (``rooms_plan``) from ``kvxfer.bench.sglang_control``, plus the tests' own.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from kvxfer.bench.sglang_control import POOL, SglangRank, free_port, rank_env, rooms_plan  # noqa: F401
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).resolve().parent / "sglang_peer.py"
 
 

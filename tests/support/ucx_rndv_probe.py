@@ -1,4 +1,4 @@
-"""Run by ``tests/test_ucx_backend.py``: a peer sends this process's ucx workers active messages too
+"""Run by ``tests/backends/test_ucx_backend.py``: a peer sends this process's ucx workers active messages too
 large for eager (UCX delivers them by rendezvous). kvxfer takes no such message: its handler must
 return without releasing the descriptor (UCX drops it, ucp_def.h); releasing it as well left UCX's
 AM buffer pool inconsistent ("was not returned to mpool ucp_am_bufs" at close, one per message).

@@ -1,12 +1,12 @@
-"""The processes of ``tests/test_ucx_served_bounds.py``: a ucx source whose reads are served over tcp, and
+"""The processes of ``tests/backends/test_ucx_served_bounds.py``: a ucx source whose reads are served over tcp, and
 a reader that asks for reads and then stops (SIGSTOP), never draining what it asked for.
 
-``python tests/ucx_served_source.py POOL_MIB OVERRIDES_JSON``: the source. ``OVERRIDES_JSON`` sets
+``python tests/support/ucx_served_source.py POOL_MIB OVERRIDES_JSON``: the source. ``OVERRIDES_JSON`` sets
 constants of ``kvxfer.backends.ucx.served`` before the backend exists (smaller bounds, so a test can reach
 them with a small pool). Prints one JSON line with the meta, then answers each command line on stdin with
 one JSON line: ``stats`` (RSS and the source's served-read counters), ``drain`` (read-done ids), ``exit``.
 
-``python tests/ucx_served_source.py stall READS ROWS_JSON``: the reader. Reads the source's meta (one JSON
+``python tests/support/ucx_served_source.py stall READS ROWS_JSON``: the reader. Reads the source's meta (one JSON
 line on stdin), sends READS READ messages of rows ``ROWS_JSON`` with its token, progresses until UCX sent
 them, prints ``{"sent": READS}`` and stops itself.
 """

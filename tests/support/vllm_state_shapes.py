@@ -1,6 +1,6 @@
-"""vLLM's own Mamba state shapes, printed as JSON: run in the vLLM environment by ``tests/test_vllm_state_shapes.py``.
+"""vLLM's own Mamba state shapes, printed as JSON: run in the vLLM environment by ``tests/integrations/vllm/test_vllm_state_shapes.py``.
 
-``python -m tests.vllm_state_shapes`` prints, for model-sized configs of each state type kvxfer maps
+``python -m tests.support.vllm_state_shapes`` prints, for model-sized configs of each state type kvxfer maps
 across TP sizes (Mamba1 Jamba-like, Mamba2 Nemotron-H-like with groups split and replicated, GDN
 Qwen3-Next-like) and TP 1/2/4/8, the per-rank shapes ``MambaStateShapeCalculator`` gives in both conv
 layouts and, in DS (the layout it requires), the per-rank conv sub-projection widths NixlConnector

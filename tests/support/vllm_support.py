@@ -82,7 +82,7 @@ def _hybrid_model_main(directory: str) -> None:
 
 def _build_in_vllm_env(kind: str, directory: str) -> str:
     """Run a model builder of this module in the vLLM environment (it has transformers)."""
-    out = subprocess.run([require_vllm_python(), "-m", "tests.vllm_support", kind, directory],
+    out = subprocess.run([require_vllm_python(), "-m", "tests.support.vllm_support", kind, directory],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT))
     if out.returncode != 0:
         pytest.fail(f"building the tiny {kind} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", pytrace=False)
@@ -154,11 +154,11 @@ def delta(after: dict[str, Any], before: dict[str, Any], name: str) -> float:
 
 # --- connector-level real processes (no vLLM): a KV source, a handshake listener, a decode's Receiver ---------
 #
-# ``python -m tests.vllm_support source BACKEND BLOCKS [KEY_HEX]`` registers a KV pool shaped like vLLM's CPU layout
+# ``python -m tests.support.vllm_support source BACKEND BLOCKS [KEY_HEX]`` registers a KV pool shaped like vLLM's CPU layout
 # (4 layers of [blocks, 2 heads, 32 tokens, 128]) and a lease table with a real kvxfer backend, prints
 # ``{"pid", "kv", "lease", "layout"}`` on one line, and drains read-dones until stdin closes; ``done`` prints the
 # read-dones and read-faileds it heard, ``revoke SLOT LEASE`` ends a lease as a producer giving blocks back does.
-# ``python -m tests.vllm_support listener DOC_BYTES`` serves a document of that size with the connector's
+# ``python -m tests.support.vllm_support listener DOC_BYTES`` serves a document of that size with the connector's
 # HandshakeListener (logging to stderr) and answers ``stats`` lines on stdin with its counters, RSS and fds.
 
 LAYERS, HEADS, HEAD2 = 4, 2, 128
@@ -321,7 +321,7 @@ class Child:
         import os
         import sys
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_support", *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_support", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=str(REPO_ROOT),
                                      env={**os.environ, **(env or {})})
         self.info = self.ask(None)
@@ -349,7 +349,7 @@ class Child:
         import signal as _signal
 
         if sig == _signal.SIGSTOP:
-            from tests.proc_state import stop
+            from tests.support.proc_state import stop
 
             return stop(self.proc.pid)
         os.kill(self.proc.pid, sig)
@@ -477,7 +477,7 @@ class Decode:
         """Run one connector call as an engine step would, and keep the longest time it held the step:
         wall time less the time this thread waited in the kernel's run queue (runnable, no core free).
         What the code decides (working, blocking on a lock, a socket, a sleep) counts; a 2-core machine
-        busy with other tests giving this thread no core does not (tests/test_vllm_reliability.py's
+        busy with other tests giving this thread no core does not (tests/integrations/vllm/test_vllm_reliability.py's
         bounds failed 2 in 23 under load with no thread of the process running)."""
         import time as _time
 

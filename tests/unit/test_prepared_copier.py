@@ -19,7 +19,7 @@ from kvxfer.plan.geometry import PeerGeometry, compute_buffer_geometry
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.prepared import BlockCopier
 from kvxfer.plan.request import plan_request
-from tests.test_descriptors import apply_plan
+from tests.unit.test_descriptors import apply_plan
 
 
 def _pools(outer: int, src_blocks: int, dst_blocks: int, width: int = 97, dtype=torch.bfloat16):

@@ -10,7 +10,7 @@ The decode's block ids are not needed: a plan's rows follow (piece, outer index,
 block in request order, fragment), and splitting the blocks into runs that are
 consecutive on both sides only groups rows, it never reorders bytes. Message
 content is therefore a function of the source ids alone; any valid destination
-ids give the same stream (``tests/test_nccl_backend.py`` checks it).
+ids give the same stream (``tests/backends/test_nccl_backend.py`` checks it).
 
 Which prefill rank sends, when several hold the same slice (``tp_size`` larger
 than the KV heads replicates each head on consecutive TP ranks): the decode reads

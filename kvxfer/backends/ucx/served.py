@@ -107,7 +107,7 @@ READ_AHEAD_SENDS = READER_SENDS // 2
 #: its share of ``MAX_SERVES`` and the rest for ever. Why 10 s: a live reader drains continuously (its
 #: progress thread), so 10 s without a completed chunk is a reader stopped or cut off; giving it up changes
 #: only what is counted (its sends stay posted, and land if it comes back), and a reader cut off for longer
-#: (a 12 s link cut in ``tests/test_netns_link.py``) then finds its own budget free when the link returns,
+#: (a 12 s link cut in ``tests/backends/test_netns_link.py``) then finds its own budget free when the link returns,
 #: instead of being pushed back (``BACK_PRESSURE``) past its pulls' timeout by READs of pulls long failed.
 SERVE_STALL_S = 10.0
 #: The most sends given up on (above) that UCX may still hold; past it the source refuses new READs as

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
-from tests.proc_state import stop as stop_process
+from tests.support.proc_state import stop as stop_process
 from kvxfer.backends.base import TransferStartError
 from kvxfer.errors import PeerMetadataError, TransferError
 from kvxfer.meta.geometry import LAYOUT_FIELDS, export_geometry_meta, kv_layout_from_meta
@@ -41,7 +41,7 @@ from megatron_driver import (
     serve_prefill, setup_rank, start_import,
 )
 
-DRIVER = Path(__file__).with_name("megatron_driver.py")
+DRIVER = (Path(__file__).resolve().parents[3] / "tests/support/megatron_driver.py")
 SSM = (4, 3, 5, 2, 4)  # nheads, headdim, d_state, ngroups, d_conv
 
 CASES = [
@@ -313,7 +313,7 @@ def test_install_points_megatrons_lookup_at_kvxfer():
 
 
 # --- Megatron posts the KV pull before the SSM pulls: a refused SSM meta behind posted reads -------------
-#: (backend, decode keyword arguments), as in tests/test_storage_safety.py: nixl (which cannot cancel
+#: (backend, decode keyword arguments), as in tests/backends/test_storage_safety.py: nixl (which cannot cancel
 #: an active READ); ucx with UCX's peer failure mode (over TCP it has it); ucx without it (its gets
 #: end only when the source does)
 STALL_MODES = {"nixl": ("nixl", {}), "ucx": ("ucx", {}), "ucx-no-peer-mode": ("ucx", {"peer_error_handling": False})}

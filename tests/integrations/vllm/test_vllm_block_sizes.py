@@ -22,7 +22,7 @@ from kvxfer.integrations.vllm.block_sizes import block_size_problem, sub_block_p
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, check_compatible, parse_handshake
 from kvxfer.integrations.vllm.tickets import parse_ticket, sign_ticket
 from kvxfer.integrations.vllm.tp_reads import PartRead, rank_reads
-from tests.vllm_tp_ranks import HEAD2, LAYERS, Prefill, Rank, heads_of, load, released, submit, values, vllm_views
+from tests.support.vllm_tp_ranks import HEAD2, LAYERS, Prefill, Rank, heads_of, load, released, submit, values, vllm_views
 
 BACKEND = "nixl"
 PREFILL_BLOCKS, DECODE_BLOCKS = 24, 40

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.security.auth import new_secret_file
-from tests.vllm_support import BLOCK, Pair, counters, decode_requests, delta, make_model, prompt, start
+from tests.support.vllm_support import BLOCK, Pair, counters, decode_requests, delta, make_model, prompt, start
 
 GRACE_S = 4.0
 LARGER_POOL, SMALLER_POOL = 1536, 160  # decode pools against the prefill's 1,024 blocks

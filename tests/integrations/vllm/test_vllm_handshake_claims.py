@@ -35,9 +35,9 @@ from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake, ch
 from kvxfer.integrations.vllm.receiver import Receiver
 from kvxfer.integrations.vllm.side_channel import HandshakeListener
 from kvxfer.integrations.vllm.tickets import sign_ticket
-from tests.ucx_served_source import rss_mib
-from tests.vllm_support import Decode, Producer
-from tests.vllm_tp_ranks import BLOCK, Prefill, Rank, heads_of, load, submit, values
+from tests.support.ucx_served_source import rss_mib
+from tests.support.vllm_support import Decode, Producer
+from tests.support.vllm_tp_ranks import BLOCK, Prefill, Rank, heads_of, load, submit, values
 
 #: The longest an engine step may spend in the connector while a peer's handshake is refused (a step is
 #: milliseconds; round 5's were 7.1 s and 10.4 s).

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import pytest
 
 from kvxfer.bench.vllm_control import REPO, instance_env
-from tests.vllm_support import BLOCK, make_model, prompt, require_vllm_python
+from tests.support.vllm_support import BLOCK, make_model, prompt, require_vllm_python
 
 pytestmark = pytest.mark.timeout(600)
 

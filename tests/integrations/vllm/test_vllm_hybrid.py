@@ -7,7 +7,7 @@ several KV cache groups (``kv_cache_config.transfer_group_ids``), block ids per 
 ``uint8 [slots, num_blocks, page]`` and reads whole pages: an attention block's KV, a Mamba slot's state.
 Here: the group checks, the ticket per group, the handshake's refusals, the page registration byte-exact
 on an allocation laid out as vLLM lays it out, and a real ucx transfer of both groups into a decode's pool.
-Real vLLM runs a tiny GraniteMoeHybrid through the connector in ``tests/test_vllm_hybrid_engine.py``.
+Real vLLM runs a tiny GraniteMoeHybrid through the connector in ``tests/integrations/vllm/test_vllm_hybrid_engine.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvxfer.integrations.vllm.kv_buffers import TensorPlacement, hma_pages_regio
 from kvxfer.integrations.vllm.receiver import block_pairs
 from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA, GroupLoad, LoadSpec, TransferGroup
 from kvxfer.integrations.vllm.tickets import derive_ticket_key, parse_ticket, prompt_digest, sign_ticket
-from tests.vllm_support import (BLOCK, HYBRID_PAGE, HYBRID_SLOTS, HYBRID_STATE, Decode, Producer, engine_layout,
+from tests.support.vllm_support import (BLOCK, HYBRID_PAGE, HYBRID_SLOTS, HYBRID_STATE, Decode, Producer, engine_layout,
                                 hybrid_pool)
 
 ATTENTION_SPEC = ["FullAttentionSpec", "AttentionSpec", "KVCacheSpec", "object"]
@@ -118,7 +118,7 @@ def test_check_compatible_refuses_other_mamba_facts_and_tp_without_layout_facts(
     tp2 = replace(local, tp_size=2)
     with pytest.raises(LayoutError) as info:
         check_compatible(local, "ucx", hybrid_handshake(tp2))
-    # a peer whose facts lack the attention layout (and the Mamba type): never read by parts (tests/test_vllm_hybrid_tp.py)
+    # a peer whose facts lack the attention layout (and the Mamba type): never read by parts (tests/integrations/vllm/test_vllm_hybrid_tp.py)
     assert ("tensor parallelism with a hybrid attention+Mamba model (prefill: attention layout ['None']; a head range "
             "is one byte range only on LBHNC; prefill TP 2, decode TP 1)") in str(info.value)
     single = engine_layout([region], 16)  # a peer running the model with one attention group

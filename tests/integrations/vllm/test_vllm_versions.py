@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kvxfer.bench.vllm_control import REPO
-from tests.vllm_support import require_vllm_python
+from tests.support.vllm_support import require_vllm_python
 
 pytestmark = pytest.mark.timeout(300)
 

