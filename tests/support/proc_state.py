@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 
@@ -37,3 +38,17 @@ def stop(pid: int, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"process {pid} was sent SIGSTOP but not all its threads stopped in {timeout_s}s")
         time.sleep(0.001)
+
+
+def close_stdin_and_wait(proc: "subprocess.Popen", timeout_s: float = 15.0) -> None:
+    """End a helper process that serves commands on its stdin: close stdin and wait; kill it if it does not
+    exit within ``timeout_s`` (or its pipe is already gone)."""
+    if proc.poll() is not None:
+        return
+    try:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=timeout_s)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait(timeout=timeout_s)

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import pytest
 
+from tests.support.proc_state import close_stdin_and_wait
+
 from kvxfer.bench.vllm_control import REPO as REPO_ROOT
 from kvxfer.bench.vllm_control import VllmInstance, vllm_python
 
@@ -359,13 +361,7 @@ class Child:
 
         if self.proc.poll() is None:
             self.signal(_signal.SIGCONT)
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(timeout=15)
-            except (subprocess.TimeoutExpired, OSError):
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        close_stdin_and_wait(self.proc)
 
 
 class Producer:

@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from tests.support.proc_state import close_stdin_and_wait
+
 LAYERS, HEADS, BLOCK, HEAD2 = 3, 4, 16, 32  # 4 KV heads: TP 1 and 2 each split them evenly
 MARK = "KVXFER-TP-RANK "
 
@@ -321,14 +323,7 @@ class Rank:
         self.proc.wait(timeout=15)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(timeout=15)
-            except (subprocess.TimeoutExpired, OSError):
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        close_stdin_and_wait(self.proc)
 
 
 class Prefill:
