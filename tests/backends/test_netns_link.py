@@ -13,6 +13,7 @@ Needs root and ``ip netns`` (CI runs as root); fails, with the reason, elsewhere
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,12 +114,19 @@ def test_link_cut_fails_within_timeout_and_recovers_without_restart(hosts, backe
         time.sleep(0.2)
         assert 1 in prefill.call_reply("drain")[0]
 
-        # 2. cut the cable mid-transfer: the handle fails within its timeout, storage safe
-        _pull(decode, prefill, rid=2, count=NUM_BLOCKS, seed=2)
-        ip("-n", ns_a, "link", "set", veth_a, "down")  # at once: on a fast run the pull is done in ~0.4 s
-        cut_at = time.monotonic()
+        # 2. cut the cable mid-transfer: the handle fails within its timeout, storage safe. Over TCP
+        #    a READ's bytes leave only when the source's process sends them, so the source is paused
+        #    from before the pull is posted until the cable is cut: the pull is then in flight at the
+        #    cut however fast or loaded the machine (a fixed delay before the cut raced the transfer)
+        os.kill(prefill.proc.pid, signal.SIGSTOP)  # `ip netns exec` execs the peer: its pid is the peer's
+        try:
+            _pull(decode, prefill, rid=2, count=NUM_BLOCKS, seed=2)
+            ip("-n", ns_a, "link", "set", veth_a, "down")
+            cut_at = time.monotonic()
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
         reply = decode.call_reply("wait", 2, timeout=TIMEOUT_S + 30)
-        assert reply[0] == "failed", f"the transfer finished before the cut ({reply}); make it larger"
+        assert reply[0] == "failed", f"the pull finished across a cut cable: {reply}"
         _, error, message, elapsed, storage_safe, is_timeout = reply
         assert elapsed < TIMEOUT_S + 5, elapsed
         # The class raised follows the storage: a TimeoutError exactly while a byte may still land
