@@ -10,14 +10,15 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvxfer-installed
 
 .PHONY: loopback test info
 
-# `make test` needs both environments: vLLM's packages then install beside the main environment
+# `make test` needs all three environments: vLLM's and SGLang's packages then install beside the main one
 PREFETCH := $(if $(filter test,$(MAKECMDGOALS)),$(VLLM_VENV))
+SGLANG_PREFETCH := $(if $(filter test,$(MAKECMDGOALS)),$(SGLANG_VENV))
 
 # the exact versions each environment installs (tools/bootstrap.sh, tools/freeze_constraints.sh)
 PINS := $(wildcard tools/constraints/*.txt)
 
 $(STAMP): pyproject.toml setup.py tools/bootstrap.sh $(PINS)
-	KVXFER_SKIP_VLLM=1 KVXFER_SKIP_SGLANG=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) bash tools/bootstrap.sh $(VENV)
+	KVXFER_SKIP_VLLM=1 KVXFER_SKIP_SGLANG=1 KVXFER_VLLM_PREFETCH=$(PREFETCH) KVXFER_SGLANG_PREFETCH=$(SGLANG_PREFETCH) bash tools/bootstrap.sh $(VENV)
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py tools/bootstrap.sh $(PINS)

@@ -10,10 +10,12 @@
 # KVXFER_SKIP_VLLM=1 skips it (the vLLM tests then fail, saying how to build it);
 # KVXFER_VLLM_ONLY=1 builds only it.
 #
-# KVXFER_VLLM_PREFETCH=<dir> (set by `make test`): while the main environment installs, install
-# the vLLM environment's third-party packages into <dir> in the background (they touch nothing in
-# this tree, so they can overlap; kvxfer itself is installed into <dir> afterwards, by the
-# KVXFER_VLLM_ONLY step). A failed prefetch is only logged: that step installs everything anyway.
+# KVXFER_VLLM_PREFETCH=<dir> and KVXFER_SGLANG_PREFETCH=<dir> (set by `make test`): while the main
+# environment installs, install the vLLM and the SGLang environments' third-party packages into <dir>
+# in the background (they touch nothing in this tree, so they can overlap, and on a machine whose pip
+# cache is empty their downloads overlap too; kvxfer itself is installed into <dir> afterwards, by the
+# KVXFER_VLLM_ONLY / KVXFER_SGLANG_ONLY step). A failed prefetch is only logged: that step installs
+# everything anyway.
 #
 # A third environment (default .venv-sglang, or $KVXFER_SGLANG_VENV) holds SGLang for the SGLang
 # backend's tests (docs/sglang.md): sglang 0.5.23 pins a CUDA torch, so it goes in with --no-deps
@@ -98,7 +100,7 @@ __getattr__ = _module_getattr(__name__)
 PY
 }
 
-build_sglang() {  # $1: the SGLang environment
+prefetch_sglang() {  # $1: the SGLang environment; everything but kvxfer itself (touches nothing in this tree)
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
   local pins
   pins=$(constraints sglang)
@@ -108,7 +110,11 @@ build_sglang() {  # $1: the SGLang environment
   if ! "$1/bin/python" -c "import torchvision" >/dev/null 2>&1; then
     torchvision_standin "$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
   fi
-  "$1/bin/pip" install "${pip_quiet[@]}" $pins -e ".[nixl,test]"
+}
+
+build_sglang() {  # $1: the SGLang environment
+  prefetch_sglang "$1"  # quick where KVXFER_SGLANG_PREFETCH already installed it: pip finds it all satisfied
+  "$1/bin/pip" install "${pip_quiet[@]}" $(constraints sglang) -e ".[nixl,test]"
   "$1/bin/python" -W ignore -c "import torch, sglang, sglang.srt.disaggregation.common.conn, kvxfer.integrations.sglang.conn
 assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__
 print('SGLang', sglang.__version__, 'installed in $1')"
@@ -138,6 +144,12 @@ if [ -n "${KVXFER_VLLM_PREFETCH:-}" ] && [ ! -e "$KVXFER_VLLM_PREFETCH/.kvxfer-i
   prefetch_vllm "$KVXFER_VLLM_PREFETCH" >"$prefetch_log" 2>&1 &
   prefetch_pid=$!
 fi
+sglang_prefetch_pid=
+if [ -n "${KVXFER_SGLANG_PREFETCH:-}" ] && [ ! -e "$KVXFER_SGLANG_PREFETCH/.kvxfer-installed" ]; then
+  sglang_prefetch_log=$(mktemp -t kvxfer-sglang-prefetch.XXXXXX)
+  prefetch_sglang "$KVXFER_SGLANG_PREFETCH" >"$sglang_prefetch_log" 2>&1 &
+  sglang_prefetch_pid=$!
+fi
 
 if [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
   if [ ! -x "$venv/bin/python" ]; then
@@ -152,6 +164,14 @@ if [ -n "$prefetch_pid" ]; then
     echo "vLLM's packages installed in $KVXFER_VLLM_PREFETCH (kvxfer goes in next)"
   else
     echo "prefetching vLLM's packages failed (the vLLM step retries them); its log: $prefetch_log" >&2
+  fi
+fi
+
+if [ -n "$sglang_prefetch_pid" ]; then
+  if wait "$sglang_prefetch_pid"; then
+    echo "SGLang's packages installed in $KVXFER_SGLANG_PREFETCH (kvxfer goes in next)"
+  else
+    echo "prefetching SGLang's packages failed (the SGLang step retries them); its log: $sglang_prefetch_log" >&2
   fi
 fi
 
