@@ -14,6 +14,16 @@ covers every sealed field. The answer is remembered per digest.
 What this cannot refuse: a process of this host that names *itself* as the source, with its
 own worker and memory. Only the cluster key tells a real source from such a process, and
 ``kvxfer info`` and the first transfer's log say so.
+
+How long a question waits. The answer comes from a daemon thread of the source, which runs only
+when that process's main thread lets go of the GIL: vLLM's engine holds it through long C calls,
+and on a loaded host the answer came after 16-30 s (issue 40). Failing there fails a request whose
+source is fine. So a question waits ``timeout_s``, then goes on waiting while the source provably
+lives and can run (``/proc/<pid>/stat``: the same start time, not stopped, not a zombie; checked
+every ``_LIVE_CHECK_S``), up to ``LIVE_SOURCE_WAIT_S`` in all: a slow source costs latency, not the
+read. A source that died fails the question within ``_LIVE_CHECK_S`` (its socket resets at once in
+practice), and a stopped one (SIGSTOP, a frozen job) fails at ``timeout_s`` as before: it cannot
+answer until someone resumes it. Every wait keeps a timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ logger = logging.getLogger(__name__)
 #: The sealed meta field naming the exporter's confirmation socket (abstract namespace).
 CONFIRM_FIELD = "ucx_confirm_socket"
 CONFIRM_TIMEOUT_S = 5.0
+#: The longest a question waits for a source that lives and is not stopped (at least its ``timeout_s``).
+LIVE_SOURCE_WAIT_S = 120.0
+#: How often a waiting question checks that its source still lives.
+_LIVE_CHECK_S = 0.25
 _REQUEST = b"KVXFER-CONFIRM-1 "
 _DIGEST_CHARS = 64
 _REQUEST_BYTES = len(_REQUEST) + _DIGEST_CHARS + 1
@@ -185,14 +199,15 @@ _PROBE_S = 0.2
 _confirmed_lock = threading.Lock()
 
 
-def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = CONFIRM_TIMEOUT_S) -> bool:
+def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = CONFIRM_TIMEOUT_S,
+                     live_s: float = LIVE_SOURCE_WAIT_S) -> bool:
     """Return when the process ``sealed`` names has confirmed it exported the meta with seal
     ``digest`` (True: asked now; False: confirmed before, in this process). ``PeerMetadataError``
     when it denies it or another process answers; ``TransferError`` when it cannot be asked in
-    time (gone or stalled): either way before anything is posted. Call only with the meta's sealed
-    fields. A digest names the whole meta, so one confirmation serves every registration of this
-    process. A failure to ask is remembered (``_failed``): until it expires, a call only checks
-    for ``_PROBE_S``."""
+    time: gone, stopped and silent for ``timeout_s``, or alive and silent for ``live_s`` (see the
+    module); either way before anything is posted. Call only with the meta's sealed fields. A
+    digest names the whole meta, so one confirmation serves every registration of this process. A
+    failure to ask is remembered (``_failed``): until it expires, a call only checks for ``_PROBE_S``."""
     with _confirmed_lock:
         if digest in _confirmed:
             _confirmed.move_to_end(digest)
@@ -202,15 +217,16 @@ def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = 
             del _failed[digest]
             failure = None
     if failure is not None:
+        probe = min(timeout_s, _PROBE_S)
         try:
-            _ask(sealed, digest, min(timeout_s, _PROBE_S))
+            _ask(sealed, digest, probe, probe)
         except TransferError:
-            raise TransferError(f"{failure[1]}; still unanswered ({min(timeout_s, _PROBE_S):g}s check; a full "
+            raise TransferError(f"{failure[1]}; still unanswered ({probe:g}s check; a full "
                                 f"{timeout_s:g}s wait again in {failure[0] - time.monotonic():.1f}s)") from None
         with _confirmed_lock:
             _failed.pop(digest, None)
     else:
-        _ask_and_remember(sealed, digest, timeout_s)
+        _ask_and_remember(sealed, digest, timeout_s, live_s)
     with _confirmed_lock:
         _confirmed[digest] = None
         while len(_confirmed) > _CONFIRMED_KEPT:
@@ -218,9 +234,9 @@ def confirm_exported(sealed: Mapping[str, Any], digest: str, timeout_s: float = 
     return True
 
 
-def _ask_and_remember(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
+def _ask_and_remember(sealed: Mapping[str, Any], digest: str, timeout_s: float, live_s: float) -> None:
     try:
-        _ask(sealed, digest, timeout_s)
+        _ask(sealed, digest, timeout_s, live_s)
     except TransferError as exc:
         with _confirmed_lock:
             _failed[digest] = (time.monotonic() + max(timeout_s, _FAILED_MIN_S), str(exc))
@@ -229,27 +245,74 @@ def _ask_and_remember(sealed: Mapping[str, Any], digest: str, timeout_s: float) 
         raise
 
 
-def _connect(name: str, pid: int, start: int, deadline: float) -> socket.socket:
-    """A connected socket to ``name``; EAGAIN and ECONNREFUSED are tried again (with backoff) until
-    ``deadline``, unless the named process is gone (then there is nobody to wait for)."""
+def _not_running(pid: int, start: int) -> Optional[str]:
+    """Why ``pid`` (started at ``start``) cannot answer now, None while it lives and may run."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return "exited"
+    fields = stat[stat.rfind(")") + 2:].split()  # the command name may contain spaces and parentheses
+    if int(fields[19]) != start:
+        return "exited"   # the pid is another process's now
+    if fields[0] in ("Z", "X", "x"):
+        return "exited"
+    if fields[0] in ("T", "t"):
+        return "stopped"
+    return None
+
+
+class _Patience:
+    """How long the question to one source may still wait (the rule is the module's)."""
+
+    def __init__(self, pid: int, start: int, timeout_s: float, live_s: float) -> None:
+        self.pid, self.start, self.timeout_s = pid, start, timeout_s
+        self.began = time.monotonic()
+        self.deadline = self.began + timeout_s
+        self.live_deadline = self.began + max(timeout_s, live_s)
+        self.extended = False
+
+    def next_wait(self, may_extend: bool = True) -> float:
+        """Seconds to wait before asking again (at most ``_LIVE_CHECK_S``), or ``OSError`` saying why not."""
+        why = _not_running(self.pid, self.start)
+        if why == "exited":
+            raise ProcessLookupError(errno.ESRCH, "the process exited")
+        now = time.monotonic()
+        if now < self.deadline:
+            return max(0.001, min(self.deadline - now, _LIVE_CHECK_S))
+        if why is None and may_extend and now < self.live_deadline:
+            if not self.extended:
+                self.extended = True
+                logger.warning("ucx confirmation: source pid %d lives but has not answered in %.1fs (a busy process "
+                               "whose GIL is held?); waiting while it lives, up to %gs in all", self.pid,
+                               now - self.began, self.live_deadline - self.began)
+            return max(0.001, min(self.live_deadline - now, _LIVE_CHECK_S))
+        raise TimeoutError(errno.ETIMEDOUT, "no answer in time" if why is None else f"no answer, the process is {why}")
+
+
+def _connect(name: str, patience: _Patience) -> socket.socket:
+    """A connected socket to ``name``. EAGAIN (the backlog is full: the source lives but does not accept
+    fast enough) is tried again as long as ``patience`` allows; ECONNREFUSED (nobody listens, yet) only
+    within its ``timeout_s``: a live process without the socket is not a slow source."""
     delay = _RETRY_FIRST_S
     while True:
+        wait = patience.next_wait()  # raises when out of time, or at once when the source is gone
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(wait)
             sock.connect(_abstract(name))
             return sock
         except OSError as exc:
             sock.close()
-            if exc.errno not in _RETRY_ERRNOS or time.monotonic() + delay >= deadline:
+            if exc.errno == errno.ECONNREFUSED:
+                patience.next_wait(may_extend=False)
+            elif exc.errno not in _RETRY_ERRNOS and not isinstance(exc, socket.timeout):
                 raise
-            if exc.errno == errno.ECONNREFUSED and process_start_time(pid) != start:
-                raise ProcessLookupError(errno.ESRCH, "the process exited") from None
         time.sleep(delay)
         delay = min(2 * delay, _RETRY_MAX_S)
 
 
-def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
+def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float, live_s: float = LIVE_SOURCE_WAIT_S) -> None:
     pid, start, name = sealed.get(PID_FIELD), sealed.get(START_FIELD), sealed.get(CONFIRM_FIELD)
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not isinstance(start, int):
         raise _refuse(f"its {PID_FIELD!r}/{START_FIELD!r} fields are missing or invalid")
@@ -257,10 +320,9 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
         raise _refuse(f"its {CONFIRM_FIELD!r} field is missing or not the named process's (a source of an older kvxfer?)")
     if not isinstance(digest, str) or len(digest) != _DIGEST_CHARS:
         raise _refuse("its seal digest is malformed")
-    began = time.monotonic()
-    deadline = began + timeout_s
+    patience = _Patience(pid, start, timeout_s, live_s)
     try:
-        with _connect(name, pid, start, deadline) as sock:
+        with _connect(name, patience) as sock:
             peer_pid, _, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                  _CREDENTIALS.size))
             if peer_pid != pid or process_start_time(pid) != start:
@@ -269,15 +331,20 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float) -> None:
             sock.sendall(_REQUEST + digest.encode("ascii") + b"\n")
             answer = b""
             while not answer.endswith(b"\n") and len(answer) < 8:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                chunk = sock.recv(8 - len(answer))
+                sock.settimeout(patience.next_wait())
+                try:
+                    chunk = sock.recv(8 - len(answer))
+                except socket.timeout:
+                    continue  # patience decides, with the source's state, whether to wait on
                 if not chunk:
                     break
                 answer += chunk
     except OSError as exc:   # gone, stalled, or no such socket: nothing was posted, so no byte can land
+        allowed = f"{timeout_s:g}s allowed" + (f", {live_s:g}s while it lives" if live_s > timeout_s else "")
         raise TransferError(f"the source of this meta (pid {pid}) could not confirm it: gave up after "
-                            f"{time.monotonic() - began:.2f}s of the {timeout_s:g}s allowed "
-                            f"({exc or type(exc).__name__}); nothing was read, no byte can land") from None
+                            f"{time.monotonic() - patience.began:.2f}s ({allowed}; "
+                            f"{exc or type(exc).__name__}); nothing was read, no byte can land") from None
     if answer != b"yes\n":
         raise _refuse(f"the source it names (pid {pid}) did not export it")
-    logger.debug("meta %s… confirmed by its source, pid %d", digest[:12], pid)
+    logger.debug("meta %s… confirmed by its source, pid %d%s", digest[:12], pid,
+                 f" after {time.monotonic() - patience.began:.2f}s" if patience.extended else "")

@@ -17,8 +17,9 @@ from delaying genuine loads, and from growing the process:
 
 ``prepare(handshake)`` runs after the handshake checked, on a small pool of its own, before
 any load uses it: the worker confirms the handshake's metas with the backend there (ucx
-without a cluster key asks each source process whether it exported its meta, up to 5 s for
-a stalled one), so no such wait ever happens on the engine's step thread. The decode rank's
+without a cluster key asks each source process whether it exported its meta: up to its limit for
+a stopped one, longer for one that lives but is slow, ``ucx/confirm.py``), so no such wait ever
+happens on the engine's step thread. The decode rank's
 verdict on the handshake (``set_decider``: the compatibility check and the reads it then makes)
 is worked out there too, before it, and kept with the entry (``verdict``): whatever a peer's
 handshake claims, the step thread only looks the answer up (issue 39).

@@ -12,7 +12,8 @@ Producer side (``kv_producer``/``kv_both``): ``request_finished`` of a request w
 ``do_remote_decode`` keeps its blocks (``delay_free``) and returns the ticket: NixlConnector's
 fields plus kvxfer's signed lease. The blocks go back to vLLM when the worker reports the
 request in ``finished_sending`` (read-done, read-failed, or the lease grace), never on a
-bare timer. It also serves the handshake on ``kv_ip:kv_port``.
+bare timer. It also binds ``kv_ip:kv_port`` for the handshake, served from a process of its own
+(``handshake_server``: a thread of this process would wait for the engine's GIL).
 
 Hybrid attention+Mamba models (several transfer groups): a Mamba layer's state after ``n`` tokens
 is one slot, not a block per token range, and vLLM recomputes the last prompt token of a whole-
@@ -37,7 +38,8 @@ from kvxfer.integrations.vllm.pp_stages import compose_stages
 from kvxfer.integrations.vllm.handshake import EngineLayout, build_handshake
 from kvxfer.integrations.vllm.metadata import (KvxferConnectorMetadata, KvxferHandshakeMetadata, LoadSpec,
                                                SendSpec)
-from kvxfer.integrations.vllm.side_channel import HandshakeListener, local_only_policy
+from kvxfer.integrations.vllm.handshake_server import HandshakeServer
+from kvxfer.integrations.vllm.side_channel import local_only_policy
 from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA, GroupLoad, TransferGroup
 from kvxfer.integrations.vllm.tickets import parse_ticket, prompt_digest, sign_ticket, ticket_key
 from kvxfer.meta.seal import meta_key_from_env
@@ -88,8 +90,8 @@ class KvxferScheduler:
         self._ticket_key = ticket_key(self.cluster_key, self._instance_key)
         base_port = int(kv_cfg.kv_port)
         self.port = base_port + parallel.data_parallel_index if base_port else 0
-        self.listener: Optional[HandshakeListener] = None
-        self._document = b""  # the sealed handshake the listener serves
+        self.listener: Optional[HandshakeServer] = None
+        self._document = b""  # the sealed handshake the listener's process serves
         self._served_ranks: dict[int, Any] = {}
         self._slots = LeaseSlots(cfg.lease_slots)
         self._slot_of: dict[str, int] = {}
@@ -140,16 +142,19 @@ class KvxferScheduler:
                                          ticket_key=self._instance_key, cluster_key=self.cluster_key)
         self._served_ranks = ranks
         if again:
+            assert self.listener is not None
+            self.listener.update(self._document)
             logger.info("kvxfer vllm: producer %s registered its KV cache again (sleep mode): serving instance %s, "
                         "tickets of instance %s are refused from now on", self.engine_id, self.instance, old)
             return
-        self.listener = HandshakeListener(self.cfg.kv_ip, self.port, lambda: self._document,
-                                          local_peers_only=local_only_policy(self.cluster_key))
+        self.listener = HandshakeServer(self.cfg.kv_ip, self.port, self._document,
+                                        local_peers_only=local_only_policy(self.cluster_key))
         self.port = self.listener.port
         document = self._document
-        logger.info("kvxfer vllm: producer %s serves its handshake on %s:%d (%d bytes, %s)", self.engine_id,
-                    self.cfg.kv_ip, self.port, len(document),
-                    "signed" if self.cluster_key is not None else "same-host peers only: no KVXFER_SECRET_FILE")
+        logger.info("kvxfer vllm: producer %s serves its handshake on %s:%d (%d bytes, %s; process %d)",
+                    self.engine_id, self.cfg.kv_ip, self.port, len(document),
+                    "signed" if self.cluster_key is not None else "same-host peers only: no KVXFER_SECRET_FILE",
+                    self.listener.pid)
 
     # --- decode side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

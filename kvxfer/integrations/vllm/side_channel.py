@@ -4,7 +4,8 @@ The decode needs each prefill rank's ``export_meta()`` (its registered KV pool a
 table, with transport keys) once per producer instance, not per request: a meta is a few KB
 and would bloat every ``kv_transfer_params`` that a proxy carries. So, like NixlConnector's
 side channel, the producer's scheduler serves one sealed handshake document and decodes
-cache it (``handshake_cache``).
+cache it (``handshake_cache``). The scheduler binds the port and runs the listener in a process
+of its own (``handshake_server``), where vLLM's engine holding its GIL cannot delay an answer.
 
 The wire is plain TCP, one question per connection: the decode sends ``REQUEST``, the
 producer answers with an 8-byte big-endian length and the JSON document (or
@@ -71,32 +72,43 @@ class _Conn:
     reply: Optional[memoryview] = None
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port`` 0: a free one), or ``OSError`` saying what to change.
+    Bound by whoever needs the port at once (the scheduler, for its tickets), served by a ``HandshakeListener``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"KvxferConnector cannot listen on {host}:{port} ({exc}); another vLLM instance on this host may "
+            "use it: give each producer its own kv_port (KVTransferConfig.kv_port, or 0 for a free port) "
+            "or kv_connector_extra_config 'kv_ip'"
+        ) from None
+    sock.listen(128)
+    return sock
+
+
 class HandshakeListener:
-    """TCP listener on a background thread, answering ``REQUEST`` with ``document()`` (bounded, see the module)."""
+    """TCP listener on a background thread, answering ``REQUEST`` with ``document()`` (bounded, see the module).
+
+    The connector runs it in a process of its own (``handshake_server``), never in vLLM's: a thread there
+    answers only when vLLM's engine lets go of the GIL. ``sock``: a socket ``bind_listener`` made (the
+    serving process gets the scheduler's); without it, ``host:port`` is bound here."""
 
     def __init__(self, host: str, port: int, document: Callable[[], bytes], *, local_peers_only: bool,
-                 max_connections: int = MAX_CONNECTIONS, connection_s: float = CONNECTION_S) -> None:
+                 max_connections: int = MAX_CONNECTIONS, connection_s: float = CONNECTION_S,
+                 sock: Optional[socket.socket] = None) -> None:
         self._document = document
         self._framed: tuple[Optional[bytes], bytes] = (None, b"")  # (document, its frame): framed once
         self._local_only = local_peers_only
         self._max_connections = max_connections
         self._connection_s = connection_s
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as exc:
-            self._sock.close()
-            raise OSError(
-                f"KvxferConnector cannot listen on {host}:{port} ({exc}); another vLLM instance on this host may "
-                "use it: give each producer its own kv_port (KVTransferConfig.kv_port, or 0 for a free port) "
-                "or kv_connector_extra_config 'kv_ip'"
-            ) from None
-        self._sock.listen(128)
+        self._sock = sock if sock is not None else bind_listener(host, port)
         self._sock.setblocking(False)
-        self.port = self._sock.getsockname()[1]
-        self.host = host
+        self.host, self.port = self._sock.getsockname()[:2]
         self.served = 0
         self.refused = 0
         self.junk = 0
@@ -115,6 +127,12 @@ class HandshakeListener:
     @property
     def open_connections(self) -> int:
         return len(self._conns)
+
+    def counters(self) -> dict[str, int]:
+        """What it did so far: requests ``served``, non-local peers ``refused``, ``junk`` senders, connections
+        ``dropped`` at the cap, and the ``open`` ones."""
+        return {"served": self.served, "refused": self.refused, "junk": self.junk, "dropped": self.dropped,
+                "open": len(self._conns)}
 
     def _serve(self) -> None:
         while not self._stop.is_set():

@@ -294,8 +294,9 @@ class KvxferWorker:
     def _confirm_sources(self, handshake: Handshake) -> None:
         """On the handshake cache's pool, never the engine's thread: have the backend check (and
         remember) every meta this rank will read through. ucx without a cluster key asks each
-        source process whether it exported its meta, which a stalled source answers only at the
-        timeout; done here, the reads later find the answer remembered."""
+        source process whether it exported its meta: a stopped source fails at ``transfer_timeout_s``,
+        a live but busy one is waited for longer (``ucx/confirm.py``); done here, the reads later find
+        the answer remembered."""
         if handshake.backend != self.cfg.backend_name:
             return  # refused with both names by check_compatible
         assert self.layout is not None
