@@ -4,10 +4,16 @@ controller side of ``kvxfer bench-sglang``, and of the SGLang tests (``tests/sup
 Each rank runs in the SGLang environment's Python (``sglang_python()``: ``$KVXFER_SGLANG_PYTHON``, else
 ``.venv-sglang/bin/python`` of the checkout once ``tools/bootstrap.sh`` stamped it) and speaks one JSON object a
 line: a command on its stdin, a reply on its stdout; its stderr is kept (the last lines) for error reports.
+
+A rank is forked from a fork server (``kvxfer.bench.forkserver``) that imported torch and SGLang's disaggregation
+modules once (``PRELOAD``: ~10 s of CPU a rank would otherwise spend importing them), one server per Python and
+startup settings per controller process, started at the first rank and ended at exit. ``KVXFER_SGLANG_FORKSERVER=0``
+starts each rank as a fresh ``subprocess.Popen`` instead; a server that cannot start falls back to that too.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -16,7 +22,9 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
+
+from kvxfer.bench.forkserver import ForkedProcess, ForkServer, ForkServerError, startup_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,46 @@ def rank_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: What a rank's fork server imports before it forks: torch and the SGLang modules a rank imports (their imports
+#: cover ~99% of a rank's import time); never kvxfer's backends, UCX or NIXL, which must initialise in the rank.
+PRELOAD = ("torch", "sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.prefill",
+           "sglang.srt.disaggregation.decode")
+
+#: The fork servers of this process by (Python, startup settings): None where one failed to start.
+_SERVERS: dict[tuple, Optional[ForkServer]] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def _fork_server(python: str, env: dict[str, str]) -> Optional[ForkServer]:
+    """The fork server for ranks of ``python`` with ``env``'s startup settings, started on first use (with
+    ``env``: what an interpreter reads at start is the server's); None when disabled or it cannot start."""
+    if os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") == "0":
+        return None
+    key = (python, startup_key(env))
+    with _SERVERS_LOCK:
+        if key not in _SERVERS:
+            try:
+                _SERVERS[key] = ForkServer(python, PRELOAD, env=env, cwd=str(REPO))
+                atexit.register(_SERVERS[key].close)
+            except (ForkServerError, OSError) as exc:
+                logger.warning("no fork server for %s (%s): each rank imports SGLang itself", python, exc)
+                _SERVERS[key] = None
+        return _SERVERS[key]
+
+
+def start_rank(argv: list[str], env: dict[str, str]) -> Union[ForkedProcess, subprocess.Popen]:
+    """``argv`` (a Python, then ``-m MODULE ...`` or ``SCRIPT ...``) as a rank process with JSON line pipes:
+    forked from the fork server when there is one, else a fresh process."""
+    server = _fork_server(argv[0], env)
+    if server is not None:
+        try:
+            return server.popen(argv, env=env, cwd=str(REPO))
+        except (ForkServerError, OSError) as exc:  # a server that died, or a command it cannot run
+            logger.warning("fork server could not start %s (%s): a fresh process instead", argv[:3], exc)
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO))
+
+
 class SglangRank:
     """One SGLang rank process and its JSON line channel. ``command``: how to start it (default
     ``python -m kvxfer.bench.sglang_rank`` in the SGLang environment); ``pool`` and the rest of the config
@@ -71,8 +119,7 @@ class SglangRank:
                 raise self.error("no SGLang environment (tools/bootstrap.sh builds .venv-sglang; or set "
                                  "KVXFER_SGLANG_PYTHON)")
             command = [python, "-m", "kvxfer.bench.sglang_rank"]
-        self.proc = subprocess.Popen([*command, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env or rank_env(), cwd=str(REPO))
+        self.proc = start_rank([*command, json.dumps(cfg)], env or rank_env())
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
