@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -31,6 +32,7 @@ from tests.support.proc_state import close_stdin_and_wait
 pytestmark = pytest.mark.timeout(120)
 
 HOLD_S = 8.0
+REPO = Path(__file__).resolve().parents[3]
 DOCUMENT = {"engine": "stand-in", "pad": "x" * 4096}
 
 
@@ -38,8 +40,8 @@ class StandIn:
     """This file as a script: the engine-core stand-in, serving ``DOCUMENT`` on a ``thread`` or a ``process``."""
 
     def __init__(self, mode: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.integrations.vllm.test_vllm_handshake_process", mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
         info = self.read()
         self.port: int = info["port"]
         self.server_pid: Optional[int] = info["pid"]
@@ -148,7 +150,8 @@ def test_the_handshake_process_imports_nothing_heavy() -> None:
 
 
 def _stand_in(mode: str) -> None:
-    """The engine-core stand-in: serve, then on ``hold S`` hold the GIL in C for S seconds."""
+    """The engine-core stand-in (``python -m`` from the repository, for ``tests.support``): serve, then on
+    ``hold S`` hold the GIL in C for S seconds."""
     document = json.dumps(DOCUMENT).encode()
     if mode == "thread":
         from kvxfer.integrations.vllm.side_channel import HandshakeListener
