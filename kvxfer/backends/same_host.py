@@ -23,6 +23,10 @@ from kvxfer.backends.ucx_tls import SHARED_MEMORY_TRANSPORTS, parse_ucx_tls
 from kvxfer.meta.seal import HOST_FIELD, host_identity
 
 PID_FIELD, START_FIELD = "ucx_pid", "ucx_pid_start"
+#: The longest a reader waits past its own limit on a same-host source that provably lives and runs
+#: (same pid and start time, not stopped; ucx's meta confirmation): a slow source costs latency, not the
+#: read. The vLLM decode gives a handshake whose confirmation is under way this much more time.
+LIVE_SOURCE_WAIT_S = 120.0
 
 
 def process_start_time(pid: int) -> Optional[int]:

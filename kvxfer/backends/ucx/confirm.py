@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
-from kvxfer.backends.same_host import PID_FIELD, START_FIELD, process_start_time
+from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S, PID_FIELD, START_FIELD, process_start_time
 from kvxfer.errors import PeerMetadataError, TransferError
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ logger = logging.getLogger(__name__)
 #: The sealed meta field naming the exporter's confirmation socket (abstract namespace).
 CONFIRM_FIELD = "ucx_confirm_socket"
 CONFIRM_TIMEOUT_S = 5.0
-#: The longest a question waits for a source that lives and is not stopped (at least its ``timeout_s``).
-LIVE_SOURCE_WAIT_S = 120.0
 #: How often a waiting question checks that its source still lives.
 _LIVE_CHECK_S = 0.25
 _REQUEST = b"KVXFER-CONFIRM-1 "

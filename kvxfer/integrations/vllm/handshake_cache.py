@@ -57,6 +57,7 @@ class _Entry:
     handshake: Optional[Handshake] = None
     error: Optional[BaseException] = None
     verdict: Any = None  # the decider's answer (or the KVXferError it raised), if there is a decider
+    preparing: bool = False  # the document arrived and passed its checks; ``prepare`` (confirmation) runs
     finished: Optional[float] = None  # set last, once the entry is final
 
 
@@ -87,6 +88,13 @@ class HandshakeCache:
         if entry is None or entry.handshake is not handshake or entry.finished is None:
             return None
         return entry.verdict
+
+    def preparing(self, host: str, port: int) -> bool:
+        """Whether the handshake of ``host:port`` was fetched and is being confirmed (``prepare`` runs): the
+        producer answered; what is left is bounded by ``prepare`` itself (ucx: a source that provably lives
+        is waited for up to ``LIVE_SOURCE_WAIT_S`` past the limit, one that died fails at once)."""
+        entry = self._entries.get((host, port))
+        return entry is not None and entry.preparing and entry.finished is None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -141,6 +149,7 @@ class HandshakeCache:
             return self._final(entry, None, error)
         if self._prepare is None and self._decide is None:
             return self._final(entry, handshake, None)
+        entry.preparing = True
         try:
             self._preparing.submit(self._prepared, entry, target, handshake)
         except RuntimeError as exc:  # closed

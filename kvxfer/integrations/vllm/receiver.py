@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from kvxfer.backends.base import ChainedGuard, TransferHandle, TransferStartError, abort_parts
+from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S
 from kvxfer.defaults import TRANSFER_TIMEOUT_S
 from kvxfer.errors import KVXferError, TransferError
 from kvxfer.handoff.poll import KVPoll
@@ -333,7 +334,12 @@ class Receiver:
                 return self._refuse(load, f"handshake with prefill engine {ticket.engine_id!r} at "
                                           f"{ticket.host}:{ticket.port} failed: {exc}", "handshake")
             if load.handshake is None:
-                if self._clock() - load.started > 2 * self._handshake_timeout_s + 1:
+                limit = 2 * self._handshake_timeout_s + 1
+                if self._handshakes.preparing(ticket.host, ticket.port):
+                    # the producer answered; its sources' confirmation waits on for a source that provably lives
+                    # (a starved prefill worker answers late: latency, not a failed request) and ends by itself
+                    limit += self._transfer_timeout_s + LIVE_SOURCE_WAIT_S
+                if self._clock() - load.started > limit:
                     return self._refuse(load, f"no handshake from prefill engine {ticket.engine_id!r} in time",
                                         "handshake")
                 return None

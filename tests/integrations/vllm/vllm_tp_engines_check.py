@@ -37,8 +37,9 @@ def stats(instance) -> tuple[list[dict], dict]:
 def handoff(prefill, decode, prompts: list[list[int]], *, recomputed: int = 0, reference_on=None) -> None:
     """Prefill ``prompts`` on ``prefill``, decode them on ``decode``: ``recomputed`` prompt tokens each
     computed by the decode (a hybrid model's last one), the rest loaded; the tokens equal co-located
-    generation on ``reference_on`` (default the prefill)."""
-    reference = [o["tokens"] for o in (reference_on or prefill).generate(
+    generation on ``reference_on`` (default the decode instance: a TP 2 and a TP 1 instance's own tokens differ
+    by bf16 TP numerics, so the decode's own co-located generation is what a handoff must reproduce)."""
+    reference = [o["tokens"] for o in (reference_on or decode).generate(
         [{"prompt": p, "max_tokens": 8} for p in prompts])["outputs"]]
     out = prefill.generate([{"prompt": p, "max_tokens": 1, "params": {"do_remote_decode": True}} for p in prompts])
     tickets = [o["params"] for o in out["outputs"]]
