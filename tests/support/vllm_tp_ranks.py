@@ -6,11 +6,16 @@ one allocation), registered as ``KvxferWorker.register_kv_caches`` does (``kv_re
 per head) with the producer's lease table, and the worker's ``Sender``. It prints its metas and
 layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports each release
 (``{"released": ID, "why": ..., "at": monotonic}``) as ``Sender.collect`` returns it, every 10 ms.
+``hold S`` has its main thread say ``{"holding": S}``, then hold the GIL in C for ``S`` seconds
+(``tests.support.gil_hold``): its ucx ``ConfirmServer`` thread cannot answer meanwhile, as when vLLM's
+engine starves a prefill worker (issue 40).
 
 ``python -m tests.support.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON
 B,B,..[@F]`` loads a request (its blocks from block position ``F``) and answers ``{"finished"|"failed": ID}``;
 ``dump PATH`` saves the pool (``[layers, blocks, heads, block, 2*head]``, whatever the layout).
+A trailing ``handshake S`` sets its ``handshake_timeout_s`` (default 5; ``transfer_timeout_s``, the
+sources' confirmation limit, stays 5).
 
 Trailing ``layout LAYOUT block N views PATH`` lay the pool out as vLLM 0.32's ``create_kv_cache_views`` does
 on ``LAYOUT`` (``LBHNC`` or ``LBNHC``) with ``N``-token blocks, from the shapes, strides and offsets vLLM
@@ -45,6 +50,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from tests.support.gil_hold import hold_gil
 from tests.support.proc_state import close_stdin_and_wait
 
 LAYERS, HEADS, BLOCK, HEAD2 = 3, 4, 16, 32  # 4 KV heads: TP 1 and 2 each split them evenly
@@ -214,6 +220,10 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
         if line.startswith("pin "):
             _, request_id, slot, token, ids = line.split(" ")
             sender.pin(SendSpec(request_id, tuple(map(int, ids.split(","))), int(slot), int(token)))
+        elif line.startswith("hold "):
+            seconds = float(line.split(" ")[1])
+            _say({"holding": seconds})
+            hold_gil(seconds)
         for request_id in sender.collect():
             _say({"released": request_id, "at": time.monotonic(), "counters": sender.counters})
     for b in [lease, *reversed(backends)]:
@@ -221,8 +231,8 @@ def prefill_main(rank: int, tp: int, backend: str, blocks: int, grace_s: float, 
 
 
 def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
-                hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None)
-                ) -> None:
+                hybrid: Optional[tuple[int, str]] = None, views: tuple[str, int, Optional[str]] = ("LBHNC", BLOCK, None),
+                handshake_timeout_s: float = 5.0) -> None:
     import torch
 
     from kvxfer.integrations.vllm.handshake_cache import HandshakeCache, confirm_rank_sources
@@ -239,11 +249,11 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
         mine = layout(regions, tp, blocks, latent, block)
     scratch = torch.zeros(1025, dtype=torch.int64)
     scratch_backend = backends[0].new_registered_buffer(memory_buffer=scratch, expected_num_blocks=scratch.numel())
-    handshakes = HandshakeCache(5.0, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
+    handshakes = HandshakeCache(handshake_timeout_s, None, False, lambda hs: confirm_rank_sources(hs, rank, mine, backends,
                                                                                    scratch_backend, 5.0))
     receiver = Receiver(tp_rank=rank, backend_name=backend, layout=mine, regions=backends,
                         scratch_backend=scratch_backend, scratch=scratch, handshakes=handshakes, cluster_key=None,
-                        handshake_timeout_s=5.0, transfer_timeout_s=5.0)
+                        handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=5.0)
     _say({"ready": rank})
     lines = _commands()
     pending: set[str] = set()
@@ -317,6 +327,11 @@ class Rank:
         except queue.Empty:
             raise AssertionError(f"rank {self.proc.args[3:]} said nothing within {timeout_s}s "
                                  f"(exit {self.proc.poll()})") from None
+
+    def hold_gil(self, seconds: float) -> None:
+        """Have this prefill rank hold its GIL in C for ``seconds`` (``hold``), from the time this returns."""
+        self.send(f"hold {seconds}")
+        assert self.next(30.0) == {"holding": seconds}
 
     def kill(self) -> None:
         self.proc.kill()
@@ -434,4 +449,5 @@ if __name__ == "__main__":
                      mla_latent(sys.argv), hybrid_args(sys.argv), view_args(sys.argv), stage_args(sys.argv))
     else:
         decode_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), mla_latent(sys.argv),
-                    hybrid_args(sys.argv), view_args(sys.argv))
+                    hybrid_args(sys.argv), view_args(sys.argv),
+                    float(sys.argv[sys.argv.index("handshake") + 1]) if "handshake" in sys.argv else 5.0)
