@@ -15,32 +15,37 @@ What this cannot refuse: a process of this host that names *itself* as the sourc
 own worker and memory. Only the cluster key tells a real source from such a process, and
 ``kvxfer info`` and the first transfer's log say so.
 
-How long a question waits. The answer comes from a daemon thread of the source, which runs only
-when that process's main thread lets go of the GIL: vLLM's engine holds it through long C calls,
-and on a loaded host the answer came after 16-30 s (issue 40). Failing there fails a request whose
-source is fine. So a question waits ``timeout_s``, then goes on waiting while the source provably
-lives and can run (``/proc/<pid>/stat``: the same start time, not stopped, not a zombie; checked
-every ``_LIVE_CHECK_S``), up to ``LIVE_SOURCE_WAIT_S`` in all: a slow source costs latency, not the
-read. A source that died fails the question within ``_LIVE_CHECK_S`` (its socket resets at once in
-practice), and a stopped one (SIGSTOP, a frozen job) fails at ``timeout_s`` as before: it cannot
-answer until someone resumes it. Every wait keeps a timeout.
+Who answers. A small child process of the source (``confirm_server.py``), on a socket the source
+itself listens on, so the kernel still names the source; it answers while the source's own threads
+cannot run (vLLM's engine holds the GIL through long C calls: a daemon thread answered after 16-120 s
+on a loaded host, issue 40). Where the child cannot start, such a thread answers, with a warning.
+
+How long a question waits. ``timeout_s``, then on while the source provably lives and can run
+(``/proc/<pid>/stat``: the same start time, not stopped, not a zombie; checked every ``_LIVE_CHECK_S``),
+up to ``LIVE_SOURCE_WAIT_S`` in all: a slow source (or a fallback thread starved of the GIL) costs
+latency, not the read. A source that died fails the question within ``_LIVE_CHECK_S`` (its child
+exits with it, so its socket resets or refuses at once in practice), and a stopped one (SIGSTOP, a
+frozen job) fails at ``timeout_s`` as before: its child answers no one while it is stopped, since it
+could not serve the read either. Every wait keeps a timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
 import secrets
-import selectors
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S, PID_FIELD, START_FIELD, process_start_time
+from kvxfer.backends.ucx.confirm_server import DIGEST_CHARS, REQUEST, Exports, Serving, spawn
 from kvxfer.errors import PeerMetadataError, TransferError
 
 logger = logging.getLogger(__name__)
@@ -50,11 +55,8 @@ CONFIRM_FIELD = "ucx_confirm_socket"
 CONFIRM_TIMEOUT_S = 5.0
 #: How often a waiting question checks that its source still lives.
 _LIVE_CHECK_S = 0.25
-_REQUEST = b"KVXFER-CONFIRM-1 "
-_DIGEST_CHARS = 64
-_REQUEST_BYTES = len(_REQUEST) + _DIGEST_CHARS + 1
-_MAX_CONNECTIONS = 256   # connections open at once; the oldest is dropped beyond it
-_CONNECTION_S = 1.0      # a connection that has not asked within this is dropped
+_CHILD_START_S = 10.0   # for the answering process to say it serves (a loaded host), else a thread answers
+_CHILD_STOP_S = 1.0
 _CREDENTIALS = struct.Struct("3i")   # struct ucred: pid, uid, gid
 #: connect() errors worth another try within the deadline: EAGAIN, the listener's backlog is full
 #: (a local connect flood: issue 26 saw 9 of 12 first pulls fail at once on it); ECONNREFUSED, no
@@ -68,100 +70,63 @@ def _abstract(name: str) -> bytes:
 
 
 class ConfirmServer:
-    """This process's answers to "did you export this meta?" (one daemon thread per process)."""
+    """This process's answers to "did you export this meta?": a child process (``confirm_server.py``, whose
+    docstring says why), or a daemon thread of this process where the child cannot start."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.name = f"kvxfer-ucx-confirm/{self.pid}/{secrets.token_hex(8)}"
-        self._exported: dict[str, int] = {}   # digest -> how many open registrations exported it
         self._lock = threading.Lock()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._listener.bind(_abstract(self.name))
-        self._listener.listen(128)
-        self._listener.setblocking(False)
-        threading.Thread(target=self._serve, name="kvxfer-ucx-confirm", daemon=True).start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind(_abstract(self.name))
+        listener.listen(128)  # by this process: what SO_PEERCRED tells a reader, whoever accepts
+        self._child = spawn(listener, _CHILD_START_S)
+        if self._child is not None:
+            listener.close()  # the child's copy is the only one: the socket lives as long as the child
+            return
+        logger.warning("ucx confirmation: answering from a thread of this process instead, which cannot answer "
+                       "while another thread holds the GIL (a reader waits on, up to %gs)", LIVE_SOURCE_WAIT_S)
+        self._exports = Exports()
+        serving = Serving(listener, self._exports.__contains__)
+        threading.Thread(target=serving.forever, name="kvxfer-ucx-confirm", daemon=True).start()
 
     def offer(self, digest: str) -> None:
-        with self._lock:
-            self._exported[digest] = self._exported.get(digest, 0) + 1
+        """Before the meta with seal ``digest`` is published: the child reads it before answering anyone."""
+        self._tell(b"+", digest)
 
     def withdraw(self, digest: str) -> None:
+        self._tell(b"-", digest)
+
+    def alive(self) -> bool:
+        return self._child is None or self._child.poll() is None
+
+    def _tell(self, what: bytes, digest: str) -> None:
+        if self._child is None:
+            (self._exports.offer if what == b"+" else self._exports.withdraw)(digest)
+            return
+        assert self._child.stdin is not None
         with self._lock:
-            left = self._exported.get(digest, 0) - 1
-            if left > 0:
-                self._exported[digest] = left
-            else:
-                self._exported.pop(digest, None)
+            try:
+                self._child.stdin.write(what + digest.encode("ascii") + b"\n")
+                self._child.stdin.flush()
+            except (OSError, ValueError) as exc:  # it died (or was closed): the next export starts another
+                logger.error("ucx confirmation: the answering process (pid %d) is gone (%s): metas exported "
+                             "before cannot be confirmed", self._child.pid, exc)
 
-    def exported(self, digest: str) -> bool:
+    def close(self) -> None:
+        """Stop the child (EOF on its stdin); in a forked process, leave the exporter's child alone."""
+        if self._child is None or self.pid != os.getpid():
+            return
         with self._lock:
-            return digest in self._exported
-
-    def _serve(self) -> None:
-        """Answer every connection that asks in time; nothing a connection sends can stall the others.
-
-        The thread must outlive anything a connection does: once it is gone, no reader of this
-        host can read from us any more. So an unexpected error is logged and serving goes on.
-        """
-        selector = selectors.DefaultSelector()
-        selector.register(self._listener, selectors.EVENT_READ)
-        open_since: dict[socket.socket, tuple[float, bytes]] = {}
-        while True:
             try:
-                self._serve_once(selector, open_since)
-            except Exception:
-                logger.exception("ucx confirmation server: unexpected error (serving goes on)")
-                time.sleep(0.01)
-
-    def _serve_once(self, selector: selectors.BaseSelector, open_since: dict) -> None:
-        """One round: accept, read, answer; drop connections that did not ask within ``_CONNECTION_S``."""
-        for key, _ in selector.select(timeout=0.25):
-            if key.fileobj is self._listener:
-                try:
-                    conn, _ = self._listener.accept()
-                except OSError:
-                    continue
-                conn.setblocking(False)
-                if len(open_since) >= _MAX_CONNECTIONS:
-                    oldest = min(open_since, key=lambda c: open_since[c][0])
-                    self._drop(selector, open_since, oldest)
-                open_since[conn] = (time.monotonic(), b"")
-                selector.register(conn, selectors.EVENT_READ)
-                continue
-            conn = key.fileobj
-            if conn not in open_since:
-                continue  # dropped (oldest, at the cap) earlier in this same round
-            since, asked = open_since[conn]
-            try:
-                chunk = conn.recv(_REQUEST_BYTES - len(asked))
-            except (BlockingIOError, InterruptedError):
-                continue
+                self._child.stdin.close()  # type: ignore[union-attr]
             except OSError:
-                chunk = b""
-            asked += chunk
-            if chunk and len(asked) < _REQUEST_BYTES:
-                open_since[conn] = (since, asked)
-                continue
-            if len(asked) == _REQUEST_BYTES:
-                self._answer(conn, asked)
-            self._drop(selector, open_since, conn)
-        now = time.monotonic()
-        for conn in [c for c, (since, _) in open_since.items() if now - since > _CONNECTION_S]:
-            self._drop(selector, open_since, conn)
-
-    def _answer(self, conn: socket.socket, asked: bytes) -> None:
-        ok = asked.startswith(_REQUEST) and asked.endswith(b"\n") and \
-            self.exported(asked[len(_REQUEST):-1].decode("ascii", errors="replace"))
+                pass
         try:
-            conn.send(b"yes\n" if ok else b"no\n")
-        except OSError:
-            pass
-
-    @staticmethod
-    def _drop(selector: selectors.BaseSelector, open_since: dict, conn: socket.socket) -> None:
-        selector.unregister(conn)
-        open_since.pop(conn, None)
-        conn.close()
+            self._child.wait(_CHILD_STOP_S)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
 
 
 _server: Optional[ConfirmServer] = None
@@ -169,11 +134,13 @@ _server_lock = threading.Lock()
 
 
 def confirm_server() -> ConfirmServer:
-    """This process's server, started on first use (and again in a forked child: threads do not fork)."""
+    """This process's server, started on first use, again in a forked child (it is the fork's own meta
+    to vouch for), and again where its child died; stopped at exit."""
     global _server
     with _server_lock:
-        if _server is None or _server.pid != os.getpid():
+        if _server is None or _server.pid != os.getpid() or not _server.alive():
             _server = ConfirmServer()
+            atexit.register(_server.close)
         return _server
 
 
@@ -316,7 +283,7 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float, live_s: float
         raise _refuse(f"its {PID_FIELD!r}/{START_FIELD!r} fields are missing or invalid")
     if not isinstance(name, str) or not name.startswith(f"kvxfer-ucx-confirm/{pid}/") or len(name) > 100:
         raise _refuse(f"its {CONFIRM_FIELD!r} field is missing or not the named process's (a source of an older kvxfer?)")
-    if not isinstance(digest, str) or len(digest) != _DIGEST_CHARS:
+    if not isinstance(digest, str) or len(digest) != DIGEST_CHARS:
         raise _refuse("its seal digest is malformed")
     patience = _Patience(pid, start, timeout_s, live_s)
     try:
@@ -326,7 +293,7 @@ def _ask(sealed: Mapping[str, Any], digest: str, timeout_s: float, live_s: float
             if peer_pid != pid or process_start_time(pid) != start:
                 raise _refuse(f"its confirmation socket is held by pid {peer_pid}, not by the source it names "
                               f"(pid {pid})")
-            sock.sendall(_REQUEST + digest.encode("ascii") + b"\n")
+            sock.sendall(REQUEST + digest.encode("ascii") + b"\n")
             answer = b""
             while not answer.endswith(b"\n") and len(answer) < 8:
                 sock.settimeout(patience.next_wait())
