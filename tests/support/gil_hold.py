@@ -1,8 +1,9 @@
 """Holding a process's GIL in C, as vLLM's engine does through its long C calls (issue 40).
 
 ``ctypes.PyDLL`` does not release the GIL around a call, so ``hold_gil(S)`` sleeps ``S`` seconds in C
-with the calling thread holding it: no other thread of the process (a ucx ``ConfirmServer``, a
-handshake thread) runs Python meanwhile. Tests use it to starve a real source process."""
+with the calling thread holding it: no other thread of the process (a handshake or confirmation thread, as
+kvxfer had before it moved them into child processes) runs Python meanwhile. Tests use it to starve a real
+source process."""
 
 from __future__ import annotations
 

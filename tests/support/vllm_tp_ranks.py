@@ -7,8 +7,8 @@ per head) with the producer's lease table, and the worker's ``Sender``. It print
 layout, then pins requests (``pin ID SLOT LEASE B,B,..`` on stdin) and reports each release
 (``{"released": ID, "why": ..., "at": monotonic}``) as ``Sender.collect`` returns it, every 10 ms.
 ``hold S`` has its main thread say ``{"holding": S}``, then hold the GIL in C for ``S`` seconds
-(``tests.support.gil_hold``): its ucx ``ConfirmServer`` thread cannot answer meanwhile, as when vLLM's
-engine starves a prefill worker (issue 40).
+(``tests.support.gil_hold``): no thread of it runs Python meanwhile, as when vLLM's engine starves a prefill
+worker (issue 40); its ucx meta confirmation is answered by its confirmation child process.
 
 ``python -m tests.support.vllm_tp_ranks decode RANK TP BACKEND BLOCKS``: a decode rank's empty pool, the
 same registration, and the worker's ``Receiver`` with its handshake cache; ``load ID PARAMS_JSON

@@ -1,22 +1,25 @@
-"""A prefill worker starved of its GIL costs the decode latency, not the request (issue 40, item 0).
+"""A prefill worker starved of its GIL costs the decode nothing, and a dead one fails the load at once (issue 40,
+item 0).
 
-ucx without a cluster key (``KVXFER_SECRET_FILE`` unset): before a decode rank reads, its handshake
-cache's prepare pool asks each prefill source process whether it exported its meta
-(``confirm_rank_sources``, ``kvxfer/backends/ucx/confirm.py``), and a daemon thread of that process
-answers, so only when its main thread lets go of the GIL. vLLM's engine holds it through long C calls.
-The decode's ``Receiver`` used to refuse a load whose handshake was not final within
-``2 * handshake_timeout_s + 1`` even while that confirmation waited on a source that lived.
+ucx without a cluster key (``KVXFER_SECRET_FILE`` unset): before a decode rank reads, its handshake cache's
+prepare pool asks each prefill source process whether it exported its meta (``confirm_rank_sources``,
+``kvxfer/backends/ucx/confirm.py``). A daemon thread of the source used to answer, so only when the source's
+main thread let go of the GIL, which vLLM's engine holds through long C calls; a small child process of the
+source answers now (``confirm_server.py``), on the socket the source itself listens on. (Where that child
+cannot start, the thread answers, and the decode's ``Receiver`` waits past ``2 * handshake_timeout_s + 1`` while
+the confirmation waits on a source that lives: ``tests/backends/test_ucx_confirm_live_source.py``.)
 
 Real processes (``tests/support/vllm_tp_ranks.py``): a TP 1 prefill rank (the worker's ``Sender``) pins a
-request, then holds its GIL in C for ``HOLD_S`` from its main thread (``hold``), so its ``ConfirmServer``
-cannot answer; a TP 1 decode rank (the worker's ``Receiver``, ``handshake_timeout_s`` 1 s: the old bound
-3 s; the confirmation's own limit, ``transfer_timeout_s``, 5 s) loads it. It must finish byte-exact once
-the hold ends and the prefill must free the request on the read-done; a source SIGKILLed during the hold
-must fail the load at once, well before the long bound the receiver now allows.
+request, then holds its GIL in C for ``HOLD_S`` from its main thread (``hold``); a TP 1 decode rank (the
+worker's ``Receiver``, ``handshake_timeout_s`` 1 s, so the old bound is 3 s) loads it. It must finish
+byte-exact during the hold, and the prefill must free the request on the read-done once the hold ends; a
+source SIGKILLed during its hold must fail the load at once, well before the long bound the receiver allows.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from contextlib import ExitStack
 
@@ -24,7 +27,6 @@ import pytest
 import torch
 
 from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S
-from tests.support.gil_hold import killed_after
 from tests.support.vllm_tp_ranks import BLOCK, Prefill, Rank, dump, heads_of, released, submit, values
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,9 +55,10 @@ def ranks(monkeypatch: pytest.MonkeyPatch):
         yield prefill, decode, params
 
 
-def test_a_load_from_a_prefill_rank_holding_its_gil_completes_byte_exact_after_the_hold(ranks, tmp_path):
-    """Before: refused at the old bound (3 s), "no handshake from prefill engine ... in time", though the
-    source lived all along. Now: finished once the source lets go of its GIL, and freed on the read-done."""
+def test_a_load_from_a_prefill_rank_holding_its_gil_completes_byte_exact_during_the_hold(ranks, tmp_path):
+    """Before the confirmation child: refused at the old bound (3 s), "no handshake from prefill engine ... in
+    time", though the source lived all along; with the receiver's longer wait, finished only once the hold ended
+    (8 s). Now: finished during the hold, and freed on the read-done."""
     prefill, decode, params = ranks
     prefill.ranks[0].hold_gil(HOLD_S)  # after the pin (its commands run in order), before the decode's first load
     began = time.monotonic()
@@ -65,7 +68,7 @@ def test_a_load_from_a_prefill_rank_holding_its_gil_completes_byte_exact_after_t
           f"(old bound {OLD_BOUND_S:g} s)")
     assert event.get("finished") == "req-a", event
     assert event["recent"][0]["blocks"] == len(DST_BLOCKS), event
-    assert OLD_BOUND_S < took < HOLD_S + 20, took
+    assert took < OLD_BOUND_S, took
 
     freed = released(prefill.ranks[0], 20.0)
     assert freed and freed["released"] == "req-a" and freed["counters"]["released_read_done"] == 1, freed
@@ -77,19 +80,19 @@ def test_a_load_from_a_prefill_rank_holding_its_gil_completes_byte_exact_after_t
 
 
 def test_a_prefill_rank_killed_during_its_gil_hold_fails_the_load_at_once(ranks):
-    """SIGKILLed past the confirmation's own limit (the wait on a live source already extended): the
-    load fails within seconds of the kill, as the source's confirmation failing, not at the long bound."""
+    """SIGKILLed during its hold, before the decode's first load: the load fails within seconds, as the source's
+    confirmation failing (its process and its confirmation child are gone), not at the long bound."""
     prefill, decode, params = ranks
     source = prefill.ranks[0]
     source.hold_gil(HOLD_S)
+    os.kill(source.proc.pid, signal.SIGKILL)
+    source.proc.wait(timeout=10)
     began = time.monotonic()
-    with killed_after(source.proc.pid, CONFIRM_LIMIT_S + 1.0) as killed_at:
-        event = submit(decode, "req-a", params, DST_BLOCKS)
-        answered = time.monotonic()
-    took, late = answered - began, answered - killed_at[0]
+    event = submit(decode, "req-a", params, DST_BLOCKS)
+    took = time.monotonic() - began
     reason = event["recent"][0].get("failed", "") if event.get("recent") else ""
-    print(f"\nMEASURED load from a prefill rank SIGKILLed during its GIL hold: {event} after {took:.2f} s, "
-          f"{late:.2f} s after the kill (long bound {LONG_BOUND_S:g} s)")
+    print(f"\nMEASURED load from a prefill rank SIGKILLed during its GIL hold: {event} after {took:.2f} s "
+          f"(long bound {LONG_BOUND_S:g} s)")
     assert event.get("failed") == "req-a", event
     assert "could not confirm its meta" in reason, reason  # the source's death, not the receiver's bound
-    assert 0 < late < 3.0 and took < LONG_BOUND_S / 10, (late, took)
+    assert took < 3.0, took
