@@ -29,6 +29,7 @@ same-host only.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
@@ -55,6 +56,8 @@ MAX_CONNECTIONS = 128
 CONNECTION_S = 5.0
 #: Fetches a decode runs at once (one per producer address, see ``handshake_cache``).
 MAX_FETCHES = 32
+#: New connections one fetch may make after the listener closed one before answering (within its deadline).
+MAX_RECONNECTS = 3
 _LENGTH = struct.Struct(">Q")
 _JUNK_LOG_S = 10.0
 
@@ -296,6 +299,7 @@ class _Fetch:
     sock: Optional[socket.socket] = None
     sent: int = 0
     received: bytearray = field(default_factory=bytearray)
+    reconnects: int = 0
 
     @property
     def where(self) -> str:
@@ -422,6 +426,8 @@ class HandshakeFetcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
+            if exc.errno in (errno.ECONNRESET, errno.EPIPE) and self._may_reconnect(job):
+                return self._reconnect(job)
             return self._finish(job, None, PeerMetadataError(f"handshake with the prefill instance at {job.where} "
                                                              f"failed: {exc.strerror or exc}"))
         job.received += chunk
@@ -439,8 +445,28 @@ class HandshakeFetcher:
                     return self._finish(job, None, exc)
                 return self._finish(job, document, None)
         if not chunk:
+            if self._may_reconnect(job):
+                return self._reconnect(job)
             self._finish(job, None, PeerMetadataError(f"the prefill instance at {job.where} closed the connection "
                                                       "before its handshake was complete"))
+
+    @staticmethod
+    def _may_reconnect(job: _Fetch) -> bool:
+        """Nothing of the answer came, a new connection is left, and so is time."""
+        return not job.received and job.reconnects < MAX_RECONNECTS and time.monotonic() < job.deadline
+
+    def _reconnect(self, job: _Fetch) -> None:
+        """Ask again on a new connection, within the fetch's own deadline: the listener closed this one before
+        answering, as it does when our request came after its ``CONNECTION_S`` (this decode's process was
+        starved between its connect and its request: vLLM's engine holds the GIL the fetcher needs)."""
+        assert job.sock is not None
+        self._active.pop(job.sock, None)
+        self._selector.unregister(job.sock)
+        job.sock.close()
+        job.sock, job.sent, job.reconnects = None, 0, job.reconnects + 1
+        logger.info("kvxfer vllm: the prefill instance at %s closed the handshake connection before answering; asking "
+                    "again (%d of %d)", job.where, job.reconnects, MAX_RECONNECTS)
+        self._start(job)
 
     def _finish(self, job: _Fetch, document: Optional[dict], error: Optional[BaseException]) -> None:
         if job.sock is not None:
