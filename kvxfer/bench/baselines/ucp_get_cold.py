@@ -129,7 +129,7 @@ def run(sizes: Sequence[int], region_bytes: int, timeout_s: float = 60.0, llc_by
     results: list[PointResult] = []
     ctx = worker = region = ep = rkey = None
     try:
-        if not parent.poll(max(timeout_s, 60.0)):
+        if not parent.poll(max(timeout_s, 120.0)):  # a spawned Python importing torch: minutes on a loaded 2-core machine
             raise TimeoutError("the ucp_get source process did not answer")
         address, packed, remote_base, remote_len = parent.recv()
         local = np.zeros(region_bytes // 8, dtype=np.uint64).view(np.uint8)  # zeros: every page faulted in now
