@@ -426,8 +426,12 @@ class HandshakeFetcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            if exc.errno in (errno.ECONNRESET, errno.EPIPE) and self._may_reconnect(job):
-                return self._reconnect(job)
+            if exc.errno in (errno.ECONNRESET, errno.EPIPE) and not job.received:  # closed before answering
+                if self._may_reconnect(job):
+                    return self._reconnect(job)
+                return self._finish(job, None, PeerMetadataError(
+                    f"the prefill instance at {job.where} closed the connection before its handshake was complete "
+                    f"({exc.strerror or exc}; asked {job.reconnects + 1} times)"))
             return self._finish(job, None, PeerMetadataError(f"handshake with the prefill instance at {job.where} "
                                                              f"failed: {exc.strerror or exc}"))
         job.received += chunk
@@ -448,7 +452,8 @@ class HandshakeFetcher:
             if self._may_reconnect(job):
                 return self._reconnect(job)
             self._finish(job, None, PeerMetadataError(f"the prefill instance at {job.where} closed the connection "
-                                                      "before its handshake was complete"))
+                                                      f"before its handshake was complete (asked {job.reconnects + 1} "
+                                                      "times)"))
 
     @staticmethod
     def _may_reconnect(job: _Fetch) -> bool:
