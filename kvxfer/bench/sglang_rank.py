@@ -101,7 +101,9 @@ def reason_of(obj, status):
 def serve(cmd, backend, manager, pool, kv_args) -> dict:
     """The prefill, driving its senders itself: each made by SGLang's ``PrefillBootstrapQueue.create_sender``
     (as its ``add`` does; the request is not queued), ``init`` at once with the room's pages and aux row; a room
-    in ``abort_rooms`` is aborted (SGLang's ``abort``) instead of sent, once the decode's metadata came."""
+    in ``abort_rooms`` is aborted (SGLang's ``abort``) instead of sent, once the decode's metadata came. With
+    ``offer_together`` no chunk goes out before every room's metadata came (a decode that dies on its first read
+    has then sent all of it, so every room is offered under a lease)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     queue = QUEUES[id(manager)]
@@ -117,8 +119,13 @@ def serve(cmd, backend, manager, pool, kv_args) -> dict:
     chunks_sent = 0
     offered = {}  # room -> when its first chunk was offered
     while pending and time.monotonic() < deadline:  # SGLang's bootstrap queue: wait for the decode's metadata
+        polled = {room: senders[room].poll() for room in pending}
+        if cmd.get("offer_together") and any(status not in (KVPoll.WaitingForInput, KVPoll.Failed)
+                                             for status in polled.values()):
+            time.sleep(0.001)  # every room's metadata first: the decode has sent all of it before any read
+            continue
         for room, r in list(pending.items()):
-            status = senders[room].poll()
+            status = polled[room]
             if status == KVPoll.Failed:
                 pending.pop(room)
             elif status == KVPoll.WaitingForInput and room in cmd.get("abort_rooms", ()):
@@ -214,7 +221,9 @@ def receive(cmd, backend, manager, pool, kv_args) -> dict:
         assert queue.queue.pop() is decode_req  # this op polls the receiver itself
         decode_req.kv_receiver.init(0)
         receivers[r["room"]] = decode_req.kv_receiver
-    for r in cmd["rooms"]:  # SGLang passes [] without state, else one entry per state type
+    for i, r in enumerate(cmd["rooms"]):  # SGLang passes [] without state, else one entry per state type
+        if i and cmd.get("metadata_gap_s"):
+            time.sleep(cmd["metadata_gap_s"])  # a scheduler slow between rooms: reads may start before the next
         receivers[r["room"]].send_metadata(np.asarray(r["pages"], dtype=np.int32), r.get("aux_index"),
                                            state_indices_for(manager, kv_args, r) or [], decode_prefix_len=0)
     started = time.monotonic()

@@ -239,8 +239,10 @@ def test_two_processes_chunks_rooms_reuse_mismatch_and_peer_deaths(backend, mism
 
         serve, receive = rooms_plan(500, 2)  # the decode dies with its first read in flight
         prefill.ask(op="bound", seconds=2 * PREFILL_TIMEOUT_S)
-        prefill.send(op="serve", rooms=serve, timeout=4 * PREFILL_TIMEOUT_S + 20, timing=True)
-        decode.send(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30, die_on_read=True)
+        prefill.send(op="serve", rooms=serve, timeout=4 * PREFILL_TIMEOUT_S + 20, timing=True,
+                     offer_together=True)  # else the decode could die before its second room's metadata left
+        decode.send(op="receive", bootstrap=bootstrap, rooms=receive, timeout=30, die_on_read=True,
+                    metadata_gap_s=0.5)  # its first room's read may start before the second room's metadata
         decode.proc.wait(timeout=30)
         assert decode.proc.returncode == -signal.SIGKILL, decode.log()
         served = prefill.read()
