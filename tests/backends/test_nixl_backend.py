@@ -322,6 +322,58 @@ def test_confirm_peer_loads_the_source_agent_so_the_first_pull_does_not(peer):
         b.close()
 
 
+class _UcxRefusal(Exception):
+    """Stands in for NIXL's backend error: UCX's "Destination is unreachable" from ``loadRemoteMD`` was
+    seen once in a loaded suite run (a live prefill, the handshake refused) and cannot be produced on
+    demand, so the load is made to fail, and the real load runs after it."""
+
+
+def test_confirm_peer_tries_a_failed_load_again_while_the_source_lives(peer):
+    """A load that fails is tried again within the confirmation's time while the source lives, then the
+    pull reads byte-exact; a source of this host whose process exited is given up at once; a remote one
+    when the time is spent."""
+    spec = SPECS[2]
+    b = NixlBackend("nixl-test-retry", torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)), spec.num_blocks,
+                    timeout_s=10, **spec.kwargs())
+    agent = b._share.agent
+    load, tries = agent.add_remote_agent, []
+
+    def refuse_then(times):
+        def add_remote_agent(md):
+            tries.append(time.monotonic())
+            if len(tries) <= times:
+                raise _UcxRefusal("UCX endpoint create failed: Destination is unreachable")
+            return load(md)
+        return add_remote_agent
+
+    try:
+        agent.add_remote_agent = refuse_then(2)
+        assert b.confirm_peer(peer.metas[2], timeout_s=10) is True
+        assert len(tries) == 3 and tries[2] - tries[0] >= 0.25, tries  # paused 0.1 s, then 0.2 s
+        b.begin_pull_blocks(peer.metas[2], [5, 7], [2, 3], request_id="retried").wait(10)
+        assert torch.equal(blocks(b.memory_buffer, [2, 3]), blocks(make_pool(spec), [5, 7]))
+        assert drain_until(peer, 2, 1)[0] == ["retried"]
+        b.drop_peer("nixl-test-src")
+
+        gone = Peer("nixl-test-gone", [spec])  # a real source of this host, SIGKILLed after its export
+        metas = gone.metas
+        os.kill(gone.process.pid, signal.SIGKILL)
+        gone.process.join(5)
+        tries.clear()
+        agent.add_remote_agent = refuse_then(100)
+        t0 = time.monotonic()
+        assert b.confirm_peer(metas[0], timeout_s=10) is False
+        assert len(tries) == 1 and time.monotonic() - t0 < 1.0, tries  # its process exited: not waited for
+
+        tries.clear()
+        t0 = time.monotonic()
+        assert b.confirm_peer(peer.metas[2], timeout_s=1.0) is False  # alive, but the time is spent
+        assert 0.6 <= time.monotonic() - t0 < 2.0 and len(tries) >= 3, tries
+    finally:
+        agent.add_remote_agent = load
+        b.close()
+
+
 def test_siblings_share_agent_and_close(peer):
     a = NixlBackend("nixl-test-sib", torch.zeros(SHAPE, dtype=torch.bfloat16), SHAPE[2])
     b = a.new_registered_buffer(memory_buffer=torch.zeros(2, 3, 64, 8, 1, 8), expected_num_blocks=64)

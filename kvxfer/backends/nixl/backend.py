@@ -78,7 +78,7 @@ from kvxfer.backends.nixl.handle import NixlHandle
 from kvxfer.backends.nixl.peer import PID_FIELD, START_FIELD, NixlPeer, parse_nixl_peer
 from kvxfer.backends.nixl.slices import plan_is_slice_aligned, plan_rows, slice_indices, slice_rows
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, nixl_transport_info
-from kvxfer.backends.same_host import process_start_time
+from kvxfer.backends.same_host import SourceWatch, process_start_time
 from kvxfer.backends.base import (
     CompletedHandle,
     KVTransportBackend,
@@ -100,6 +100,8 @@ logger = logging.getLogger(__name__)
 
 #: How long ``close()`` waits for READs that failed while active to end before parking the registration.
 CLOSE_SETTLE_S = 1.0
+#: ``confirm_peer``'s pauses between loads of a source's agent that failed (doubling up to the second).
+CONFIRM_RETRY_FIRST_S, CONFIRM_RETRY_MAX_S = 0.1, 1.0
 #: Closed registrations kept (memory registered, tensor referenced) until their last active READ ends.
 _PARKED: "set[NixlBackend]" = set()
 _PARKED_LOCK = threading.Lock()
@@ -289,20 +291,46 @@ class NixlBackend(KVTransportBackend):
         In a vLLM decode that load ran in the first read from each new producer, on the engine step
         (issue 39). Cheap when done already.
 
+        A load that fails is tried again until ``timeout_s`` (default: this backend's transfer timeout)
+        has passed: a suite run saw NIXL's UCX refuse one endpoint with "Destination is unreachable" while
+        the prefill it named lived, and the handshake was refused for it. A source of this host that
+        exited is not waited for (``SourceWatch``).
+
         ``peer_meta`` is anything ``begin_pull_blocks`` takes. Returns False when a source's agent could
-        not be loaded (logged; a pull tries again and fails with the reason); raises ``PeerMetadataError``
-        for a meta that is refused. ``timeout_s`` is accepted for the ucx backend's signature: NIXL bounds
-        the load itself. Thread-safe; posts nothing.
+        not be loaded in that time (logged; a pull tries again and fails with the reason); raises
+        ``PeerMetadataError`` for a meta that is refused. Thread-safe; posts nothing.
         """
         self._check_open()
-        try:
-            for record, _ in transfer_peer_records(peer_meta, []):
-                peer = self.parse_peer_meta(record).transport
-                self._share.ensure_remote(peer, record)
-        except TransferError as exc:
-            logger.warning("nixl %r: a source's agent could not be loaded ahead of the pull: %s", self.agent_name, exc)
-            return False
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for record, _ in transfer_peer_records(peer_meta, []):
+            peer = self.parse_peer_meta(record).transport
+            if not self._load_agent_until(peer, record, deadline):
+                return False
         return True
+
+    def _load_agent_until(self, peer: NixlPeer, record: Mapping[str, Any], deadline: float) -> bool:
+        """``ensure_remote`` for ``confirm_peer``, tried again with a growing pause while the source may
+        live and ``deadline`` has not passed."""
+        pause, tries = CONFIRM_RETRY_FIRST_S, 0
+        while True:
+            tries += 1
+            try:
+                self._share.ensure_remote(peer, record)
+                return True
+            except TransferError as exc:
+                watch = SourceWatch.for_meta(record, PID_FIELD, START_FIELD)
+                gone = watch is None and record.get(HOST_FIELD) == host_identity()  # its pid exited (or was reused)
+                if watch is not None:
+                    gone = watch.exited()
+                    watch.close()
+                if gone or time.monotonic() + pause > deadline or self._closed:
+                    logger.warning("nixl %r: a source's agent could not be loaded ahead of the pull (%d tries%s): %s",
+                                   self.agent_name, tries, ", its process exited" if gone else "", exc)
+                    return False
+                logger.info("nixl %r: loading %r failed (%s); trying again in %.2fs", self.agent_name, peer.name,
+                            exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, CONFIRM_RETRY_MAX_S)
 
     # --- pulls ---------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:
