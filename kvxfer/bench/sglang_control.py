@@ -18,12 +18,12 @@ import json
 import logging
 import os
 import queue
-import socket
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from kvxfer.runtime.ports import free_port  # noqa: F401  (the SGLang tests and bench take it from here)
 from kvxfer.bench.forkserver import ForkedProcess, ForkServer, ForkServerError, startup_key
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,6 @@ def sglang_python() -> Optional[str]:
         return explicit if Path(explicit).exists() else None
     candidate = REPO / ".venv-sglang" / "bin" / "python"
     return str(candidate) if candidate.exists() and (REPO / ".venv-sglang" / ".kvxfer-installed").exists() else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(**extra: str) -> dict[str, str]:

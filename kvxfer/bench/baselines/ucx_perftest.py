@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvxfer.runtime.ports import free_port
 from kvxfer.bench.results import PointResult, Unavailable
 
 NAME = "ucx-perftest"
@@ -44,12 +44,6 @@ def find_binary() -> PerftestBinary | Unavailable:
         return Unavailable(NAME, f"no ucx_perftest in {root / 'bin'}")
     libs = [root / "lib"] + sorted(root.parent.glob("libucx*.libs"))
     return PerftestBinary(binary, tuple(p for p in libs if p.is_dir()), getattr(libucx, "__version__", "unknown"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _FINAL = re.compile(r"^Final:\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
@@ -93,7 +87,7 @@ def measure(binary: PerftestBinary, size: int, timeout_s: float = 60.0) -> Point
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(p) for p in binary.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
     env["UCX_PROTO_INFO"] = "y"  # print which transport serves the gets (recorded with the point)
     iters = max(50, min(20000, ITER_BYTES // size))
-    port = _free_port()
+    port = free_port()
     common = ["-p", str(port)]
     server = subprocess.Popen([str(binary.path), *common], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

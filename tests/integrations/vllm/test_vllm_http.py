@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,16 +24,11 @@ from typing import Any, Iterator
 
 import pytest
 
+from kvxfer.runtime.ports import free_port
 from kvxfer.bench.vllm_control import REPO, instance_env
 from tests.support.vllm_support import BLOCK, make_model, prompt, require_vllm_python
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

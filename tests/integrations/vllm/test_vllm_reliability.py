@@ -23,6 +23,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from kvxfer.runtime.ports import free_port
 from kvxfer.handoff.poll import KVPoll
 from tests.support.vllm_support import Child, Decode, Producer
 
@@ -39,9 +40,8 @@ def holds(decode: Decode, local: int, source: int) -> bool:
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, out of the kernel's ephemeral range: no process is handed it meanwhile."""
+    return free_port()
 
 
 def test_lease_slot_returns_after_unsafe_timeout() -> None:
