@@ -132,7 +132,7 @@ class VllmInstance:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=120)  # a SIGKILLed engine tearing down GiBs on a loaded host took over 30 s
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.proc.poll() is None:

@@ -48,12 +48,15 @@ def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional
     return instance
 
 
-def start_tp2_and_tp1(stack: Any, args: Sequence[str], env: dict[str, str]) -> tuple[Any, Any]:
+def start_tp2_and_tp1(stack: Any, args: Sequence[str], env: dict[str, str],
+                      own_env: Optional[dict[str, dict[str, str]]] = None) -> tuple[Any, Any]:
     """A TP 2 instance (cores 0 and 1) and a TP 1 instance (core 1) of the same ``args``, ready, both
-    closed by ``stack``."""
-    tp2 = start_tp("tp2", 2, args, cpu="0|1", env=env)
+    closed by ``stack``; ``own_env`` adds to ``env`` per instance (``"tp2"``, ``"tp1"``: e.g. NixlConnector's
+    side-channel port, one per instance)."""
+    own_env = own_env or {}
+    tp2 = start_tp("tp2", 2, args, cpu="0|1", env={**env, **own_env.get("tp2", {})})
     stack.callback(tp2.close)
-    tp1 = start_tp("tp1", 1, args, cpu="1", env=env)
+    tp1 = start_tp("tp1", 1, args, cpu="1", env={**env, **own_env.get("tp1", {})})
     stack.callback(tp1.close)
     tp2.wait_ready(900)
     tp1.wait_ready(900)

@@ -44,6 +44,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
+from kvxfer.backends.helper_cpus import unpin
 from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S, PID_FIELD, START_FIELD, process_start_time
 from kvxfer.backends.ucx.confirm_server import DIGEST_CHARS, REQUEST, Exports, Serving, spawn
 from kvxfer.errors import PeerMetadataError, TransferError
@@ -82,6 +83,7 @@ class ConfirmServer:
         listener.listen(128)  # by this process: what SO_PEERCRED tells a reader, whoever accepts
         self._child = spawn(listener, _CHILD_START_S)
         if self._child is not None:
+            unpin(self._child.pid)  # not held to the core an engine pinned this thread to (helper_cpus.py)
             listener.close()  # the child's copy is the only one: the socket lives as long as the child
             return
         logger.warning("ucx confirmation: answering from a thread of this process instead, which cannot answer "

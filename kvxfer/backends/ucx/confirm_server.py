@@ -208,7 +208,8 @@ def spawn(listener: socket.socket, start_s: float) -> Optional[subprocess.Popen]
     try:
         child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(listener.fileno()),
                                   str(os.getpid())], pass_fds=[listener.fileno()], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, close_fds=True)
+                                 stdout=subprocess.PIPE, close_fds=True,
+                                 start_new_session=True)  # a scheduling group of its own: backends/helper_cpus.py
     except OSError as exc:
         logger.warning("ucx confirmation: cannot start the answering process (%s)", exc)
         return None

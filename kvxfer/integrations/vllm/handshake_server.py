@@ -64,9 +64,13 @@ class HandshakeServer:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", _MODULE, str(sock.fileno()), "1" if local_peers_only else "0",
                  str(max_connections), repr(float(connection_s))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env,
+                start_new_session=True)  # a scheduling group of its own (kvxfer/backends/helper_cpus.py)
         finally:
             sock.close()  # the child's copy alone: once it is gone, decodes are refused at once, not left waiting
+        from kvxfer.backends.helper_cpus import unpin  # here: the child imports no kvxfer.backends
+
+        unpin(self._proc.pid)  # not held to the core an engine pinned this thread to (helper_cpus.py)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._unread = b""
