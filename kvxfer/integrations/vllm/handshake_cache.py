@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 from kvxfer.errors import KVXferError, TransferError
 from kvxfer.integrations.vllm.handshake import Handshake, check_compatible, parse_handshake
 from kvxfer.integrations.vllm.side_channel import MAX_FETCHES, HandshakeFetcher
-from kvxfer.integrations.vllm.tp_reads import rank_reads
+from kvxfer.integrations.vllm.tp_reads import notify_ranks, rank_reads
 
 logger = logging.getLogger(__name__)
 
@@ -218,11 +218,19 @@ def confirm_rank_sources(handshake: Handshake, tp_rank: int, local: Any, backend
                          timeout_s: float) -> None:
     """``confirm_sources`` for every prefill rank decode rank ``tp_rank`` will read or notify
     (``tp_reads``: its own rank with equal TP, NixlConnector's ranks with different TP);
-    nothing when the pair is refused (``check_compatible`` says why, at the load)."""
+    for a refused pair (``check_compatible`` says why, at the load) only the lease metas of the ranks a refusal
+    tells to free at once, so that telling them loads nothing on the step thread (and a load NIXL's UCX failed
+    once is tried again here, ``confirm_peer``); their failure leaves the refusal's reason as it is."""
     try:
         check_compatible(local, handshake.backend, handshake)
         reads = rank_reads(tp_rank, local, handshake.layout)
     except KVXferError:
+        for target in notify_ranks(tp_rank, local.tp_size, handshake.layout.tp_size):
+            try:
+                confirm_sources(handshake, target.rank, [], lease_backend, timeout_s)
+            except KVXferError as exc:
+                logger.info("kvxfer vllm: a refused prefill's rank %d could not be loaded ahead of its release: %s",
+                            target.rank, exc)
         return
     read_from = {read.src_rank for read in reads.reads}
     for target in reads.notify:

@@ -79,7 +79,8 @@ def check_hybrid_handoff(model: str, backend: str, prefix_caching: bool = False,
     assert delta(after, before, "prompt_external_kv_transfer") == sum(len(p) - 1 for p in prompts)
     assert delta(after, before, "prompt_local_compute") == len(prompts)  # the last prompt token, each
     recent = after["recent"][-len(prompts):]
-    assert [(r["blocks"], r["bytes"]) for r in recent] == [(n + 1, (n + 1) * page) for n in attention_blocks]
+    # in the order the loads finished, which a batch of three does not fix (a clean-clone run saw the 100-token one first)
+    assert sorted((r["blocks"], r["bytes"]) for r in recent) == sorted((n + 1, (n + 1) * page) for n in attention_blocks)
     # what a read across TP sizes needs, as real vLLM reports it: the attention page order, the Mamba type
     # and group count, and shapes that decompose into x + B + C and an SSM state that fit the page
     assert (attention["kv_layout"], mamba["mamba_type"], layout.model["mamba_ngroups"]) == ("LBHNC", "MAMBA2", 1)
