@@ -278,14 +278,16 @@ def test_readers_together_are_bounded_in_reads_served_and_sends_in_flight() -> N
             attackers[1].read(rows, batch)  # 1 accepted (4 in all), the next: busy
         time.sleep(1.0)
         stats = source.served()
-        # at most 4 in flight; a READ whose sends the socket buffers took is over, so one more may be accepted
-        # (seen on a loaded machine): the refusals are what the bounds decide, not a count of acceptances
+        # At most 4 in flight. A READ whose sends the socket buffers took is over, so one more may be accepted
+        # (seen on a loaded machine): reader 0's 4th READ is then within its bound, and reader 1's 2nd
+        # meets the total one instead. So the refusals are what the bounds decide, each with its numbers, and
+        # not a count of acceptances.
         assert stats["reads_active"] <= 4 and stats["reads_accepted"] + stats["refused"] == 6, stats
-        assert stats["refused_by"].get("reader_reads") == 1 and set(stats["refused_by"]) <= {"reader_reads",
-                                                                                           "busy_reads"}, stats
+        assert stats["refused"] >= 1 and set(stats["refused_by"]) <= {"reader_reads", "busy_reads"}, stats
         assert stats["sends_in_flight_peak"] <= 4 * served.MAX_READ_BYTES // served.CHUNK_BYTES, stats
-        attackers[0].progress_until(lambda: len(attackers[0].refusals) == 1, 10)
-        assert attackers[0].refusals[0] == (6, 4, 3)
+        if stats["refused_by"].get("reader_reads"):  # reader 0 alone: it never had 4 in flight, so never busy
+            attackers[0].progress_until(lambda: len(attackers[0].refusals) == 1, 10)
+            assert attackers[0].refusals[0] == (6, 4, 3)
         if stats["refused_by"].get("busy_reads"):
             attackers[1].progress_until(lambda: len(attackers[1].refusals) == 1, 10)
             assert attackers[1].refusals[0] == (9, 5, 4)

@@ -255,7 +255,7 @@ def test_request_no_decode_pool_can_hold_is_refused_at_submit_and_does_not_block
 def test_presumed_dead_reader_frees_checked_pins_after_the_grace_only():
     """Finding 6: a decode silent past ``pin_grace_s`` (death unconfirmed) frees the pins of requests
     whose reads are torn-read checked (generations in the descriptor), and only those."""
-    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=0.5, pin_grace_s=1.0,
+    proc, address = start_coordinator_process(CoordinatorConfig(heartbeat_timeout_s=2.0, pin_grace_s=1.0,
                                                                 secret=SECRET))
     decode_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
