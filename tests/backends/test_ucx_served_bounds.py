@@ -265,8 +265,8 @@ def test_a_reader_that_stops_holds_a_bounded_part_of_the_source_until_it_is_give
 
 def test_readers_together_are_bounded_in_reads_served_and_sends_in_flight() -> None:
     """Endpoints cost an attacker nothing, so the bounds hold in total too: with MAX_SERVES 4 (and 3 READs
-    per reader), two readers get at most 4 READs served between them, the next refused as busy, and no more
-    than 4 READs' bytes and sends in flight."""
+    per reader), two readers have at most 4 READs in flight between them, a READ past either bound is refused
+    with that bound's numbers, and no more than 4 READs' bytes and sends are in flight."""
     source = Source({"MAX_SERVES": 4, "READER_READS": 3})
     attackers: list[Attacker] = []
     try:
@@ -278,12 +278,13 @@ def test_readers_together_are_bounded_in_reads_served_and_sends_in_flight() -> N
             attackers[1].read(rows, batch)  # 1 accepted (4 in all), the next: busy
         time.sleep(1.0)
         stats = source.served()
-        # At most 4 in flight. A READ whose sends the socket buffers took is over, so one more may be accepted
-        # (seen on a loaded machine): reader 0's 4th READ is then within its bound, and reader 1's 2nd
-        # meets the total one instead. So the refusals are what the bounds decide, each with its numbers, and
-        # not a count of acceptances.
+        # At most 4 in flight. A READ whose sends the socket buffers took is over, so more may be accepted (seen
+        # in clean-clone runs: reader 0's 4th READ within its bound and reader 1's 2nd refused as busy; and all
+        # six accepted, none refused). Whether a READ is still in flight is the machine's timing, so the test
+        # checks the bounds on what was in flight and each refusal that came against its bound and numbers,
+        # not a count of refusals.
         assert stats["reads_active"] <= 4 and stats["reads_accepted"] + stats["refused"] == 6, stats
-        assert stats["refused"] >= 1 and set(stats["refused_by"]) <= {"reader_reads", "busy_reads"}, stats
+        assert set(stats["refused_by"]) <= {"reader_reads", "busy_reads"}, stats
         assert stats["sends_in_flight_peak"] <= 4 * served.MAX_READ_BYTES // served.CHUNK_BYTES, stats
         if stats["refused_by"].get("reader_reads"):  # reader 0 alone: it never had 4 in flight, so never busy
             attackers[0].progress_until(lambda: len(attackers[0].refusals) == 1, 10)
