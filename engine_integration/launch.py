@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from engine_integration.control_plane import (GenerationClient, GenerationResult, PlaneService, plane_service,
                                               push_refusal)
+from engine_integration.prompts import read_prompts
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
 from kvxfer.defaults import TRANSFER_TIMEOUT_S
@@ -245,20 +246,6 @@ def generate_disaggregated(prompts: Sequence[Sequence[int]], max_new_tokens: int
                            config: ClusterConfig = ClusterConfig()) -> list[GenerationResult]:
     with DisaggCluster(config) as cluster:
         return cluster.generate(prompts, max_new_tokens)
-
-
-def read_prompts(path: str) -> list[list[int]]:
-    """JSON lines, each a list of token ids (blank lines skipped)."""
-    prompts = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            value = json.loads(line)
-            if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
-                raise ValueError(f"{path}:{n}: expected a JSON list of token ids, got {line.strip()[:60]!r}")
-            prompts.append(value)
-    return prompts
 
 
 def run_generate_command(prompts_path: str, max_new_tokens: int, *, disagg: bool, backend: str,

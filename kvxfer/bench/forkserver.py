@@ -25,6 +25,7 @@ server (SGLang's ``CommonKVReceiver`` builds a zmq context at import) must not b
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import logging
@@ -336,6 +337,45 @@ class ForkServer:
                 self.proc.wait()
         self.proc.stdout.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# --- one server per (Python, preload, startup settings) in a controller process, started on first use
+
+_SHARED: dict[tuple, Optional[ForkServer]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_fork_server(python: str, preload: Sequence[str], env: Mapping[str, str], cwd: str) -> Optional[ForkServer]:
+    """This process's fork server for children of ``python`` with ``preload`` imported and ``env``'s startup
+    settings (``startup_key``), started on first use (with ``env``: what an interpreter reads at start is the
+    server's) and ended at exit; None where one could not start (then once: it is not tried again)."""
+    key = (python, tuple(preload), startup_key(env))
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            try:
+                server = ForkServer(python, preload, env=env, cwd=cwd)
+            except (ForkServerError, OSError) as exc:
+                logger.warning("no fork server for %s (%s): each child imports %s itself", python, exc, list(preload))
+                _SHARED[key] = None
+            else:
+                atexit.register(server.close)
+                _SHARED[key] = server
+        return _SHARED[key]
+
+
+def popen_python(argv: Sequence[str], *, env: Mapping[str, str], cwd: str, preload: Sequence[str],
+                 fork: bool = True) -> "ForkedProcess | subprocess.Popen[str]":
+    """``argv`` (a Python, then ``-m MODULE ...`` or ``SCRIPT ...``) as a process with text pipes on its stdin,
+    stdout and stderr: forked from ``shared_fork_server`` when ``fork`` and one runs, else a fresh process (also
+    where the server cannot start it)."""
+    server = shared_fork_server(argv[0], preload, env, cwd) if fork else None
+    if server is not None:
+        try:
+            return server.popen(argv, env=env, cwd=cwd)
+        except (ForkServerError, OSError) as exc:  # a server that died, or a command it cannot run
+            logger.warning("fork server could not start %s (%s): a fresh process instead", list(argv[:3]), exc)
+    return subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(env), cwd=cwd)
 
 
 if __name__ == "__main__":

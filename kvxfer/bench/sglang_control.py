@@ -13,7 +13,6 @@ starts each rank as a fresh ``subprocess.Popen`` instead; a server that cannot s
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from kvxfer.runtime.ports import free_port  # noqa: F401  (the SGLang tests and bench take it from here)
-from kvxfer.bench.forkserver import ForkedProcess, ForkServer, ForkServerError, startup_key
+from kvxfer.bench.forkserver import ForkedProcess, ForkServer, popen_python, shared_fork_server
 
 logger = logging.getLogger(__name__)
 
@@ -60,39 +59,19 @@ def rank_env(**extra: str) -> dict[str, str]:
 PRELOAD = ("torch", "sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.prefill",
            "sglang.srt.disaggregation.decode")
 
-#: The fork servers of this process by (Python, startup settings): None where one failed to start.
-_SERVERS: dict[tuple, Optional[ForkServer]] = {}
-_SERVERS_LOCK = threading.Lock()
-
-
 def _fork_server(python: str, env: dict[str, str]) -> Optional[ForkServer]:
-    """The fork server for ranks of ``python`` with ``env``'s startup settings, started on first use (with
-    ``env``: what an interpreter reads at start is the server's); None when disabled or it cannot start."""
+    """The fork server for ranks of ``python`` with ``env``'s startup settings (``forkserver.shared_fork_server``);
+    None when disabled (``KVXFER_SGLANG_FORKSERVER=0``) or it cannot start."""
     if os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") == "0":
         return None
-    key = (python, startup_key(env))
-    with _SERVERS_LOCK:
-        if key not in _SERVERS:
-            try:
-                _SERVERS[key] = ForkServer(python, PRELOAD, env=env, cwd=str(REPO))
-                atexit.register(_SERVERS[key].close)
-            except (ForkServerError, OSError) as exc:
-                logger.warning("no fork server for %s (%s): each rank imports SGLang itself", python, exc)
-                _SERVERS[key] = None
-        return _SERVERS[key]
+    return shared_fork_server(python, PRELOAD, env, str(REPO))
 
 
 def start_rank(argv: list[str], env: dict[str, str]) -> Union[ForkedProcess, subprocess.Popen]:
     """``argv`` (a Python, then ``-m MODULE ...`` or ``SCRIPT ...``) as a rank process with JSON line pipes:
     forked from the fork server when there is one, else a fresh process."""
-    server = _fork_server(argv[0], env)
-    if server is not None:
-        try:
-            return server.popen(argv, env=env, cwd=str(REPO))
-        except (ForkServerError, OSError) as exc:  # a server that died, or a command it cannot run
-            logger.warning("fork server could not start %s (%s): a fresh process instead", argv[:3], exc)
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(REPO))
+    return popen_python(argv, env=env, cwd=str(REPO), preload=PRELOAD,
+                        fork=os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") != "0")
 
 
 class SglangRank:

@@ -150,11 +150,8 @@ def _mem_available_bytes() -> Optional[int]:
 
 
 def loopback_config(args: argparse.Namespace) -> Any:
-    """The run's ``LoopbackConfig``; options that cannot work together raise ``UsageError``."""
-    from kvxfer.backends import default_backend_name
-    from kvxfer.harness.loopback_config import LoopbackConfig
-    from kvxfer.plan.geometry import dtype_from_name
-
+    """The run's ``LoopbackConfig``; options that cannot work together raise ``UsageError`` (checked before the
+    backends and torch are imported: a mistake is answered in a fraction of a second)."""
     if args.blocks > args.pool_blocks:
         raise UsageError(f"--blocks {args.blocks} is more than the pool holds (--pool-blocks {args.pool_blocks})",
                          "give --blocks <= --pool-blocks")
@@ -165,6 +162,10 @@ def loopback_config(args: argparse.Namespace) -> Any:
         raise UsageError(f"--pool-blocks {args.pool_blocks} equals {', '.join(clash)}: the blocks axis of "
                          "[2, L, B, T, H, d] is found by its size, so it must differ from the others",
                          "choose another --pool-blocks")
+    from kvxfer.backends import default_backend_name
+    from kvxfer.harness.loopback_config import LoopbackConfig
+    from kvxfer.plan.geometry import dtype_from_name
+
     cfg = LoopbackConfig(
         backend=args.backend or default_backend_name(), num_layers=args.layers, tokens_per_block=args.tokens_per_block,
         num_heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, pool_blocks=args.pool_blocks,
@@ -229,9 +230,9 @@ def _write_json(path: Optional[str], data: Any) -> None:
 
 
 def run_loopback_command(args: argparse.Namespace) -> int:
+    cfg = loopback_config(args)
     from kvxfer.harness.loopback import run_loopback
 
-    cfg = loopback_config(args)
     with DelayedProgress(f"loopback on {cfg.backend}", enabled=not args.quiet) as progress:
         result = run_loopback(cfg, on_phase=progress.phase)
     if result.transfer_s > 0:  # figures exist only once the pull ran
@@ -302,7 +303,7 @@ def run_soak_command(args: argparse.Namespace) -> int:
 
 def check_prompts(path: str) -> int:
     """The number of prompts in ``path``; a file that cannot be read as prompts raises ``UsageError``."""
-    from engine_integration.launch import read_prompts
+    from engine_integration.prompts import read_prompts  # not launch: that imports torch and the engines
 
     shape = "each line must be a JSON list of token ids, e.g. [1, 2, 3]"
     try:
@@ -326,14 +327,15 @@ def check_prompts(path: str) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine_integration.launch import run_generate_command
-    from kvxfer.backends import default_backend_name
-
     if args.backend and not args.disagg:
         raise UsageError("--backend only applies to a disaggregated run", "add --disagg, or drop --backend")
     control_plane = getattr(args, "control_plane", None)
     if control_plane and not args.disagg:
         raise UsageError("--control-plane only applies to a disaggregated run", "add --disagg, or drop --control-plane")
+    count = check_prompts(args.prompts)
+    from engine_integration.launch import run_generate_command
+    from kvxfer.backends import default_backend_name
+
     backend = args.backend or default_backend_name()
     if control_plane:
         from engine_integration.control_plane import push_refusal
@@ -341,7 +343,6 @@ def run_generate(args: argparse.Namespace) -> int:
         refused = push_refusal(control_plane, backend)
         if refused:
             raise UsageError(refused, "drop --control-plane, or choose a pull backend: --backend ucx or nixl")
-    count = check_prompts(args.prompts)
     where = f"disaggregated on {backend}" if args.disagg else "co-located"
     if control_plane:
         where += f", control plane {control_plane}"

@@ -46,15 +46,14 @@ BLOCKS = 64
 #: buffers and the allocator (docs/reliability.md, round 5).
 RSS_BOUND_MIB = 48
 _REQUEST = struct.Struct("<16sQQ")
-SOURCE_ENV: dict[str, str] = {}
 _REFUSED_SIZE = struct.calcsize("<QQQqQQ")
 
 
 class Source:
     """The source process: a 16 MiB pool whose reads it serves over tcp."""
 
-    def __init__(self, overrides: Optional[dict[str, int]] = None) -> None:
-        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT), **SOURCE_ENV}
+    def __init__(self, overrides: Optional[dict[str, int]] = None, env: Optional[dict[str, str]] = None) -> None:
+        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(POOL_MIB), json.dumps(overrides or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
         hello = self._line(120)
@@ -263,35 +262,58 @@ def test_a_reader_that_stops_holds_a_bounded_part_of_the_source_until_it_is_give
         source.close()
 
 
-def test_readers_together_are_bounded_in_reads_served_and_sends_in_flight() -> None:
+#: Socket buffers of a few KiB on both sides (UCX's own options): a 4 MiB READ's sends cannot all land in the kernel's
+#: buffers, so a READ stays in flight until its reader takes its chunks, whatever the machine's autotuned sizes.
+SMALL_SOCKET_BUFFERS = {"UCX_TCP_SNDBUF": "16K", "UCX_TCP_RCVBUF": "16K"}
+
+
+def _wait_decided(source: Source, decided: int, timeout_s: float = 10) -> dict[str, Any]:
+    """The source's served stats once it has accepted or refused ``decided`` READs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = source.served()
+        if stats["reads_accepted"] + stats["refused"] >= decided or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_readers_together_are_bounded_in_reads_served_and_sends_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Endpoints cost an attacker nothing, so the bounds hold in total too: with MAX_SERVES 4 (and 3 READs
-    per reader), two readers have at most 4 READs in flight between them, a READ past either bound is refused
-    with that bound's numbers, and no more than 4 READs' bytes and sends are in flight."""
-    source = Source({"MAX_SERVES": 4, "READER_READS": 3})
+    per reader), reader 0's 4th READ is refused at its own bound, reader 1's first READ is the 4th in flight
+    and its second is refused at the total one, each refusal carries that bound's numbers, and no more than
+    4 READs' bytes and sends are in flight.
+
+    The readers take none of their chunks while they send (their sends complete without progress once
+    connected), and the socket buffers are a few KiB (SMALL_SOCKET_BUFFERS), so every accepted READ is still
+    in flight when the next one comes: the counts below are what the bounds decide, not the machine's timing."""
+    source = Source({"MAX_SERVES": 4, "READER_READS": 3}, env=SMALL_SOCKET_BUFFERS)
+    for name, value in SMALL_SOCKET_BUFFERS.items():
+        monkeypatch.setenv(name, value)
     attackers: list[Attacker] = []
     try:
         attackers = [Attacker(source), Attacker(source)]
+        too_large = np.array([[0, served.MAX_READ_BYTES + 1]], dtype=np.uint64)
+        for attacker in attackers:  # connected both ways by one READ refused before any byte is sent
+            attacker.read(too_large, 100)
+            assert attacker.progress_until(lambda: len(attacker.refusals) == 1, 10), "no refusal to the warm-up READ"
         rows = np.array([[0, served.MAX_READ_BYTES]], dtype=np.uint64)
         for batch in range(1, 5):
-            attackers[0].read(rows, batch)  # 3 accepted, the 4th: reader_reads
+            attackers[0].read(rows, batch)  # 3 accepted, the 4th refused: reader_reads
+        stats = _wait_decided(source, 2 + 4)
+        assert (stats["reads_accepted"], stats["reads_active"], stats["refused_by"]) == \
+            (3, 3, {"read_too_large": 2, "reader_reads": 1}), stats
         for batch in range(5, 7):
-            attackers[1].read(rows, batch)  # 1 accepted (4 in all), the next: busy
-        time.sleep(1.0)
-        stats = source.served()
-        # At most 4 in flight. A READ whose sends the socket buffers took is over, so more may be accepted (seen
-        # in clean-clone runs: reader 0's 4th READ within its bound and reader 1's 2nd refused as busy; and all
-        # six accepted, none refused). Whether a READ is still in flight is the machine's timing, so the test
-        # checks the bounds on what was in flight and each refusal that came against its bound and numbers,
-        # not a count of refusals.
-        assert stats["reads_active"] <= 4 and stats["reads_accepted"] + stats["refused"] == 6, stats
-        assert set(stats["refused_by"]) <= {"reader_reads", "busy_reads"}, stats
+            attackers[1].read(rows, batch)  # 1 accepted (4 in flight in all), the next refused: busy_reads
+        stats = _wait_decided(source, 2 + 6)
+        assert (stats["reads_accepted"], stats["reads_active"], stats["refused_by"]) == \
+            (4, 4, {"read_too_large": 2, "reader_reads": 1, "busy_reads": 1}), stats
+        assert stats["bytes_in_flight"] <= 4 * served.MAX_READ_BYTES, stats
         assert stats["sends_in_flight_peak"] <= 4 * served.MAX_READ_BYTES // served.CHUNK_BYTES, stats
-        if stats["refused_by"].get("reader_reads"):  # reader 0 alone: it never had 4 in flight, so never busy
-            attackers[0].progress_until(lambda: len(attackers[0].refusals) == 1, 10)
-            assert attackers[0].refusals[0] == (6, 4, 3)
-        if stats["refused_by"].get("busy_reads"):
-            attackers[1].progress_until(lambda: len(attackers[1].refusals) == 1, 10)
-            assert attackers[1].refusals[0] == (9, 5, 4)
+        # each refusal reaches its reader (behind the chunks of its accepted READs) with its bound's numbers
+        assert attackers[0].progress_until(lambda: len(attackers[0].refusals) == 2, 30), attackers[0].refusals
+        assert attackers[0].refusals[1] == (6, 4, 3)  # reader_reads: READ 4, bound 3
+        assert attackers[1].progress_until(lambda: len(attackers[1].refusals) == 2, 30), attackers[1].refusals
+        assert attackers[1].refusals[1] == (9, 5, 4)  # busy_reads: READ 5 in flight in all, bound 4
     finally:
         for attacker in attackers:
             attacker.close()

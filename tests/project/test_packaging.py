@@ -99,13 +99,14 @@ def test_a_clean_venv_installs_the_wheel_and_runs_info_and_a_ucx_loopback(clone,
     venv.EnvBuilder(with_pip=True).create(env_dir)
     py, pip = env_dir / "bin" / "python", [env_dir / "bin" / "python", "-m", "pip", "--disable-pip-version-check"]
     env = _build_env()
-    out = _run([*pip, "install", "--quiet", TORCH], env=env)
+    # --no-compile: no .pyc for all of torch at install (15 s of CPU here); what this test imports compiles as it loads
+    out = _run([*pip, "install", "--quiet", "--no-compile", TORCH], env=env)
     assert out.returncode == 0, out.stderr
     wheels = tmp_path / "wheels"
     out = _run([*pip, "wheel", "--quiet", "--no-deps", "--wheel-dir", wheels, clone], env=env)  # build isolation
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = wheels.glob("*.whl")
-    out = _run([*pip, "install", "--quiet", wheel], env=env)
+    out = _run([*pip, "install", "--quiet", "--no-compile", wheel], env=env)
     assert out.returncode == 0, out.stderr
 
     outside = tmp_path / "elsewhere"  # not the checkout: nothing may be imported from the source tree

@@ -139,6 +139,17 @@ def read(spec: SourceSpec) -> None:
         print("OK " + json.dumps(reply), flush=True)
 
 
+def _start(argv: list[str], env: dict[str, str], prefix: tuple[str, ...]) -> Any:
+    """A helper with text pipes on stdin and stdout: forked from the test process's fork server
+    (``tests/support/forked.py``), or a fresh process under ``prefix`` (``ip netns exec NS``: another namespace)."""
+    if prefix:
+        return subprocess.Popen([*prefix, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                cwd=ROOT)
+    from tests.support.forked import start_helper
+
+    return start_helper(argv, env, str(ROOT))
+
+
 class ReaderProcess:
     """The test's handle on one reader process: ask it to pull or close, SIGKILL it."""
 
@@ -149,9 +160,8 @@ class ReaderProcess:
         if spec.ucx_tls:
             full["UCX_TLS"] = spec.ucx_tls
         self.spec = spec
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.support.pull_source", "--read",
-                                      json.dumps(asdict(spec))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full, cwd=ROOT)
+        self.proc = _start([sys.executable, "-m", "tests.support.pull_source", "--read", json.dumps(asdict(spec))],
+                           full, prefix)
         self._line(("READY",))
 
     def _line(self, prefixes: tuple[str, ...]) -> str:
@@ -267,8 +277,7 @@ class SourceProcess:
         env.pop("UCX_TLS", None)
         if spec.ucx_tls:
             env["UCX_TLS"] = spec.ucx_tls
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.support.pull_source", json.dumps(asdict(spec))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.proc = _start([sys.executable, "-m", "tests.support.pull_source", json.dumps(asdict(spec))], env, prefix)
         self._meta: Optional[dict[str, Any]] = None
         self.done: list[Any] = []
         self.failed: list[Any] = []

@@ -304,8 +304,9 @@ class Rank:
     def __init__(self, *args: str) -> None:
         from tests.support.vllm_support import REPO_ROOT
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_tp_ranks", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO_ROOT))
+        from tests.support.forked import start_helper
+
+        self.proc = start_helper([sys.executable, "-m", "tests.support.vllm_tp_ranks", *args], cwd=str(REPO_ROOT))
         self.events: "queue.Queue[dict[str, Any]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.info = self.next(120.0)
