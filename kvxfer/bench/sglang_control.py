@@ -59,6 +59,7 @@ def rank_env(**extra: str) -> dict[str, str]:
 PRELOAD = ("torch", "sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.prefill",
            "sglang.srt.disaggregation.decode")
 
+
 def _fork_server(python: str, env: dict[str, str]) -> Optional[ForkServer]:
     """The fork server for ranks of ``python`` with ``env``'s startup settings (``forkserver.shared_fork_server``);
     None when disabled (``KVXFER_SGLANG_FORKSERVER=0``) or it cannot start."""
