@@ -60,19 +60,21 @@ PRELOAD = ("torch", "sglang.srt.disaggregation.common.conn", "sglang.srt.disaggr
            "sglang.srt.disaggregation.decode")
 
 
+def _forking() -> bool:
+    """Whether ranks fork from a fork server (``KVXFER_SGLANG_FORKSERVER=0``: fresh processes)."""
+    return os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") != "0"
+
+
 def _fork_server(python: str, env: dict[str, str]) -> Optional[ForkServer]:
     """The fork server for ranks of ``python`` with ``env``'s startup settings (``forkserver.shared_fork_server``);
-    None when disabled (``KVXFER_SGLANG_FORKSERVER=0``) or it cannot start."""
-    if os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") == "0":
-        return None
-    return shared_fork_server(python, PRELOAD, env, str(REPO))
+    None when disabled or it cannot start."""
+    return shared_fork_server(python, PRELOAD, env, str(REPO)) if _forking() else None
 
 
 def start_rank(argv: list[str], env: dict[str, str]) -> Union[ForkedProcess, subprocess.Popen]:
     """``argv`` (a Python, then ``-m MODULE ...`` or ``SCRIPT ...``) as a rank process with JSON line pipes:
     forked from the fork server when there is one, else a fresh process."""
-    return popen_python(argv, env=env, cwd=str(REPO), preload=PRELOAD,
-                        fork=os.environ.get("KVXFER_SGLANG_FORKSERVER", "1") != "0")
+    return popen_python(argv, env=env, cwd=str(REPO), preload=PRELOAD, fork=_forking())
 
 
 class SglangRank:
