@@ -5,8 +5,9 @@ its address on the A-B cable (10.79.0.1); host B (``kveb*``) runs the decode eng
 reaches etcd over that cable, as it reaches the prefill's KV blocks (ucx, or nixl, over
 TCP on the veth: ``UCX_TLS=tcp``, ``UCX_NET_DEVICES`` the cable; B's namespace has no
 other route to A). The test process (the
-client) stays in the root namespace and reaches etcd through a third veth (root <-> A,
-10.79.1.0/24, with a route to 10.79.0.1). Metas are signed: both hosts get
+client) stays in the root namespace and reaches etcd through a third veth (root <-> A: a route to
+10.79.0.1 over it, and no IPv4 address on its root end, which UCX workers in the root namespace would
+publish and which is gone once the test ends). Metas are signed: both hosts get
 ``KVXFER_SECRET_FILE``; etcd runs with auth on (a ``kvxfer`` user limited to ``/kvxfer/``).
 
 Engine hosts are started with ``ip netns exec`` by ``_start_host`` below (the worker
@@ -47,7 +48,7 @@ pytestmark = [pytest.mark.usefixtures("etcd_required"),
 
 @pytest.fixture
 def hosts():
-    """Namespaces A and B joined by a veth (10.79.0.1 <-> 10.79.0.2); root <-> A by another (10.79.1.2 <-> .1)."""
+    """Namespaces A and B joined by a veth (10.79.0.1 <-> 10.79.0.2); root <-> A by another (no address in root)."""
     require_namespaces()
     tag = os.getpid() % 100000
     ns_a, ns_b = f"kvea{tag}", f"kveb{tag}"
@@ -64,9 +65,13 @@ def hosts():
             ip("-n", ns, "addr", "add", addr, "dev", dev)
             ip("-n", ns, "link", "set", dev, "up")
             ip("-n", ns, "link", "set", "lo", "up")
-        ip("addr", "add", "10.79.1.2/24", "dev", ra_root)
+        # The root end gets no IPv4 address: every UCX worker of the root namespace (other tests' ranks,
+        # running in parallel) would publish it, and a peer made after this test removed it could pick
+        # it and be refused ("Destination is unreachable"). The root reaches A by a device route with
+        # its own address as the source; A answers by its default route back over the cable.
         ip("link", "set", ra_root, "up")
-        ip("route", "add", "10.79.0.1/32", "via", "10.79.1.1", "dev", ra_root)
+        ip("route", "add", "10.79.0.1/32", "dev", ra_root)
+        ip("-n", ns_a, "route", "add", "default", "dev", ra_a)
         yield {"a": (ns_a, ab_a), "b": (ns_b, ab_b)}
     finally:
         subprocess.run(["ip", "link", "del", ra_root], capture_output=True, timeout=30)   # its route goes with it

@@ -215,9 +215,14 @@ class AgentShare:
                         f"NIXL rejected peer {peer.name!r}'s agent metadata ({kind}: {exc}); "
                         "pass the peer's export_meta() unchanged"
                     ) from None
-                # Loading connects to the peer: a dead peer fails here (seen: NIXL_ERR_BACKEND).
+                # Loading connects to the peer: a dead peer fails here (seen: NIXL_ERR_BACKEND). So does a
+                # live one when UCX picks an address its worker published that no longer exists (an
+                # interface removed since it started; UCX logs "Destination is unreachable"): docs/nixl.md.
                 raise TransferError(
-                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? nothing was posted"
+                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? If it is, UCX could "
+                    "not reach the address it chose among those the peer's worker published (an interface "
+                    "removed since the peer started?): set UCX_NET_DEVICES on both sides to interfaces that "
+                    "stay. Nothing was posted"
                 ) from None
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != peer.name:
