@@ -88,14 +88,10 @@ def build_engine(spec: EngineSpec, plane_url: str) -> Any:
 
 
 def _private_secret_file(secret: str) -> str:
-    """``secret`` in a 0600 file of this process, removed when it exits."""
-    import atexit
+    """``secret`` in a file of this process's memory (gone with it, even when killed)."""
+    from kvxfer.security.auth import process_secret_file
 
-    from kvxfer.security.auth import new_secret_file, remove_secret_file
-
-    path = new_secret_file(secret=secret)
-    atexit.register(remove_secret_file, path)
-    return path
+    return process_secret_file(secret)
 
 
 def serve(engines: Sequence[Any], *, idle_wait_s: float = 0.05) -> None:

@@ -163,6 +163,7 @@ if [ "${KVXFER_VLLM_ONLY:-0}" != "1" ]; then
 fi
 if [ -n "$prefetch_pid" ]; then
   if wait "$prefetch_pid"; then
+    rm -f "$prefetch_log"
     echo "vLLM's packages installed in $KVXFER_VLLM_PREFETCH (kvxfer goes in next)"
   else
     echo "prefetching vLLM's packages failed (the vLLM step retries them); its log: $prefetch_log" >&2
@@ -171,6 +172,7 @@ fi
 
 if [ -n "$sglang_prefetch_pid" ]; then
   if wait "$sglang_prefetch_pid"; then
+    rm -f "$sglang_prefetch_log"
     echo "SGLang's packages installed in $KVXFER_SGLANG_PREFETCH (kvxfer goes in next)"
   else
     echo "prefetching SGLang's packages failed (the SGLang step retries them); its log: $sglang_prefetch_log" >&2

@@ -192,6 +192,10 @@ def serve(path: str, preload: Sequence[str]) -> None:
                 children[pid] = conn
     listener.close()
     os.unlink(path)
+    try:  # our private folder too: a controller killed, or one that left by ``os._exit``, cannot
+        os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass
 
 
 # --- client side: the controller's

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -61,17 +63,27 @@ class VllmInstance:
     """One running ``vllm_engine`` process."""
 
     def __init__(self, name: str, args: Sequence[str], *, cpu: Optional[str] = None,
-                 env: Optional[dict[str, str]] = None, python: Optional[str] = None, nice: int = 5) -> None:
+                 env: Optional[dict[str, str]] = None, python: Optional[str] = None, nice: int = 5,
+                 module: str = "kvxfer.bench.vllm_engine") -> None:
         python = python or vllm_python()
         if python is None:
             raise VllmInstanceError("no vLLM environment: run `bash tools/bootstrap.sh` (it builds .venv-vllm) "
                                     "or set KVXFER_VLLM_PYTHON")
         self.name = name
         self.tail: deque[str] = deque(maxlen=60)
-        cmd = [python, "-m", "kvxfer.bench.vllm_engine", *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=instance_env(cpu, env), cwd=str(REPO), bufsize=0,
-                                     start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        # vLLM's front end and engine core talk over ZMQ IPC sockets made in $VLLM_RPC_BASE_PATH (default:
+        # the temporary folder), and a core killed at close leaves them there: a folder of our own instead.
+        self.rpc_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-rpc-")
+        cmd = [python, "-m", module, *args]
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env={**instance_env(cpu, env),
+                                                                        "VLLM_RPC_BASE_PATH": self.rpc_dir},
+                                         cwd=str(REPO), bufsize=0, start_new_session=True,
+                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        except BaseException:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            raise
         self._buffer = b""
         self.startup_s: Optional[float] = None
 
@@ -133,6 +145,7 @@ class VllmInstance:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=120)  # a SIGKILLed engine tearing down GiBs on a loaded host took over 30 s
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -148,3 +161,4 @@ class VllmInstance:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)

@@ -272,6 +272,22 @@ def new_secret_file(directory: Optional[str] = None, secret: Union[str, bytes, N
     return path
 
 
+def process_secret_file(secret: Union[str, bytes]) -> str:
+    """``secret`` in an anonymous in-memory file of this process; its path, ``/proc/<pid>/fd/<n>``.
+
+    For a key only this process (and its user's processes, while it lives) reads through
+    ``$KVXFER_SECRET_FILE``. It goes with the process however that ends: a file from
+    ``new_secret_file`` stays in the temporary folder after a SIGKILL, which no exit handler sees.
+    """
+    raw = load_secret(secret)
+    if raw != raw.strip():  # load_secret strips what it reads from a file: the key would differ
+        raise KVXferError("a control-plane secret must not begin or end with whitespace")
+    fd = os.memfd_create("kvxfer-secret", os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)
+    os.write(fd, raw)
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
 def remove_secret_file(path: str) -> None:
     """Delete a file from ``new_secret_file`` and its private directory (missing is fine)."""
     for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):

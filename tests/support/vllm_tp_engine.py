@@ -33,19 +33,9 @@ def main() -> None:
 
 def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional[dict[str, str]] = None):
     """A ``VllmInstance`` running this wrapper (``cpu``: vLLM's per-rank binding, ``"0|1"`` for TP 2)."""
-    import subprocess
+    from kvxfer.bench.vllm_control import VllmInstance
 
-    from kvxfer.bench.vllm_control import REPO, VllmInstance, instance_env, vllm_python
-
-    instance = VllmInstance.__new__(VllmInstance)
-    instance.name, instance._buffer, instance.startup_s = name, b"", None
-    from collections import deque
-    instance.tail = deque(maxlen=60)
-    instance.proc = subprocess.Popen([vllm_python(), "-m", "tests.support.vllm_tp_engine", str(tp), *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=instance_env(cpu, env), cwd=str(REPO), bufsize=0, start_new_session=True,
-                                     preexec_fn=lambda: os.nice(5))
-    return instance
+    return VllmInstance(name, [str(tp), *args], cpu=cpu, env=env, module="tests.support.vllm_tp_engine")
 
 
 def start_tp2_and_tp1(stack: Any, args: Sequence[str], env: dict[str, str],

@@ -52,3 +52,28 @@ def test_secret_from_file(tmp_path, monkeypatch):
         load_secret()
     with pytest.raises(KVXferError, match="at least 16 bytes"):
         load_secret("short")
+
+
+def test_a_process_secret_file_is_read_by_path_and_goes_with_its_process(tmp_path):
+    """The worker's key for its own transports (``process_secret_file``): readable by path by another
+    process of this user while its process lives; nothing left anywhere once that process is SIGKILLed."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvxfer.security.auth import process_secret_file as p; "
+         "print(p(sys.argv[1]), flush=True); sys.stdin.read()", SECRET.decode()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        path = child.stdout.readline().strip()
+        assert path.startswith(f"/proc/{child.pid}/fd/"), path
+        assert load_secret(secret_file=path) == SECRET
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert not os.path.exists(path)
+    assert not list(tmp_path.iterdir())  # no key file in the temporary folder either
+    with pytest.raises(KVXferError, match="whitespace"):
+        from kvxfer.security.auth import process_secret_file
+        process_secret_file(SECRET + b" ")

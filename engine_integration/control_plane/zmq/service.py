@@ -46,7 +46,11 @@ class CoordinatorService(PlaneService):
         elif cfg.secret is None and cfg.secret_file is None and not cfg.insecure and not os.environ.get(SECRET_FILE_ENV):
             self._owned_secret_file = new_secret_file()
             self.config = cfg = replace(cfg, secret_file=self._owned_secret_file)
-        self.process, self.url = start_coordinator_process(cfg)
+        try:
+            self.process, self.url = start_coordinator_process(cfg)
+        except BaseException:
+            self._remove_owned_secret_file()
+            raise
 
     def engine_options(self) -> dict[str, Any]:
         return {"secret": self.config.secret, "secret_file": self.config.secret_file, "insecure": self.config.insecure}
@@ -58,15 +62,24 @@ class CoordinatorService(PlaneService):
         return self._client
 
     def stop(self) -> None:
+        """Say goodbye to the coordinator, stop its process and remove the key file we made, each even
+        when the step before it failed (a coordinator killed cannot answer the goodbye)."""
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.shutdown("cluster stopping")
-            finally:
-                client.close()
         process, self.process = self.process, None
-        if process is not None:
-            stop_coordinator_process(process, timeout_s=5)
+        try:
+            if client is not None:
+                try:
+                    client.shutdown("cluster stopping")
+                finally:
+                    client.close()
+        finally:
+            try:
+                if process is not None:
+                    stop_coordinator_process(process, timeout_s=5)
+            finally:
+                self._remove_owned_secret_file()
+
+    def _remove_owned_secret_file(self) -> None:
         if self._owned_secret_file is not None:
             from kvxfer.security.auth import remove_secret_file
 

@@ -147,17 +147,20 @@ def test_server_ends_when_its_controller_dies(tmp_path):
     controller = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
         import sys, time
         from kvxfer.bench.forkserver import ForkServer
-        print(ForkServer(sys.executable).proc.pid, flush=True)
+        server = ForkServer(sys.executable)
+        print(server.proc.pid, server.path, flush=True)
         time.sleep(300)
         """)], stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[3]))
-    server_pid = int(controller.stdout.readline())
-    assert _alive(server_pid)
+    pid, path = controller.stdout.readline().split()
+    server_pid = int(pid)
+    assert _alive(server_pid) and os.path.exists(path)
     controller.kill()
     controller.wait(30)
     deadline = time.monotonic() + 30
     while _alive(server_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(server_pid), "the fork server outlived its controller"
+    assert not os.path.exists(os.path.dirname(path)), "the server's private folder outlived them both"
 
 
 def test_server_that_cannot_start_is_a_clear_error():

