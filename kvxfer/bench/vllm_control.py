@@ -71,18 +71,18 @@ class VllmInstance:
                                     "or set KVXFER_VLLM_PYTHON")
         self.name = name
         self.tail: deque[str] = deque(maxlen=60)
-        # vLLM's front end and engine core talk over ZMQ IPC sockets made in $VLLM_RPC_BASE_PATH (default:
-        # the temporary folder), and a core killed at close leaves them there: a folder of our own instead.
-        self.rpc_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-rpc-")
+        # vLLM makes files in the temporary folder (its front end's and engine core's ZMQ IPC sockets, the
+        # file store of its process group) that a core killed at close leaves there: a folder of its own,
+        # removed at close, as its $TMPDIR and $VLLM_RPC_BASE_PATH.
+        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")
         cmd = [python, "-m", module, *args]
+        env = {**instance_env(cpu, env), "TMPDIR": self.temp_dir, "VLLM_RPC_BASE_PATH": self.temp_dir}
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, env={**instance_env(cpu, env),
-                                                                        "VLLM_RPC_BASE_PATH": self.rpc_dir},
-                                         cwd=str(REPO), bufsize=0, start_new_session=True,
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         env=env, cwd=str(REPO), bufsize=0, start_new_session=True,
                                          preexec_fn=(lambda: os.nice(nice)) if nice else None)
         except BaseException:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         self._buffer = b""
         self.startup_s: Optional[float] = None
@@ -145,7 +145,7 @@ class VllmInstance:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=120)  # a SIGKILLed engine tearing down GiBs on a loaded host took over 30 s
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -161,4 +161,4 @@ class VllmInstance:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -43,10 +43,11 @@ class Server:
                "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", "2048",
                "--num-gpu-blocks-override", "1024", "--kv-transfer-config", json.dumps(config)]
         self.log_path = log_path
-        self.rpc_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-rpc-")  # vLLM's IPC sockets, removed at close
+        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")  # vLLM's temporary files (VllmInstance), removed at close
         with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: vLLM logs a lot
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**instance_env(cpu), "VLLM_RPC_BASE_PATH": self.rpc_dir},
+                                         env={**instance_env(cpu), "TMPDIR": self.temp_dir,
+                                              "VLLM_RPC_BASE_PATH": self.temp_dir},
                                          cwd=str(REPO), start_new_session=True, preexec_fn=lambda: os.nice(5))
         self.model = model
 
@@ -111,7 +112,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def completion(server: Server, tokens: list[int], max_tokens: int, params: Any = None) -> dict[str, Any]:

@@ -64,8 +64,8 @@ def check_hybrid_handoff(model: str, backend: str, prefix_caching: bool = False,
         before = counters(engine)
         got = engine.generate(decode_requests(prompts, tickets, 6))["outputs"]
         after = counters(engine)
-        ipc = os.listdir(engine.rpc_dir)  # vLLM's IPC sockets: in the instance's own folder (VllmInstance)
-    assert ipc and not os.path.exists(engine.rpc_dir), (ipc, engine.rpc_dir)  # and gone with the instance
+        temporary = os.listdir(engine.temp_dir)  # vLLM's IPC sockets and file store: the instance's own folder
+    assert temporary and not os.path.exists(engine.temp_dir), (temporary, engine.temp_dir)  # gone with it
     # the block size vLLM chose for this machine (module docstring), as the engine reports its page
     layout = EngineLayout.from_dict(after["layout"])
     mamba, attention = layout.model["kv_groups"]
