@@ -261,9 +261,7 @@ def new_secret_file(directory: Optional[str] = None, secret: Union[str, bytes, N
     import secrets
     import tempfile
 
-    raw = load_secret(secret) if secret is not None else secrets.token_hex(32).encode()
-    if raw != raw.strip():  # load_secret strips what it reads from a file: the key would differ
-        raise KVXferError("a control-plane secret must not begin or end with whitespace")
+    raw = _file_secret(secret) if secret is not None else secrets.token_hex(32).encode()
     folder = tempfile.mkdtemp(prefix="kvxfer-secret-", dir=directory)  # mkdtemp makes it 0700
     path = os.path.join(folder, "secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -279,13 +277,20 @@ def process_secret_file(secret: Union[str, bytes]) -> str:
     ``$KVXFER_SECRET_FILE``. It goes with the process however that ends: a file from
     ``new_secret_file`` stays in the temporary folder after a SIGKILL, which no exit handler sees.
     """
+    raw = _file_secret(secret)
+    fd = os.memfd_create("kvxfer-secret", os.MFD_CLOEXEC)  # stays open: the file lives as long as we do
+    os.fchmod(fd, 0o600)
+    with open(fd, "wb", closefd=False) as fh:
+        fh.write(raw)
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def _file_secret(secret: Union[str, bytes]) -> bytes:
+    """``secret`` as the bytes a secret file holds, refused where reading the file back would differ."""
     raw = load_secret(secret)
     if raw != raw.strip():  # load_secret strips what it reads from a file: the key would differ
         raise KVXferError("a control-plane secret must not begin or end with whitespace")
-    fd = os.memfd_create("kvxfer-secret", os.MFD_CLOEXEC)
-    os.fchmod(fd, 0o600)
-    os.write(fd, raw)
-    return f"/proc/{os.getpid()}/fd/{fd}"
+    return raw
 
 
 def remove_secret_file(path: str) -> None:
