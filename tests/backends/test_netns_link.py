@@ -15,18 +15,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from multiprocessing.connection import Client
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from netns_support import ip, require_namespaces
-from tests.support.netns_peer import AUTHKEY, NUM_BLOCKS
+from netns_support import Peer, ip, require_namespaces
+from tests.support.netns_peer import NUM_BLOCKS
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0  # the backends' transfer timeout in netns_peer
 CUT_S = 12.0  # how long the cable stays down (issue 15: a 12 s cut lost ucx's read-failed)
 NOTICE_AFTER_LINK_S = 15.0  # the read-failed must reach the source within this after the cable returns
@@ -52,46 +48,6 @@ def hosts():
     finally:
         for ns in (ns_a, ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-class Peer:
-    """A netns_peer process and the authenticated Unix-socket connection to it."""
-
-    def __init__(self, role: str, ns: str, dev: str, backend: str, tmp: Path) -> None:
-        self.socket = str(tmp / f"{role}.sock")
-        secret = tmp / "cluster.secret"  # two namespaces are two hosts: their metas must be signed
-        if not secret.exists():
-            secret.write_bytes(os.urandom(32).hex().encode())
-            secret.chmod(0o600)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev,
-               "KVXFER_SECRET_FILE": str(secret)}
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.support.netns_peer", role, self.socket, backend],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{role} did not start: {self.proc.stdout.read().decode()[-2000:]}")
-            time.sleep(0.1)
-        self.conn = Client(self.socket, family="AF_UNIX", authkey=AUTHKEY)
-        _, self.meta = self.call_reply()
-
-    def call_reply(self, *command, timeout: float = 60):
-        if command:
-            self.conn.send(command)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer did not answer {command[:1]} within {timeout}s")
-        return self.conn.recv()
-
-    def close(self) -> None:
-        try:
-            self.call_reply("quit", timeout=20)
-        except (OSError, EOFError, TimeoutError):
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _pull(decode: Peer, prefill: Peer, rid: int, count: int, seed: int):

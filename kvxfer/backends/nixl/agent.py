@@ -18,6 +18,7 @@ from kvxfer.backends.nixl.peer import PID_FIELD, START_FIELD, NixlPeer
 from kvxfer.backends.nixl.slices import slice_rows
 from kvxfer.backends.nixl.ucx_env import keep_idle_ib_module_out, nixl_transport_info
 from kvxfer.backends.same_host import SourceWatch
+from kvxfer.backends.ucx_reach import UNREACHABLE_HINT
 from kvxfer.errors import BackendUnavailableError, PeerMetadataError, TransferError
 from kvxfer.plan.geometry import BufferGeometry
 
@@ -216,13 +217,10 @@ class AgentShare:
                         "pass the peer's export_meta() unchanged"
                     ) from None
                 # Loading connects to the peer: a dead peer fails here (seen: NIXL_ERR_BACKEND). So does a
-                # live one when UCX picks an address its worker published that no longer exists (an
-                # interface removed since it started; UCX logs "Destination is unreachable"): docs/nixl.md.
+                # live one whose published address is gone (``ucx_reach``; NIXL hides UCX's status from us).
                 raise TransferError(
-                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? If it is, UCX could "
-                    "not reach the address it chose among those the peer's worker published (an interface "
-                    "removed since the peer started?): set UCX_NET_DEVICES on both sides to interfaces that "
-                    "stay. Nothing was posted"
+                    f"could not connect to peer {peer.name!r} ({kind}: {exc}); is it alive? If it is, "
+                    f"{UNREACHABLE_HINT}. Nothing was posted"
                 ) from None
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != peer.name:

@@ -47,6 +47,7 @@ from kvxfer.backends.ucx.notices import AM_ID, NoticeOutbox, Notice, Send
 from kvxfer.backends.ucx.peer import Peer
 from kvxfer.backends.ucx.source import UcxSource, b64, unb64
 from kvxfer.backends.same_host import SourceWatch, own_identity
+from kvxfer.backends.ucx_reach import UCS_ERR_UNREACHABLE, UNREACHABLE_HINT
 from kvxfer.backends.base import (
     ChainedGuard, KVTransportBackend, PullRequest, RequestId, TransferHandle, TransferStartError, TransferState,
 )
@@ -72,6 +73,12 @@ INLINE_PROGRESS_BYTES = 4 << 20
 MAX_PEERS = 64
 PEER_IDLE_S = 300.0
 _PEER_SWEEP_S = 1.0  # how often the progress thread looks for peers to drop
+
+
+def _unreachable(request_id: Any, exc: "_ucp.UcpError") -> TransferError:
+    """A source this worker could not make an endpoint to: nothing was posted."""
+    hint = f"; if it is alive, {UNREACHABLE_HINT}" if exc.status == UCS_ERR_UNREACHABLE else ""
+    return TransferError(f"request {request_id!r}: cannot reach the source: {exc}{hint}")
 
 
 class UcxBackend(NoticeOutbox, KVTransportBackend):
@@ -231,7 +238,7 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
                 peer = self._peer_for(source.address, pull.peer_meta)
                 rkey = None if peer.served and token else peer.rkey(source.rkey)
             except _ucp.UcpError as exc:
-                raise TransferError(f"request {pull.request_id!r}: cannot reach the source: {exc}") from None
+                raise _unreachable(pull.request_id, exc) from None
             local_base = self.geometry.buf_ptr if pull.local_base is None else pull.local_base  # pool or staging
             batch: Any
             if rkey is None:
@@ -298,7 +305,7 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
                 batch = _ucp.GetBatch(peer.endpoint, rkey, self.geometry.buf_ptr, peer_meta.peer.geometry.buf_ptr,
                                       src_offsets, dst_offsets, lengths, cuda=False, guard=guard_get)
             except _ucp.UcpError as exc:
-                raise TransferError(f"request {request_id!r}: cannot reach the source: {exc}") from None
+                raise _unreachable(request_id, exc) from None
             peer.batches.add(batch)
             guard_peer.batches.add(batch)
             handle = UcxHandle(request_id, self.timeout_s, self, peer, batch, notify=True, guard_peer=guard_peer)
