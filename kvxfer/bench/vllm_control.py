@@ -59,6 +59,13 @@ def instance_env(cpu: Optional[str], extra: Optional[dict[str, str]] = None) -> 
     return env
 
 
+def temp_folder_env(folder: str) -> dict[str, str]:
+    """The settings that put an instance's temporary files in ``folder``: vLLM makes its front end's and engine
+    core's ZMQ IPC sockets and its process group's file store in the temporary folder, and a core killed at
+    close leaves them there, so each instance gets a folder of its own, removed when it closes."""
+    return {"TMPDIR": folder, "VLLM_RPC_BASE_PATH": folder}
+
+
 class VllmInstance:
     """One running ``vllm_engine`` process."""
 
@@ -71,12 +78,9 @@ class VllmInstance:
                                     "or set KVXFER_VLLM_PYTHON")
         self.name = name
         self.tail: deque[str] = deque(maxlen=60)
-        # vLLM makes files in the temporary folder (its front end's and engine core's ZMQ IPC sockets, the
-        # file store of its process group) that a core killed at close leaves there: a folder of its own,
-        # removed at close, as its $TMPDIR and $VLLM_RPC_BASE_PATH.
-        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")
+        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")  # removed at close (temp_folder_env)
         cmd = [python, "-m", module, *args]
-        env = {**instance_env(cpu, env), "TMPDIR": self.temp_dir, "VLLM_RPC_BASE_PATH": self.temp_dir}
+        env = {**instance_env(cpu, env), **temp_folder_env(self.temp_dir)}
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(REPO), bufsize=0, start_new_session=True,

@@ -302,9 +302,8 @@ class Rank:
     """A rank process of this module, spoken to over stdin/stdout."""
 
     def __init__(self, *args: str) -> None:
-        from tests.support.vllm_support import REPO_ROOT
-
         from tests.support.forked import start_helper
+        from tests.support.vllm_support import REPO_ROOT
 
         self.proc = start_helper([sys.executable, "-m", "tests.support.vllm_tp_ranks", *args], cwd=str(REPO_ROOT))
         self.events: "queue.Queue[dict[str, Any]]" = queue.Queue()

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 from kvxfer.runtime.ports import free_port
-from kvxfer.bench.vllm_control import REPO, instance_env
+from kvxfer.bench.vllm_control import REPO, instance_env, temp_folder_env
 from tests.support.vllm_support import BLOCK, make_model, prompt, require_vllm_python
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,11 +43,10 @@ class Server:
                "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", "2048",
                "--num-gpu-blocks-override", "1024", "--kv-transfer-config", json.dumps(config)]
         self.log_path = log_path
-        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")  # vLLM's temporary files (VllmInstance), removed at close
+        self.temp_dir = tempfile.mkdtemp(prefix="kvxfer-vllm-")  # removed at close (temp_folder_env)
         with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: vLLM logs a lot
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**instance_env(cpu), "TMPDIR": self.temp_dir,
-                                              "VLLM_RPC_BASE_PATH": self.temp_dir},
+                                         env={**instance_env(cpu), **temp_folder_env(self.temp_dir)},
                                          cwd=str(REPO), start_new_session=True, preexec_fn=lambda: os.nice(5))
         self.model = model
 
