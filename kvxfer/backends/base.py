@@ -61,6 +61,7 @@ from kvxfer.plan.parts import SlicePart, plan_slice_parts
 from kvxfer.plan.pool import LocalPool
 from kvxfer.plan.prepared import BlockCopier
 from kvxfer.plan.request import RecordPlan, RequestPlan, plan_pull
+from kvxfer.meta.capabilities import conceal
 from kvxfer.meta.seal import (
     HOST_FIELD, SEAL_FIELD, check_meta_seal, host_identity, meta_key_from_env, seal_meta,
     unauthenticated_metas_allowed_by_env,
@@ -157,6 +158,9 @@ class KVTransportBackend(ABC):
     reads_other_processes: ClassVar[bool] = True
     #: ``begin_chained_pull`` may post the guard read itself (else it always answers None).
     chains_guard_reads: ClassVar[bool] = False
+    #: Fields of ``_transport_meta`` that let their holder read this pool (rkeys, read tokens): with the
+    #: cluster key they travel encrypted (``kvxfer.meta.capabilities``), and the transport's parser opens them.
+    capability_meta_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -251,6 +255,10 @@ class KVTransportBackend(ABC):
         meta[HOST_FIELD] = host_identity()
         with self._in_use():
             meta.update(self._transport_meta())
+        if self._meta_key is not None:
+            for field in self.capability_meta_fields:
+                if meta.get(field) is not None:
+                    meta[field] = conceal(meta[field], self._meta_key, field)
         return seal_meta(meta, self._meta_key)
 
     def begin_pull_blocks(

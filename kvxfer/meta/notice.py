@@ -5,8 +5,8 @@ is a small versioned JSON object so that a source can tell *which* registration
 (``buf``: siblings share one agent, hence one notification stream) and *which*
 request it is about, and can refuse anything else instead of misreading it::
 
-    {"v": 4, "kind": "done",   "rid": 42, "buf": 3}
-    {"v": 4, "kind": "failed", "rid": "decode-0:7", "buf": 3, "reason": "timed out after 30s"}
+    {"v": 5, "kind": "done",   "rid": 42, "buf": 3}
+    {"v": 5, "kind": "failed", "rid": "decode-0:7", "buf": 3, "reason": "timed out after 30s"}
 
 (``v`` is the wire version, ``kvxfer.meta.version``.)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvxfer.errors import PeerMetadataError
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 
 #: version -> what changed (newest last). Before 3 each part counted on its own.
 HISTORY: dict[int, str] = {
@@ -23,6 +23,8 @@ HISTORY: dict[int, str] = {
     3: "one version for the whole wire (it was: geometry schema 2, nixl section 1, seal 2, notice 1); "
        "the ucx backend's read-done notices in the shared notice format",
     4: "the nccl backend's message header carries this version (it counted its own, 1)",
+    5: "with the cluster key, a meta's capability fields (nixl agent metadata, ucx rkey and read token) are "
+       "AES-GCM boxes (kvxfer.meta.capabilities); the ucx section carries ucx_meta_version",
 }
 
 

@@ -128,6 +128,7 @@ class NixlBackend(KVTransportBackend):
     name = "nixl"
     is_push = False
     supports_staging = True
+    capability_meta_fields = ("nixl_agent_metadata",)  # it carries the registered regions' rkeys
 
     _availability: Optional[tuple[bool, str]] = None
 
@@ -276,7 +277,7 @@ class NixlBackend(KVTransportBackend):
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         peer = super().parse_peer_meta(peer_meta)
-        peer = replace(peer, transport=parse_nixl_peer(peer_meta))  # checked before anything is posted
+        peer = replace(peer, transport=parse_nixl_peer(peer_meta, self._meta_key))  # checked before anything is posted
         if self._share.same_host and peer_meta.get(HOST_FIELD) != host_identity():
             raise PeerMetadataError(
                 f"peer meta comes from another host ({peer_meta.get(HOST_FIELD)!r}) but this process runs nixl in "
@@ -337,7 +338,7 @@ class NixlBackend(KVTransportBackend):
         self._settle_unsettled()
         peer = pull.peer.transport  # parsed once, with the rest of the meta (parse_peer_meta)
         if not isinstance(peer, NixlPeer):
-            peer = parse_nixl_peer(pull.peer_meta)  # a plan made outside parse_peer_meta
+            peer = parse_nixl_peer(pull.peer_meta, self._meta_key)  # a plan made outside parse_peer_meta
         share = self._share
         share.ensure_remote(peer, pull.peer_meta)
         plan = pull.plan
@@ -416,7 +417,7 @@ class NixlBackend(KVTransportBackend):
 
     def _notify_source(self, peer_meta: Mapping[str, Any], request_id: RequestId,
                        failure: Optional[str] = None) -> None:
-        peer = parse_nixl_peer(peer_meta)
+        peer = parse_nixl_peer(peer_meta, self._meta_key)
         message = (notify.encode("done", request_id, peer.buffer_id) if failure is None else
                    notify.encode("failed", request_id, peer.buffer_id, failure))
         self._share.send(peer.name, message)

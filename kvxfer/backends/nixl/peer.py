@@ -5,9 +5,10 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.meta.capabilities import reveal
 from kvxfer.meta.version import check_wire_version
 
 MEM_TYPES = ("DRAM", "VRAM")
@@ -26,13 +27,15 @@ class NixlPeer:
     mem_type: str
 
 
-def parse_nixl_peer(meta: Mapping[str, Any]) -> NixlPeer:
-    """Validate the NIXL fields of a peer meta; ``PeerMetadataError`` names the bad field."""
+def parse_nixl_peer(meta: Mapping[str, Any], cluster_key: Optional[bytes] = None) -> NixlPeer:
+    """Validate the NIXL fields of a peer meta; ``PeerMetadataError`` names the bad field. The agent
+    metadata (a capability: it carries the pool's rkeys) is opened with ``cluster_key`` when it travels
+    encrypted (``kvxfer.meta.capabilities``)."""
     check_wire_version(meta.get("nixl_meta_version"), "meta field 'nixl_meta_version'")
     instance = meta.get("nixl_agent_instance")
     if not isinstance(instance, str) or not instance:
         raise PeerMetadataError("peer meta field 'nixl_agent_instance' must be a non-empty string")
-    encoded = meta.get("nixl_agent_metadata")
+    encoded = reveal(meta.get("nixl_agent_metadata"), cluster_key, "nixl_agent_metadata")
     if not isinstance(encoded, str) or not encoded:
         raise PeerMetadataError("peer meta field 'nixl_agent_metadata' must be a non-empty base64 string")
     try:

@@ -45,7 +45,7 @@ from kvxfer.backends.ucx.confirm import CONFIRM_FIELD, CONFIRM_TIMEOUT_S, confir
 from kvxfer.backends.ucx.handle import UcxHandle
 from kvxfer.backends.ucx.notices import AM_ID, NoticeOutbox, Notice, Send
 from kvxfer.backends.ucx.peer import Peer
-from kvxfer.backends.ucx.source import UcxSource, b64, unb64
+from kvxfer.backends.ucx.source import CAPABILITY_FIELDS, UcxSource, b64, unb64
 from kvxfer.backends.same_host import SourceWatch, own_identity
 from kvxfer.backends.ucx_reach import UCS_ERR_UNREACHABLE, UNREACHABLE_HINT
 from kvxfer.backends.base import (
@@ -58,6 +58,7 @@ from kvxfer.plan.geometry import PeerGeometry
 from kvxfer.meta import notice as notify
 from kvxfer.meta.records import transfer_peer_records
 from kvxfer.meta.seal import HOST_FIELD, SEAL_FIELD, host_identity
+from kvxfer.meta.version import WIRE_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
     supports_staging = True
     chains_guard_reads = True
     is_push = False
+    capability_meta_fields = CAPABILITY_FIELDS
 
     def __init__(self, *args: Any, peer_error_handling: Optional[bool] = None, **kwargs: Any) -> None:
         """Same arguments as every backend, plus ``peer_error_handling``.
@@ -170,6 +172,7 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
 
     def _transport_meta(self) -> dict[str, Any]:
         return {
+            "ucx_meta_version": WIRE_VERSION,
             **own_identity(),
             CONFIRM_FIELD: confirm_server().name,
             "ucx_worker_address": b64(self._worker.address),
@@ -223,14 +226,14 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
         return True
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        section = UcxSource.parse(peer_meta)  # checked first: a malformed meta is not worth asking about
+        section = UcxSource.parse(peer_meta, self._meta_key)  # checked first: a malformed meta is not worth asking about
         return replace(super().parse_peer_meta(peer_meta), transport=section)
 
     # --- pulls ------------------------------------------------------------------------------
     def _post_read(self, pull: PullRequest) -> TransferHandle:
         source = pull.peer.transport  # parsed once, with the rest of the meta (parse_peer_meta)
         if not isinstance(source, UcxSource):
-            source = UcxSource.parse(pull.peer_meta)  # a plan made outside parse_peer_meta
+            source = UcxSource.parse(pull.peer_meta, self._meta_key)  # a plan made outside parse_peer_meta
         plan = pull.plan
         with self._worker.lock:
             token = source.read_token

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvxfer.errors import PeerMetadataError
+from kvxfer.meta.capabilities import reveal
+from kvxfer.meta.version import check_wire_version
 
 
 def b64(data: bytes) -> str:
@@ -25,13 +27,22 @@ class UcxSource:
     read_token: Optional[bytes]
 
     @staticmethod
-    def parse(meta: Mapping[str, Any]) -> "UcxSource":
-        token = unb64(meta, "ucx_read_token") if meta.get("ucx_read_token") is not None else None
-        return UcxSource(unb64(meta, "ucx_worker_address"), unb64(meta, "ucx_rkey"), token)
+    def parse(meta: Mapping[str, Any], cluster_key: Optional[bytes] = None) -> "UcxSource":
+        """The section of ``meta``; the capability fields (``CAPABILITY_FIELDS``) opened with ``cluster_key``
+        when they travel encrypted (``kvxfer.meta.capabilities``)."""
+        check_wire_version(meta.get("ucx_meta_version"), "meta field 'ucx_meta_version'")
+        token = unb64(meta, "ucx_read_token", cluster_key) if meta.get("ucx_read_token") is not None else None
+        return UcxSource(unb64(meta, "ucx_worker_address"), unb64(meta, "ucx_rkey", cluster_key), token)
 
 
-def unb64(meta: Mapping[str, Any], field: str) -> bytes:
+#: The fields that let their holder read the source's pool: encrypted under the cluster key when there is one.
+CAPABILITY_FIELDS = ("ucx_rkey", "ucx_read_token")
+
+
+def unb64(meta: Mapping[str, Any], field: str, cluster_key: Optional[bytes] = None) -> bytes:
     value = meta.get(field)
+    if field in CAPABILITY_FIELDS:
+        value = reveal(value, cluster_key, field)
     if not isinstance(value, str) or not value:
         raise PeerMetadataError(f"peer meta field {field!r} must be a non-empty base64 string; export it with the ucx backend")
     try:
