@@ -127,7 +127,7 @@ def _handoffs(name: str, path: str, count: int = 3) -> dict[str, list[tuple[int,
 @pytest.mark.parametrize("name", ["ucx", "nixl"])
 @pytest.mark.parametrize("path", ["plain", "megatron"])
 def test_a_handoff_costs_no_more_than_its_budget(name, path, monkeypatch):
-    monkeypatch.delenv("KVXFER_SECRET_FILE", raising=False)  # budgeted keyless: a key adds no per-handoff work
+    monkeypatch.delenv("KVXFER_SECRET_FILE", raising=False)  # the budget is for keyless metas (a verified meta is not parsed again either way)
     seen = _handoffs(name, path)
     over, loose = [], []
     for (b, p, step), (calls, c_calls, why) in BUDGET.items():
