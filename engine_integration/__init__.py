@@ -1,7 +1,8 @@
 """Engine integration: hand a request's KV from a prefill engine to a decode engine.
 
-Layers, bottom up (one job per module; the hand-off lifecycle they run, ``KVPoll`` included, is
-``kvxfer.handoff``'s; README.md beside this file is the map):
+The parts (one job per module; the hand-off lifecycle they run, ``KVPoll`` included, is
+``kvxfer.handoff``'s; README.md beside this file is the map). Which may import which: ``LAYERS`` in
+tests/project/test_library_layout.py (docs/architecture.md, "Layers"), the one statement for the whole tree.
   descriptor    ``HandoffDescriptor``: what a prefill publishes per request
   adapter       ``HandoffEngineAdapter``: what the state machines need from an engine
   source        prefill side: pin, publish, release on read-done / safe failure

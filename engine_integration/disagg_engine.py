@@ -8,10 +8,9 @@ engine knows nothing of either: it registers (``connect``), reports its handoffs
 ``request_push``), serves the calls the plane makes back (``PlaneEngine``) and runs the serve
 loop's step (``serve_step``).
 
-One job: the glue between the handoff engine and a plane. May import: ``handoff_engine``,
-``descriptor``, ``poll``, ``sink``, ``reference.engine``, ``control_plane`` (its ``__init__``
-and ``base``; the ZeroMQ service only lazily, to spawn a coordinator); nothing imports it but
-``engine``, ``worker`` and the package's lazy names.
+One job: the glue between the handoff engine and a plane. It imports a plane package only to spawn a
+ZeroMQ coordinator (lazily); its row of ``LAYERS`` in tests/project/test_library_layout.py says the rest.
+Nothing imports it but ``engine``, ``worker`` and the package's lazy names.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ One job: keep the public import path. The engines live in their own modules:
   object (``connect(plane, role=, name=)``, ``serve_step``);
 - ``reference_adapter`` -- ``ReferenceEngineAdapter``, what ``source``/``sink`` see of the engine.
 
-May import: those three and ``control_plane.base`` (for ``RegistrationRefused``); nothing in
-``engine_integration`` imports this module.
+Nothing in ``engine_integration`` imports this module (its imports: its row of ``LAYERS`` in
+tests/project/test_library_layout.py).
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ Names and signatures follow Megatron's ``core.inference.disaggregation`` (its
 
 One job: the engine side of a handoff, with no control plane. The state machines live in
 ``source``/``sink`` and see the engine only through ``reference_adapter.ReferenceEngineAdapter``.
-May import: ``adapter``, ``reference_adapter``, ``descriptor``, ``poll``, ``source``, ``sink``,
-``reference.engine``, ``control_plane.policy`` (one constant) and ``kvxfer``; never a control
-plane's engine side or ``disagg_engine``.
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (no plane package, no
+``disagg_engine``).
 """
 
 from __future__ import annotations

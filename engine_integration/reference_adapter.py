@@ -3,7 +3,7 @@
 One job: translate the adapter calls ``source``/``sink`` make (``adapter.HandoffEngineAdapter``)
 into the reference engine's allocator and batch. The engine it wraps is the
 ``handoff_engine.StateHandoffDynamicInferenceEngine`` that constructs it (``setup_kv_transfer``).
-May import: ``adapter`` only (it is handed the engine; it imports none).
+It is handed the engine and imports none (its row of ``LAYERS`` in tests/project/test_library_layout.py).
 """
 
 from __future__ import annotations

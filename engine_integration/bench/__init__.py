@@ -7,5 +7,5 @@ because they drive ``engine_integration``: the library never imports the engine 
 command-line faces are ``kvxfer bench-prefix-routing`` and ``kvxfer bench-fleet-scale``
 (``kvxfer.cli.bench_fleet``, the front door, which may import both layers).
 
-May import: ``kvxfer`` (not ``kvxfer.cli``) and the rest of ``engine_integration``.
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py.
 """

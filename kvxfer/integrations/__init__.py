@@ -4,6 +4,6 @@
 
 ``kvxfer.integrations.sglang``: kvxfer as an SGLang PD transfer backend (``docs/sglang.md``).
 
-May import: ``kvxfer.runtime``, ``kvxfer.handoff``, ``kvxfer.backends``, ``kvxfer.meta``, ``kvxfer.plan``,
-``kvxfer.security``, ``kvxfer.errors``, and the engine each adapter serves.
+Its imports: its row of ``LAYERS`` in tests/project/test_library_layout.py (docs/architecture.md, "Layers"),
+and the engine each adapter serves.
 """

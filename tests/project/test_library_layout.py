@@ -1,10 +1,10 @@
-"""The library's layout keeps showing its architecture (issue 28; docs/architecture.md, "Layers").
+"""The library's layout keeps showing its architecture (docs/architecture.md).
 
-``LAYERS`` below is the one statement of which part of ``kvxfer`` may import which: docs/architecture.md
-shows it (a section generated from it, which ``test_the_doc_shows_the_layers`` compares, and
-``python tests/project/test_library_layout.py`` rewrites), and the packages' docstrings point here. Read from
-the source, every import included (the lazy ones inside functions too):
-- no import circle anywhere in ``kvxfer``;
+``LAYERS`` below is the one statement of which part of ``kvxfer`` and of ``engine_integration`` may import
+which: docs/architecture.md shows it (a section generated from it, which ``test_the_doc_shows_the_layers``
+compares, and ``python tests/project/test_library_layout.py`` rewrites), and the packages' docstrings point
+here. Read from the source, every import included (the lazy ones inside functions too):
+- no import circle anywhere in ``kvxfer`` or ``engine_integration``;
 - each part imports only the parts ``LAYERS`` gives it (a part may always import itself);
 - nothing in ``kvxfer`` but the command line (the front door) imports ``engine_integration``;
 - no module imports another part's private names (``_name``, or a ``_module``);
@@ -21,7 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script, too
 from import_graph import ROOT, cycle, imports, modules
 
-#: part -> the parts it may import. A part is ``kvxfer.<first name>``, or ``engine_integration``.
+_BASE = {"kvxfer.errors", "kvxfer.defaults"}
+_WIRE = _BASE | {"kvxfer.plan", "kvxfer.meta", "kvxfer.security"}
+_LIBRARY = _WIRE | {"kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"}
+_ENGINE = "engine_integration"
+_PLANE = f"{_ENGINE}.control_plane"
+#: What both plane packages stand on: the plane interface, the policy, the limits, what a prefill publishes,
+#: and the process helpers (a plane starts its own services).
+_PLANE_FLOOR = {f"{_PLANE}.base", f"{_PLANE}.policy", f"{_PLANE}.limits", f"{_ENGINE}.descriptor", f"{_ENGINE}.procs"}
+
+#: part -> the parts it may import. A part is ``kvxfer.<first name>``; in ``engine_integration``,
+#: ``engine_integration.<first name>``, and in its ``control_plane`` package each module or plane package
+#: (``engine_integration.control_plane.etcd``); a package's own ``__init__`` is the package's name.
 LAYERS: dict[str, set[str]] = {
     "kvxfer.errors": set(),
     "kvxfer.defaults": set(),
@@ -29,22 +40,48 @@ LAYERS: dict[str, set[str]] = {
     "kvxfer.security": {"kvxfer.errors"},
     "kvxfer.meta": {"kvxfer.errors", "kvxfer.plan", "kvxfer.security"},
     "kvxfer.backends": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security"},
-    "kvxfer.handoff": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                       "kvxfer.backends"},
-    "kvxfer.runtime": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                       "kvxfer.backends"},
-    "kvxfer.integrations": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                            "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"},
+    "kvxfer.handoff": _WIRE | {"kvxfer.backends"},
+    "kvxfer.runtime": _WIRE | {"kvxfer.backends"},
+    "kvxfer.integrations": _LIBRARY,
     "kvxfer.megatron": {"kvxfer.errors", "kvxfer.backends"},
-    "kvxfer.harness": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                       "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime"},
-    "kvxfer.bench": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                     "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.integrations"},
-    "kvxfer.cli": {"kvxfer.errors", "kvxfer.defaults", "kvxfer.plan", "kvxfer.meta", "kvxfer.security",
-                   "kvxfer.backends", "kvxfer.handoff", "kvxfer.runtime", "kvxfer.harness", "kvxfer.bench",
-                   "kvxfer.integrations", "kvxfer.megatron", "engine_integration"},
+    "kvxfer.harness": _LIBRARY,
+    "kvxfer.bench": _LIBRARY | {"kvxfer.harness", "kvxfer.integrations"},
+    "kvxfer.cli": _LIBRARY | {"kvxfer.harness", "kvxfer.bench", "kvxfer.integrations", "kvxfer.megatron",
+                              _PLANE, f"{_PLANE}.etcd", f"{_ENGINE}.launch", f"{_ENGINE}.prompts",
+                              f"{_ENGINE}.bench"},
     "kvxfer": {"kvxfer.errors", "kvxfer.backends"},  # the package's own __init__: the public names, lazily
     "kvxfer.__main__": {"kvxfer.cli"},
+    # engine_integration: beside the library, using its public parts, never its tooling (cli, harness, bench)
+    _ENGINE: set(),  # its __init__: the public names, by module path, lazily
+    f"{_ENGINE}.descriptor": _BASE,
+    f"{_ENGINE}.procs": _BASE,
+    f"{_ENGINE}.prompts": _BASE,
+    f"{_ENGINE}.reference": _BASE,
+    f"{_ENGINE}.adapter": _BASE | {f"{_ENGINE}.descriptor"},
+    f"{_ENGINE}.reference_adapter": {f"{_ENGINE}.adapter"},
+    f"{_ENGINE}.source": _BASE | {f"{_ENGINE}.adapter", f"{_ENGINE}.descriptor", "kvxfer.handoff"},
+    f"{_ENGINE}.sink": _BASE | {f"{_ENGINE}.adapter", f"{_ENGINE}.descriptor", "kvxfer.handoff"},
+    f"{_PLANE}.base": _BASE,
+    f"{_PLANE}.policy": _BASE,
+    f"{_PLANE}.limits": _BASE,
+    f"{_PLANE}.zmq": _WIRE | _PLANE_FLOOR | {"kvxfer.runtime"},
+    f"{_PLANE}.etcd": _WIRE | _PLANE_FLOOR | {"kvxfer.runtime"},
+    _PLANE: _BASE | {f"{_PLANE}.base", f"{_PLANE}.zmq", f"{_PLANE}.etcd", "kvxfer.backends"},  # opens a plane by URL
+    f"{_ENGINE}.handoff_engine": _BASE | {f"{_ENGINE}.adapter", f"{_ENGINE}.descriptor", f"{_ENGINE}.reference",
+                                          f"{_ENGINE}.reference_adapter", f"{_ENGINE}.sink", f"{_ENGINE}.source",
+                                          f"{_PLANE}.policy", "kvxfer.backends", "kvxfer.handoff"},
+    f"{_ENGINE}.disagg_engine": _BASE | {f"{_ENGINE}.handoff_engine", f"{_ENGINE}.sink", f"{_ENGINE}.descriptor",
+                                         f"{_ENGINE}.reference", _PLANE, f"{_PLANE}.base",
+                                         f"{_PLANE}.zmq",  # only to spawn a coordinator
+                                         "kvxfer.handoff"},
+    f"{_ENGINE}.engine": {f"{_ENGINE}.handoff_engine", f"{_ENGINE}.disagg_engine", f"{_ENGINE}.reference_adapter",
+                          f"{_PLANE}.base"},
+    f"{_ENGINE}.worker": _BASE | {f"{_ENGINE}.disagg_engine", _PLANE, f"{_ENGINE}.procs", f"{_ENGINE}.reference",
+                                  "kvxfer.backends", "kvxfer.security"},
+    f"{_ENGINE}.launch": _BASE | {f"{_ENGINE}.worker", _PLANE, f"{_ENGINE}.procs", f"{_ENGINE}.prompts",
+                                  f"{_ENGINE}.reference", "kvxfer.backends", "kvxfer.security"},
+    f"{_ENGINE}.bench": _BASE | {f"{_ENGINE}.launch", f"{_PLANE}.zmq", f"{_PLANE}.etcd", f"{_ENGINE}.descriptor",
+                                 f"{_ENGINE}.procs", f"{_ENGINE}.reference", "kvxfer.backends", "kvxfer.meta"},
 }
 
 DOC = ROOT / "docs" / "architecture.md"
@@ -55,17 +92,24 @@ DOC_END = "<!-- /layers -->"
 
 def part(module: str) -> str:
     names = module.split(".")
-    if names[0] != "kvxfer":
-        return names[0]
-    return ".".join(names[:2]) if len(names) > 1 else "kvxfer"
+    if names[0] == _ENGINE and len(names) > 2 and names[1] == "control_plane":
+        return ".".join(names[:3])
+    return ".".join(names[:2])
 
 
 def _graph() -> dict[str, set[str]]:
-    return imports("kvxfer", among=("engine_integration",))
+    return imports("kvxfer", "engine_integration")
 
 
 def test_no_import_circle_in_the_library():
     assert cycle(_graph()) == []
+
+
+def test_no_import_circle_between_the_parts():
+    parts: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        parts.setdefault(part(module), set()).update(part(d) for d in deps if part(d) != part(module))
+    assert cycle(parts) == []
 
 
 def test_every_part_imports_only_the_parts_below_it():
@@ -78,18 +122,9 @@ def test_every_part_imports_only_the_parts_below_it():
 
 def test_only_the_command_line_imports_the_engine_layer():
     graph = _graph()
-    upward = sorted(m for m, deps in graph.items() if any(part(d) == "engine_integration" for d in deps))
-    assert all(part(m) == "kvxfer.cli" for m in upward), upward
-
-
-def test_the_engine_layer_imports_none_of_the_librarys_tooling():
-    """``engine_integration`` stands beside the library and uses its public parts; the command line, the
-    harness and the bench sit above it (``kvxfer.cli`` drives it), so an import from them would be a circle
-    between the two trees in all but name."""
-    tooling = ("kvxfer.cli", "kvxfer.harness", "kvxfer.bench", "kvxfer.__main__")
-    graph = imports("engine_integration", among=("kvxfer",))
-    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if part(d) in tooling)
-    assert wrong == [], wrong
+    upward = sorted(m for m, deps in graph.items()
+                    if m.startswith("kvxfer") and any(d.startswith(_ENGINE) for d in deps))
+    assert upward and all(part(m) == "kvxfer.cli" for m in upward), upward
 
 
 def test_no_module_imports_another_parts_private_names():
@@ -109,23 +144,24 @@ def test_no_module_imports_another_parts_private_names():
 
 def test_the_rules_can_fail():
     assert cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
-    assert "kvxfer.cli" not in LAYERS["kvxfer.bench"] and "engine_integration" not in LAYERS["kvxfer.bench"]
+    assert "kvxfer.cli" not in LAYERS["kvxfer.bench"] and not any(p.startswith(_ENGINE) for p in LAYERS["kvxfer.bench"])
+    assert f"{_PLANE}.etcd" not in LAYERS[f"{_PLANE}.zmq"] and f"{_PLANE}.zmq" not in LAYERS[f"{_PLANE}.etcd"]
+    assert part("engine_integration.control_plane.etcd.store") == f"{_PLANE}.etcd"
+    assert part("engine_integration.reference.model") == f"{_ENGINE}.reference"
     assert (ROOT / "kvxfer" / "plan").is_dir()
-
-
-#: Package docstrings being edited apart from this test (issue 41) that still restate their imports.
-DOCSTRINGS_PENDING = {"kvxfer/integrations/__init__.py"}
 
 
 def test_every_part_points_to_the_one_statement_of_the_layers():
     """Each package's ``__init__`` docstring (where a reader starts) points to ``LAYERS`` rather than restating
-    it: a second copy of the rules is one that drifts."""
-    inits = [p for p in sorted((ROOT / "kvxfer").glob("*/__init__.py"))
-             if str(p.relative_to(ROOT)) not in DOCSTRINGS_PENDING]
+    it, and no module's docstring restates its imports ("May import"): a second copy of the rules is one
+    that drifts (one named a ``poll`` module that did not exist)."""
+    inits = sorted((ROOT / "kvxfer").glob("*/__init__.py")) + [ROOT / _ENGINE / "__init__.py"]
     wrong = [str(p.relative_to(ROOT)) for p in inits
-             if "tests/project/test_library_layout.py" not in (doc := ast.get_docstring(ast.parse(p.read_text())) or "")
-             or "May import" in doc]
-    assert wrong == [], f"say 'Its imports: LAYERS in tests/project/test_library_layout.py', and no 'May import': {wrong}"
+             if "tests/project/test_library_layout.py" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert wrong == [], f"say 'Its imports: LAYERS in tests/project/test_library_layout.py': {wrong}"
+    restating = [name for name, path in sorted({**modules("kvxfer"), **modules(_ENGINE)}.items())
+                 if "May import" in (ast.get_docstring(ast.parse(path.read_text())) or "")]
+    assert restating == [], f"these docstrings restate their imports ('May import'); LAYERS says it: {restating}"
 
 
 def test_every_part_with_a_rule_exists():
@@ -174,7 +210,7 @@ def test_the_doc_shows_the_layers():
     shown = _doc_section(DOC.read_text())
     assert shown == layers_section(), (f"{DOC.relative_to(ROOT)} and LAYERS disagree: change LAYERS, then run "
                                        "'python tests/project/test_library_layout.py' to rewrite the doc's section")
-    assert "kvxfer.integrations" in shown and "| `kvxfer.cli` | `engine_integration`" in shown
+    assert "kvxfer.integrations" in shown and "`engine_integration.control_plane.etcd`" in shown
 
 
 # --- loggers ----------------------------------------------------------------------------------------------
@@ -185,9 +221,6 @@ def test_every_module_logs_under_its_own_name():
     own name (there ``__name__`` is ``"__main__"``)."""
     typed = []
     for name, path in sorted({**modules("kvxfer"), **modules("engine_integration")}.items()):
-        # kvxfer.integrations: its loggers are being renamed apart from this test (issue 41), not checked yet
-        if name.startswith("kvxfer.integrations"):
-            continue
         for node in ast.parse(path.read_text()).body:
             call = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
             if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "logging.getLogger"):
@@ -200,11 +233,6 @@ def test_every_module_logs_under_its_own_name():
 
 
 # --- capabilities live on the backend class, not in lists of names (issue 41, item 2) ----------------------
-
-#: Uses of backend names inside the engine adapters, which are being reworked apart from this test (issue 41):
-#: tolerated until they read the classes' capabilities too. Any other use fails.
-ADAPTER_NAME_USES = {("kvxfer/integrations/vllm/config.py", "SUPPORTED_BACKENDS")}
-
 
 def backend_name_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
     """``(line, what)`` for each place ``tree`` decides by a backend's name: a comparison with one (``==``,
@@ -251,8 +279,7 @@ def test_no_backend_name_is_compared_outside_the_backends():
         if module.startswith("kvxfer.backends"):
             continue
         for line, what in backend_name_uses(ast.parse(path.read_text()), names):
-            if (rel, what) not in ADAPTER_NAME_USES:
-                found.append(f"{rel}:{line}: {what}")
+            found.append(f"{rel}:{line}: {what}")
     assert found == [], "ask the backend class instead:\n" + "\n".join(found)
 
 

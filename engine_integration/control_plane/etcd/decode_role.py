@@ -13,8 +13,8 @@ decode
   client as retryable, the pull is aborted and its blocks stay quarantined until
   ``storage_safe``.
 
-May import: ``control_plane.base``, ``etcd.records``, ``etcd.requests``, ``etcd.store``,
-``etcd.membership``, ``descriptor`` (lazily, to read a handoff); never ``prefill_role`` or ``plane``.
+It builds on ``records``, ``requests``, ``store`` and ``membership`` (and ``descriptor``, lazily, to read a
+handoff), never on ``prefill_role`` or ``plane`` (tests/engine/test_engine_layout.py).
 """
 
 from __future__ import annotations

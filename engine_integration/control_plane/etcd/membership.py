@@ -6,7 +6,8 @@ acts only while that lease is confirmed (self-fencing); a lost lease drops what 
 incarnation held and registers again. Also ``member`` (an instance record as the policy sees
 it), the role names and ``SharedState`` (what the plane's parts read of one another, declared once).
 
-a lost lease (etcd unreachable past the TTL, the process paused; either role)
+a lost lease (etcd unreachable past the TTL, the process paused, the lease revoked, or etcd gone
+back in time: restored from an older snapshot, wiped; either role)
   the instance fences itself (no poll acts, no pull commits, nothing is published past
   its local lease deadline); once etcd says the lease is gone it drops what the lost
   incarnation held (requests not handed off fail as retryable; published handoffs keep
@@ -14,8 +15,8 @@ a lost lease (etcd unreachable past the TTL, the process paused; either role)
   request) and registers again as a new incarnation, in the same process: it serves again
   without a restart. A name someone else holds by then is not fought for: it stops.
 
-May import: ``control_plane.policy``, ``control_plane.base``, ``etcd.records``, ``etcd.store``
-(and ``kvxfer.security.auth`` for a message); never the roles or the plane, which build on it.
+It builds on ``records`` and ``store``, never on the roles or the plane, which build on it
+(tests/engine/test_engine_layout.py).
 """
 
 from __future__ import annotations

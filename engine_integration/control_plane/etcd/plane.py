@@ -22,9 +22,9 @@ read ``results/<client>/``. An attempt whose holder dies, or that fails as retry
 again on a live prefill (the client's choice); each attempt's result is created once, so
 each request is answered once.
 
-May import: ``control_plane.base``, ``control_plane.policy``, the etcd modules below it
-(``records``, ``requests``, ``store``, ``membership``, ``prefill_role``, ``decode_role``); never
-the engine, torch or zmq.
+It builds on the etcd modules below it (``records``, ``requests``, ``store``, ``membership``,
+``prefill_role``, ``decode_role``) and loads neither torch nor zmq (tests/engine/test_engine_layout.py);
+the package's imports: its row of ``LAYERS`` in tests/project/test_library_layout.py.
 """
 
 from __future__ import annotations

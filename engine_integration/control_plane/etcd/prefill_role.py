@@ -17,8 +17,8 @@ prefill
 Handoffs an incarnation of ours published before it lost its lease keep their pins as
 orphans until their readers settle (``_settle_orphans``).
 
-May import: ``control_plane.policy``, ``control_plane.base``, ``etcd.records``, ``etcd.requests``,
-``etcd.store``, ``etcd.membership``; never ``decode_role`` or ``plane``.
+It builds on ``records``, ``requests``, ``store`` and ``membership``, never on ``decode_role`` or ``plane``
+(tests/engine/test_engine_layout.py).
 """
 
 from __future__ import annotations
