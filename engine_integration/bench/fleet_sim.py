@@ -30,15 +30,29 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from kvxfer.meta.agreement import AGREED_FIELDS
+from kvxfer.meta.version import WIRE_VERSION
+
 #: its module's name, written out: run with ``python -m`` (a process of its own), ``__name__`` is "__main__"
 log = logging.getLogger("engine_integration.bench.fleet_sim")
 
 TOKENS_PER_BLOCK = 4
 FINGERPRINT = "fleet-scale-sim"
-#: what every sim instance registers as its transfer meta (the geometry fields ``policy`` compares)
-GEOMETRY = {"schema_version": 1, "backend": "local", "dtype": "float32", "element_size": 4,
+#: what every sim instance registers as its transfer meta: a value for each field the policy compares
+#: (``kvxfer.meta.agreement.AGREED_FIELDS``, checked by ``_check_geometry`` at import)
+GEOMETRY = {"schema_version": WIRE_VERSION, "backend": "local", "dtype": "float32", "element_size": 4,
             "tokens_per_block": TOKENS_PER_BLOCK, "heads_per_partition": 2, "head_dim": 16, "num_outer": 4,
             "bytes_per_slice": 512}
+
+
+
+def _check_geometry() -> None:
+    missing = set(AGREED_FIELDS) - set(GEOMETRY)
+    if missing:
+        raise AssertionError(f"fleet_sim.GEOMETRY lacks the agreed fields {sorted(missing)}")
+
+
+_check_geometry()
 
 
 def sim_meta(name: str, key: Optional[bytes], pad_bytes: int = 0) -> dict[str, Any]:

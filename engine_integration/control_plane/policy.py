@@ -10,7 +10,7 @@ that on a table of fleets and requests, against the real coordinator and the etc
 The rules:
 
 - **Compatibility**: two engines exchange KV only if every rank's meta agrees on the
-  geometry fields (``GEOMETRY_FIELDS``) and the model fingerprints match; the reason names
+  geometry fields (``kvxfer.meta.agreement.AGREED_FIELDS``) and the model fingerprints match; the reason names
   the first field that differs. A prefill's generation-counter meta (nested under
   ``generations``) is not KV and is not compared.
 - **Admission**: a request is refused at submit, with the reason, when it is malformed
@@ -36,9 +36,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-#: Meta fields two engines must agree on before KV can move between them.
-GEOMETRY_FIELDS = ("schema_version", "backend", "dtype", "element_size", "tokens_per_block", "heads_per_partition",
-                   "head_dim", "num_outer", "bytes_per_slice")
+from kvxfer.meta.agreement import AGREED_FIELDS
+
 
 #: Request limits every plane enforces at submit (the ZeroMQ wire's schema uses the same ones).
 MAX_PROMPT_TOKENS = 1 << 20
@@ -78,7 +77,7 @@ def compatibility_problem(new: Member, ref: Member) -> Optional[str]:
     if len(new.transfer_meta) != len(ref.transfer_meta):
         return f"{len(new.transfer_meta)} transfer metas (ranks) here, {len(ref.transfer_meta)} on {where}"
     for i, (a, b) in enumerate(zip(new.transfer_meta, ref.transfer_meta)):
-        for name in GEOMETRY_FIELDS:
+        for name in AGREED_FIELDS:
             if a.get(name) != b.get(name):
                 return (f"transfer meta [{i}] field {name!r} is {a.get(name)!r} here but {b.get(name)!r} on {where}; "
                         "prefill and decode must use the same transport and KV geometry")

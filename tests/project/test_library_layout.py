@@ -62,7 +62,7 @@ LAYERS: dict[str, set[str]] = {
     f"{_ENGINE}.source": _BASE | {f"{_ENGINE}.adapter", f"{_ENGINE}.descriptor", "kvxfer.handoff"},
     f"{_ENGINE}.sink": _BASE | {f"{_ENGINE}.adapter", f"{_ENGINE}.descriptor", "kvxfer.handoff"},
     f"{_PLANE}.base": _BASE,
-    f"{_PLANE}.policy": _BASE,
+    f"{_PLANE}.policy": _BASE | {"kvxfer.meta"},  # the fields peers must agree on (meta.agreement)
     f"{_PLANE}.limits": _BASE,
     f"{_PLANE}.zmq": _WIRE | _PLANE_FLOOR | {"kvxfer.runtime"},
     f"{_PLANE}.etcd": _WIRE | _PLANE_FLOOR | {"kvxfer.runtime"},
