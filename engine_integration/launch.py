@@ -30,7 +30,7 @@ from engine_integration.control_plane import (GenerationClient, GenerationResult
 from engine_integration.prompts import read_prompts
 from engine_integration.reference.config import ModelConfig
 from engine_integration.worker import EngineHost, EngineSpec, start_engine_host, start_engine_hosts
-from kvxfer.defaults import TRANSFER_TIMEOUT_S
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TRANSFER_TIMEOUT_S, bounded_float, bounded_int
 from kvxfer.security.auth import SECRET_FILE_ENV, load_secret
 
 
@@ -69,6 +69,15 @@ class ClusterConfig:
     #: a folder where a file named after an engine pauses its compute (``EngineSpec.pause_file``): a
     #: test holds a state (a decode's pool full of a running request) until it has observed it
     pause_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        """The numbers the engines take from here, finite and in range (``kvxfer.defaults.bounded_float``);
+        the coordinator's own (``heartbeat_timeout_s``, ``request_timeout_s``, ``pin_grace_s``) are
+        checked by ``CoordinatorConfig``, which they become."""
+        bounded_float("ClusterConfig.transfer_timeout_s", self.transfer_timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S,
+                      unit="seconds")
+        for name in ("prefill_blocks", "decode_blocks"):
+            bounded_int(f"ClusterConfig.{name}", getattr(self, name), 1, 1 << 24)
 
 
 def _with_prefix_routing(url: str, on: bool) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float
 from kvxfer.harness.loopback_config import LoopbackConfig
 
 KiB = 1024
@@ -86,6 +87,7 @@ class BenchConfig:
                 raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
+        bounded_float("timeout_s", self.timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S, unit="seconds")
         if self.reshard not in ("on", "off"):
             raise ValueError(f"reshard must be 'on' or 'off', got {self.reshard!r}")
         unknown = set(self.baselines) - set(DEFAULT_BASELINES)

@@ -18,9 +18,8 @@ from typing import Optional, Sequence
 
 import kvxfer
 from kvxfer.cli import logs
-from kvxfer.cli.args import (HelpFormatter, Parser, add_common, backend_name, control_plane_url, int_at_least,
-                             positive_seconds,
-                             readable_file, writable_file)
+from kvxfer.cli.args import (MAX_SEED, HelpFormatter, Parser, add_common, backend_name, control_plane_url,
+                             readable_file, seconds, whole_number, writable_file)
 from kvxfer.cli.errors import INTERRUPTED, CommandError, one_line, report
 from kvxfer.defaults import TRANSFER_TIMEOUT_S
 
@@ -50,26 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     loop = _subparser(sub, "loopback", "a real prefill -> decode handoff on this machine, every byte verified")
     loop.add_argument("--backend", type=backend_name, help="transport (default: the best one that can run here)")
-    loop.add_argument("--layers", type=int_at_least(1), default=32, help="layers in the pool")
-    loop.add_argument("--tokens-per-block", type=int_at_least(1), default=16, help="tokens per KV block")
-    loop.add_argument("--heads", type=int_at_least(1), default=8, help="KV heads in the pool")
-    loop.add_argument("--head-dim", type=int_at_least(1), default=128, help="elements per head")
+    loop.add_argument("--layers", type=whole_number(1, 4096), default=32, help="layers in the pool")
+    loop.add_argument("--tokens-per-block", type=whole_number(1, 65536), default=16, help="tokens per KV block")
+    loop.add_argument("--heads", type=whole_number(1, 4096), default=8, help="KV heads in the pool")
+    loop.add_argument("--head-dim", type=whole_number(1, 65536), default=128, help="elements per head")
     loop.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="element type of the pool")
-    loop.add_argument("--pool-blocks", type=int_at_least(1), default=256, help="blocks in each side's pool")
-    loop.add_argument("--blocks", type=int_at_least(1), default=128, help="blocks in the request (<= --pool-blocks)")
+    loop.add_argument("--pool-blocks", type=whole_number(1, 1 << 24), default=256, help="blocks in each side's pool")
+    loop.add_argument("--blocks", type=whole_number(1, 1 << 24), default=128,
+                      help="blocks in the request (<= --pool-blocks)")
     loop.add_argument("--pattern", default="scattered", choices=["scattered", "contiguous"],
                       help="block ids: random on both sides, or the same run")
-    loop.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the block ids and pool bytes")
-    loop.add_argument("--timeout", type=positive_seconds, default=60.0, help="transfer timeout, seconds")
+    loop.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0, help="seed of the block ids and pool bytes")
+    loop.add_argument("--timeout", type=seconds(), default=60.0, help="transfer timeout, seconds")
     loop.add_argument("--json", type=writable_file, metavar="PATH", help="also write the figures to this JSON file")
     loop.set_defaults(func=commands.run_loopback_command)
 
     soak = _subparser(sub, "soak", "thousands of handoffs with block reuse, every byte verified, leaks counted")
     soak.add_argument("--backend", type=backend_name, help="transport (default: the best one that can run here)")
-    soak.add_argument("--handoffs", type=int_at_least(1), default=2000, help="handoffs to run and verify")
-    soak.add_argument("--in-flight", type=int_at_least(1), default=8, help="handoffs in flight at once")
-    soak.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the request sizes and bytes")
-    soak.add_argument("--timeout", type=positive_seconds, default=TRANSFER_TIMEOUT_S,
+    soak.add_argument("--handoffs", type=whole_number(1, 10**9), default=2000, help="handoffs to run and verify")
+    soak.add_argument("--in-flight", type=whole_number(1, 4096), default=8, help="handoffs in flight at once")
+    soak.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0, help="seed of the request sizes and bytes")
+    soak.add_argument("--timeout", type=seconds(), default=TRANSFER_TIMEOUT_S,
                       help="per-transfer timeout, seconds")
     soak.add_argument("--json", type=writable_file, metavar="PATH", help="also write the report to this JSON file")
     soak.set_defaults(func=commands.run_soak_command)
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = _subparser(sub, "generate", "greedy generation on the reference engine, co-located or disaggregated")
     gen.add_argument("--prompts", required=True, type=readable_file, metavar="PATH",
                      help="JSON lines file, each line a list of token ids")
-    gen.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens to generate per prompt")
+    gen.add_argument("--max-new-tokens", type=whole_number(1, 65536), default=16, help="tokens to generate per prompt")
     gen.add_argument("--disagg", action="store_true",
                      help="coordinator + prefill + decode processes on this machine (default: one co-located engine)")
     gen.add_argument("--backend", type=backend_name, help="transport for --disagg (default: the best one here)")

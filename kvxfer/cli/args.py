@@ -9,13 +9,14 @@ with one line and exit status 2 before anything runs.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from kvxfer.cli.errors import UsageError
+from kvxfer.defaults import (ETCD_POLL_S, ETCD_TTL_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, SettingError, bounded_float,
+                             bounded_int, figure)
 
 #: Commands whose harness drives a push backend as well as pulls (the processes join a
 #: torch.distributed group). The other (soak) drives pulls only.
@@ -45,10 +46,13 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to every option that has a meaningful default."""
+    """Appends ``(default: X)`` to every option that has a meaningful default, and a numeric option's range."""
 
     def _get_help_string(self, action: argparse.Action) -> Optional[str]:
         text = action.help or ""
+        bounds = getattr(action.type, "bounds", None)
+        if bounds:
+            text = f"{text}; {figure(bounds[0])} to {figure(bounds[1])}"
         if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
             return text
         if isinstance(action.default, (tuple, list)):
@@ -56,31 +60,39 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def int_at_least(low: int, what: str = "a whole number") -> Callable[[str], int]:
-    """A type: an integer >= ``low``."""
+#: The largest seed a run takes: numpy's and torch's generators are seeded with 32 bits here.
+MAX_SEED = 2**32 - 1
+
+
+def whole_number(low: int, high: int) -> Callable[[str], int]:
+    """A type: an integer in ``[low, high]`` (``kvxfer.defaults.bounded_int``: ``inf``, ``1e308`` and
+    ``10**30`` are refused, not just the negative). Its ``bounds`` attribute is the range, so that
+    tests/unit/test_settings_bounds.py finds every numeric option and tries its edges."""
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what} (give a whole number >= {low})") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is too small (give a whole number >= {low})")
-        return value
+            return bounded_int("", text, low, high)
+        except SettingError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     parse.__name__ = "int"
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
     return parse
 
 
-def positive_seconds(text: str) -> float:
-    """A type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (give e.g. 30 or 0.5)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a usable timeout (give a number of seconds > 0)")
-    return value
+def seconds(low: float = MIN_TIMEOUT_S, high: float = MAX_TIMEOUT_S) -> Callable[[str], float]:
+    """A type: a finite number of seconds in ``[low, high]`` (default: any timeout kvxfer takes, 1 ms to a
+    day; ``kvxfer.defaults.MAX_TIMEOUT_S`` says why); ``bounds`` as ``whole_number``'s."""
+
+    def parse(text: str) -> float:
+        try:
+            return bounded_float("", text, low, high, unit="a number of seconds")
+        except SettingError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "seconds"
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
+    return parse
 
 
 def writable_file(text: str) -> str:
@@ -223,12 +235,18 @@ def add_common(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> None:
                         help="show the traceback of an error (a child process's too)")
 
 
+#: The numbers an etcd URL's query may carry, each read with its range (``kvxfer.defaults`` says why).
+_URL_NUMBERS = (("ttl", bounded_int, ETCD_TTL_S, "a whole number of seconds"),
+                ("poll", bounded_float, ETCD_POLL_S, "a number of seconds"),
+                ("handoff_timeout", bounded_float, (MIN_TIMEOUT_S, MAX_TIMEOUT_S), "a number of seconds"))
+
+
 def control_plane_url(text: str) -> str:
-    """A type: an ``etcd://[user@]host:port[,host:port][/cluster][?ttl=S&poll=S]`` URL.
+    """A type: an ``etcd://[user@]host:port[,host:port][/cluster][?ttl=S&poll=S&handoff_timeout=S]`` URL.
 
     ``etcd://`` with no endpoint is the demo mode of ``generate``: a private etcd is started.
     """
-    from urllib.parse import urlsplit
+    from urllib.parse import parse_qs, urlsplit
 
     fix = "e.g. etcd://127.0.0.1:2379, or etcd:// to start a private etcd"
     if not text.startswith("etcd://"):
@@ -242,13 +260,17 @@ def control_plane_url(text: str) -> str:
             name, sep, port = host.rpartition(":")
             if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"endpoint {host!r} is not host:port")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        for key, read, (low, high), unit in _URL_NUMBERS:
+            if key in query:
+                read(key, query[key], low, high, unit=unit)
         from engine_integration.control_plane.etcd.records import KeyLayout
         from engine_integration.control_plane.etcd.store import parse_etcd_url
 
         config = parse_etcd_url(text if hosts else text.replace("etcd://", "etcd://127.0.0.1:2379", 1))
         KeyLayout(config.cluster)
-        if config.ttl_s < 2 or not config.poll_interval_s > 0:
-            raise ValueError(f"ttl must be >= 2 s and poll > 0 s, got ttl={config.ttl_s} poll={config.poll_interval_s}")
+    except SettingError as exc:  # names the number and its range: the fix is in it
+        raise argparse.ArgumentTypeError(f"control plane URL {text!r}: {exc}") from None
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"control plane URL {text!r}: {exc} ({fix})") from None
     return text

@@ -15,8 +15,9 @@ from kvxfer.bench.config import (
     DEFAULT_BASELINES, DEFAULT_BLOCK_COUNTS, DEVICE_BASELINES, DEFAULT_RESHARD_SIZES, DEFAULT_SLICE_SIZES, PATTERNS, BenchConfig, MiB,
     parse_size, tiny_config,
 )
-from kvxfer.cli.args import backend_list, executable_file, int_at_least, positive_seconds, writable_file
+from kvxfer.cli.args import MAX_SEED, backend_list, executable_file, seconds, whole_number, writable_file
 from kvxfer.cli.errors import RunFailed, UsageError
+from kvxfer.defaults import SettingError, bounded_int
 
 def _list(item: Callable[[str], Any], example: str) -> Callable[[str], tuple]:
     """A type: a comma-separated list, each item parsed by ``item``."""
@@ -27,14 +28,28 @@ def _list(item: Callable[[str], Any], example: str) -> Callable[[str], tuple]:
             raise argparse.ArgumentTypeError(f"empty list {text!r} (give e.g. {example})")
         return items
 
+    if hasattr(item, "bounds"):  # a list of numbers is as bounded as each number (tests/unit/test_settings_bounds.py)
+        parse.bounds = item.bounds  # type: ignore[attr-defined]
     return parse
+
+
+#: The largest slice size a bench point takes (one block x one layer plane): a GiB, far past any model's.
+MAX_SLICE_BYTES = 1 << 30
 
 
 def _size(text: str) -> int:
     try:
-        return parse_size(text)
-    except ValueError as exc:
+        size = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (give a size in bytes from 1 to {MAX_SLICE_BYTES}, "
+                                         "e.g. 4K, 32KiB, 1M, 4096)") from None
+    try:
+        return bounded_int("", size, 1, MAX_SLICE_BYTES, unit="a size in bytes")
+    except SettingError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_size.bounds = (1, MAX_SLICE_BYTES)  # type: ignore[attr-defined]
 
 
 def _pattern(text: str) -> str:
@@ -80,14 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where both pools live: cpu, or cuda[:N] for VRAM pools (needs a CUDA GPU)")
     p.add_argument("--sizes", type=_list(_size, "4K,1M"), default=DEFAULT_SLICE_SIZES, metavar="LIST",
                    help="slice sizes in bytes (one block x one layer plane), e.g. 4K,32K,1M,4M")
-    p.add_argument("--blocks", type=_list(int_at_least(1), "16,128"), default=DEFAULT_BLOCK_COUNTS, metavar="LIST",
+    p.add_argument("--blocks", type=_list(whole_number(1, 1 << 20), "16,128"), default=DEFAULT_BLOCK_COUNTS,
+                   metavar="LIST",
                    help="blocks per request, e.g. 16,128")
     p.add_argument("--patterns", type=_list(_pattern, "contiguous,scattered"), default=PATTERNS, metavar="LIST",
                    help="block id patterns: contiguous, scattered or both")
-    p.add_argument("--layers", type=int_at_least(1), default=4, help="layers in the pool (planes per block = 2 x layers)")
-    p.add_argument("--repeats", type=int_at_least(1), default=10, help="measured repeats per point")
-    p.add_argument("--warmup", type=int_at_least(0), default=2, help="unmeasured warm-up pulls per point")
-    p.add_argument("--max-request-mib", type=int_at_least(1), default=16,
+    p.add_argument("--layers", type=whole_number(1, 4096), default=4,
+                   help="layers in the pool (planes per block = 2 x layers)")
+    p.add_argument("--repeats", type=whole_number(1, 100_000), default=10, help="measured repeats per point")
+    p.add_argument("--warmup", type=whole_number(0, 100_000), default=2, help="unmeasured warm-up pulls per point")
+    p.add_argument("--max-request-mib", type=whole_number(1, 1 << 20), default=16,
                    help="cap on one request's MiB (block counts are lowered to fit)")
     p.add_argument("--reshard", choices=["on", "off", "auto"], default="on",
                    help="TP-reshard axis: TP 2 -> 1 points at --reshard-sizes, and the descriptor-build figure "
@@ -96,9 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slice sizes that also get TP 2 -> 1 points")
     p.add_argument("--mooncake-python", type=executable_file, metavar="PATH",
                    help="interpreter that has mooncake installed (default: this one)")
-    p.add_argument("--timeout", type=positive_seconds, default=60.0, help="per-transfer timeout, seconds")
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the block id patterns and pool bytes")
-    p.add_argument("--get-region-mib", type=int_at_least(1), metavar="MIB",
+    p.add_argument("--timeout", type=seconds(), default=60.0, help="per-transfer timeout, seconds")
+    p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
+                   help="seed of the block id patterns and pool bytes")
+    p.add_argument("--get-region-mib", type=whole_number(1, 1 << 20), metavar="MIB",
                    help="ucp-get-cold: bytes per side it cycles through (default: 2x the last-level cache, >= 256 MiB)")
     p.add_argument("--note", metavar="TEXT", help="a sentence for the --markdown page (e.g. what else ran on the machine)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke sweep (one small size, 1 repeat)")

@@ -7,17 +7,17 @@ import argparse
 from typing import Any
 
 from kvxfer.bench.sglang_bench import TARGETS, check_args, failed_targets, render, run_sglang_bench
-from kvxfer.cli.args import int_at_least, positive_seconds, writable_file
+from kvxfer.cli.args import seconds, whole_number, writable_file
 from kvxfer.cli.errors import RunFailed, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rooms", type=int_at_least(1), default=4, help="rooms in flight at once (a batch), 1..8")
-    parser.add_argument("--batches", type=int_at_least(1), default=5, help="timed batches per target")
-    parser.add_argument("--pages", type=int_at_least(1), default=6, help="pages per room (page size 4), 1..7")
-    parser.add_argument("--chunks", type=int_at_least(1), default=3, help="chunks each room is sent in")
+    parser.add_argument("--rooms", type=whole_number(1, 8), default=4, help="rooms in flight at once (a batch), 1..8")
+    parser.add_argument("--batches", type=whole_number(1, 100_000), default=5, help="timed batches per target")
+    parser.add_argument("--pages", type=whole_number(1, 7), default=6, help="pages per room (page size 4), 1..7")
+    parser.add_argument("--chunks", type=whole_number(1, 7), default=3, help="chunks each room is sent in")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from {','.join(TARGETS)}")
-    parser.add_argument("--timeout", type=positive_seconds, default=60.0, help="per batch, seconds")
+    parser.add_argument("--timeout", type=seconds(), default=60.0, help="per batch, seconds")
     parser.add_argument("--json", type=writable_file, default="bench-results/sglang-bench.json", metavar="PATH",
                         help="where to write the report")
 

@@ -7,20 +7,20 @@ import argparse
 from typing import Any
 
 from kvxfer.bench.vllm_bench import TARGETS, check_args, render, run_vllm_bench
-from kvxfer.cli.args import int_at_least, writable_file
+from kvxfer.cli.args import MAX_SEED, whole_number, writable_file
 from kvxfer.cli.errors import RunFailed, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=int_at_least(1), default=40, help="prompts per connector")
-    parser.add_argument("--min-tokens", type=int_at_least(1), default=64, help="shortest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int_at_least(1), default=1024, help="longest prompt, tokens")
+    parser.add_argument("--prompts", type=whole_number(1, 10_000), default=40, help="prompts per connector")
+    parser.add_argument("--min-tokens", type=whole_number(1, 1900), default=64, help="shortest prompt, tokens")
+    parser.add_argument("--max-tokens", type=whole_number(1, 1900), default=1024, help="longest prompt, tokens")
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help=f"comma-separated, from {','.join(TARGETS)}")
     parser.add_argument("--model", help="a local model directory (default: a tiny random Llama made in a temp dir)")
     parser.add_argument("--json", type=writable_file, default="bench-results/vllm-bench.json",
                         help="where to write the report")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts")
+    parser.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0, help="seed of the prompts")
 
 
 def run_command(args: argparse.Namespace, console: Any) -> int:

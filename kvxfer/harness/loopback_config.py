@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float
+
 
 @dataclass(frozen=True)
 class LoopbackConfig:
@@ -28,6 +30,7 @@ class LoopbackConfig:
             raise ValueError(f"pattern must be 'scattered' or 'contiguous', got {self.pattern!r}")
         if not 0 < self.request_blocks <= self.pool_blocks:
             raise ValueError(f"request_blocks must be in [1, pool_blocks={self.pool_blocks}], got {self.request_blocks}")
+        bounded_float("timeout_s", self.timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S, unit="seconds")
         from kvxfer.plan.geometry import dtype_from_name  # torch: only once a run is configured
 
         dtype_from_name(self.dtype)

@@ -26,7 +26,7 @@ import torch
 
 from kvxfer.backends import construct_kv_transfer_backend_class
 from kvxfer.backends.base import KVTransportBackend, TransferHandle
-from kvxfer.defaults import TRANSFER_TIMEOUT_S
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TRANSFER_TIMEOUT_S, bounded_float
 from kvxfer.errors import BackendUnavailableError, KVXferError
 from kvxfer.harness.child import Child, ChildError, Pipe
 from kvxfer.harness.loopback import run_key_file
@@ -49,6 +49,9 @@ class SoakConfig:
     head_dim: int = 64
     seed: int = 0
     timeout_s: float = TRANSFER_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        bounded_float("timeout_s", self.timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S, unit="seconds")
 
     @property
     def pool_shape(self) -> tuple[int, ...]:

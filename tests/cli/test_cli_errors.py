@@ -55,6 +55,17 @@ USAGE_MISTAKES = [
     ("soak too many in flight", ["soak", "--in-flight", "100"], "--in-flight"),
     ("soak zero handoffs", ["soak", "--handoffs", "0"], "--handoffs"),
     ("soak zero timeout", ["soak", "--timeout", "0"], "--timeout"),
+    # No number is taken that is not finite and in range (issue 49): tests/unit/test_settings_bounds.py tries every
+    # option in-process; these few go through the real command, as a user (or an attacker) would.
+    ("loopback infinite timeout", ["loopback", "--timeout", "inf"], "from 0.001 to 86400"),
+    ("soak 1e308 timeout", ["soak", "--timeout", "1e308"], "from 0.001 to 86400"),
+    ("loopback huge layers", ["loopback", "--layers", str(10**30)], "from 1 to 4096"),
+    ("fleet infinite poll", ["bench-fleet-scale", "--poll", "inf"], "--poll"),
+    ("fleet huge hosts", ["bench-fleet-scale", "--hosts", "99999999999"], "--hosts"),
+    ("generate url infinite poll", ["generate", "--prompts", "{tmp}/good.jsonl", "--disagg", "--control-plane",
+                                    "etcd://?poll=inf"], "poll='inf'"),
+    ("generate url 1e308 handoff timeout", ["generate", "--prompts", "{tmp}/good.jsonl", "--disagg",
+                                            "--control-plane", "etcd://?handoff_timeout=1e308"], "handoff_timeout"),
     ("generate missing prompts option", ["generate"], "--prompts"),
     ("generate prompts missing", ["generate", "--prompts", "/nonexistent.jsonl"], "does not exist"),
     ("generate prompts a folder", ["generate", "--prompts", "{tmp}"], "not a file"),

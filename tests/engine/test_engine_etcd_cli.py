@@ -25,7 +25,7 @@ def test_control_plane_url_accepts(url):
     ("etcd://kvxfer:hunter2@127.0.0.1:2379", "not in the URL"),
     ("etcd://127.0.0.1", "is not host:port"),
     ("etcd://127.0.0.1:99999", "is not host:port"),
-    ("etcd://127.0.0.1:2379?ttl=1", "ttl must be >= 2"),
+    ("etcd://127.0.0.1:2379?ttl=1", "from 2 to 3600"),
     ("etcd://127.0.0.1:2379/bad cluster", "cluster must be"),
 ])
 def test_control_plane_url_refuses_with_the_reason(url, says):

@@ -60,6 +60,7 @@ from engine_integration.control_plane.policy import process_gone
 from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.channel import (HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_FRAME_BYTES,
                                                           SESSION_GRACE_S, ServerChannel, resolve_secret)
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float, bounded_int
 
 #: its module's name, written out: run with ``python -m`` (a process of its own), ``__name__`` is "__main__"
 log = logging.getLogger("engine_integration.control_plane.zmq.coordinator")
@@ -90,6 +91,21 @@ class CoordinatorConfig:
     #: route a request to the decode expected to cache its prefix while that decode has room
     #: (``policy.pick_decode``); False: least loaded only (the benchmark's baseline)
     prefix_routing: bool = True
+
+    def __post_init__(self) -> None:
+        """Every number finite and in range (``kvxfer.defaults.bounded_float``): an infinite grace or
+        timeout would hold a dead engine's pins or a stuck request for ever."""
+        optional = ("pin_grace_s", "stuck_reader_grace_s")  # None: only confirmed death frees pins
+        for name in ("heartbeat_timeout_s", "request_timeout_s", "handshake_timeout_s", "session_grace_s", *optional):
+            if name not in optional or getattr(self, name) is not None:
+                bounded_float(f"CoordinatorConfig.{name}", getattr(self, name), MIN_TIMEOUT_S, MAX_TIMEOUT_S,
+                              unit="seconds")
+        bounded_float("CoordinatorConfig.tick_s", self.tick_s, MIN_TIMEOUT_S, 1.0, unit="seconds")
+        bounded_int("CoordinatorConfig.port", self.port, 0, 65535)
+        bounded_int("CoordinatorConfig.max_frame_bytes", self.max_frame_bytes, 1024, 1 << 30, unit="bytes")
+        bounded_int("CoordinatorConfig.max_connections", self.max_connections, 1, 1 << 16)
+        if self.max_sessions is not None:
+            bounded_int("CoordinatorConfig.max_sessions", self.max_sessions, 1, 1 << 20)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import zmq
 from engine_integration.control_plane.base import ControlPlane, PlaneEngine, RegistrationRefused, RequestId
 from engine_integration.control_plane.zmq import wire
 from engine_integration.control_plane.zmq.channel import ClientChannel, resolve_secret
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float
 from kvxfer.errors import KVXferError
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,10 @@ class CoordinatorPlane(ControlPlane):
             raise ValueError(f"a coordinator address is tcp://host:port, got {address!r}")
         self.address = address
         self._secret, self._secret_file, self._insecure = secret, secret_file, insecure
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.coordinator_timeout_s = coordinator_timeout_s
+        self.heartbeat_interval_s = bounded_float("heartbeat_interval_s", heartbeat_interval_s, MIN_TIMEOUT_S, 60.0,
+                                                  unit="seconds")
+        self.coordinator_timeout_s = bounded_float("coordinator_timeout_s", coordinator_timeout_s, MIN_TIMEOUT_S,
+                                                   MAX_TIMEOUT_S, unit="seconds")
         self.incarnation = uuid.uuid4().hex[:12]
         self.refused_messages: dict[str, int] = {}      #: coordinator messages refused here, by reason
         self.engine: Optional[PlaneEngine] = None

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from kvxfer.backends.nixl.ucx_env import NixlTransportInfo, nixl_transport_info
+from kvxfer.defaults import SettingError, bounded_int
 from kvxfer.errors import BackendUnavailableError
 
 INSTALL_HINT = (
@@ -31,7 +32,16 @@ def nixl_transport_probe() -> dict[str, Any]:
         "DRAM": info.usable_for("DRAM")[1] or "ok",
         "VRAM": _vram_status(info),
         "tcp_reads": _tcp_reads_status(info),
+        "progress_delay_us": _progress_delay_status(),
     }
+
+
+def _progress_delay_status() -> str:
+    """The progress thread's pause in force, or why the environment's is refused (every agent will be)."""
+    try:
+        return str(progress_delay_us())
+    except BackendUnavailableError as exc:
+        return f"REFUSED: {exc}"
 
 
 def other_hosts_refused(meta_key: Any, allow_unauthenticated: bool) -> bool:
@@ -82,8 +92,10 @@ def nixl_api() -> Any:
 #: Measured idle over 10 s: 1 ms -> 2.6% of a core, 2 ms -> 1.35%, 5 ms -> 0.6%. 2 ms keeps
 #: an idle process under 2% and bounds the extra latency of the progress a peer's one-sided
 #: reads need from us (TCP; shared-memory and RDMA reads need none). 0 restores NIXL's default.
+#: At most a second: every round of progress a peer's TCP read needs from us waits this long.
 PROGRESS_DELAY_ENV = "KVXFER_NIXL_PROGRESS_DELAY_US"
 DEFAULT_PROGRESS_DELAY_US = 2000
+MAX_PROGRESS_DELAY_US = 1_000_000
 
 
 #: ``1``: a same-host deployment (docs/environment.md). The agent's UCX runs without peer
@@ -111,8 +123,13 @@ def same_host_mode() -> bool:
 
 
 def progress_delay_us() -> int:
+    """``KVXFER_NIXL_PROGRESS_DELAY_US``, else the default; a value that is not a whole number of microseconds
+    in 0..``MAX_PROGRESS_DELAY_US`` raises ``BackendUnavailableError`` naming the variable and the range (a
+    negative one used to be taken as 0, and a huge one reached NIXL's native config)."""
     raw = os.environ.get(PROGRESS_DELAY_ENV, "")
+    if not raw.strip():
+        return DEFAULT_PROGRESS_DELAY_US
     try:
-        return max(0, int(raw)) if raw.strip() else DEFAULT_PROGRESS_DELAY_US
-    except ValueError:
-        raise BackendUnavailableError(f"{PROGRESS_DELAY_ENV}={raw!r} is not an integer number of microseconds") from None
+        return bounded_int(PROGRESS_DELAY_ENV, raw, 0, MAX_PROGRESS_DELAY_US, unit="microseconds")
+    except SettingError as exc:
+        raise BackendUnavailableError(str(exc)) from None
