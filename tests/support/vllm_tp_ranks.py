@@ -276,7 +276,9 @@ def decode_main(rank: int, tp: int, backend: str, blocks: int, latent: int = 0,
             for request_id in finished:
                 pending.discard(request_id)
                 _say({"failed" if request_id in failed else "finished": request_id,
-                      "recent": [r for r in receiver.recent if r.get("request_id") == request_id][-1:]})
+                      "recent": [r for r in receiver.recent if r.get("request_id") == request_id][-1:],
+                      "handshakes": {"fetches": handshakes.fetches, "confirmations": handshakes.confirmations,
+                                     "confirming": handshakes.confirming}})
     handshakes.close()
     for b in [scratch_backend, *reversed(backends)]:
         b.close()
@@ -333,6 +335,24 @@ class Rank:
         self.send(f"hold {seconds}")
         assert self.next(30.0) == {"holding": seconds}
 
+    def children(self, marker: str) -> list[int]:
+        """The pids of this rank's child processes whose command line contains ``marker`` (its ucx confirmation
+        child: ``confirm_server.py``), read from ``/proc``."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == self.proc.pid and marker in cmdline:
+                found.append(int(entry))
+        return found
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=15)
@@ -368,16 +388,18 @@ class Prefill:
                                    ranks={r: {"kv": p.info["kv"], "lease": p.info["lease"]}
                                           for r, p in enumerate(self.ranks)},
                                    ticket_key=self.key, cluster_key=None)
+        self.document = document
         self.listener = HandshakeListener("127.0.0.1", 0, lambda: document, local_peers_only=True)
         stack.callback(self.listener.close)
         self.tp, self.backend = tp, backend
         self.block = int(self.ranks[0].info["layout"]["block_size"])
 
     def export(self, request_id: str, blocks: list[int], slot: int, lease: int, mamba: Optional[int] = None,
-               tokens: Optional[int] = None) -> dict:
+               tokens: Optional[int] = None, port: Optional[int] = None) -> dict:
         """What the producer's scheduler and workers do when a request finishes: pin on every rank, sign a
         ticket. ``mamba``: a hybrid model's Mamba slot (``blocks`` are then the attention group's); ``tokens``:
-        the prompt tokens the blocks hold (default: they fill every block)."""
+        the prompt tokens the blocks hold (default: they fill every block); ``port``: the handshake address the
+        ticket names, if not this producer's listener (another listener serving ``document``)."""
         from kvxfer.integrations.vllm.tickets import sign_ticket
 
         pinned = list(blocks) + ([] if mamba is None else [mamba])
@@ -391,7 +413,7 @@ class Prefill:
             groups, tokens = [list(blocks), [mamba]], len(blocks) * HYBRID_BLOCK - 1
         params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=groups,
                       remote_engine_id=self.engine_id, remote_request_id=request_id, remote_host="127.0.0.1",
-                      remote_port=self.listener.port, tp_size=self.tp, remote_num_tokens=tokens,
+                      remote_port=port or self.listener.port, tp_size=self.tp, remote_num_tokens=tokens,
                       transfer_mode="pull")
         return sign_ticket(params, {"instance": self.instance, "slot": slot, "lease": lease, "backend": self.backend,
                                     "prompt": "0" * 64, "block_size": self.block}, self.key)

@@ -19,6 +19,12 @@ Who answers. A small child process of the source (``confirm_server.py``), on a s
 itself listens on, so the kernel still names the source; it answers while the source's own threads
 cannot run (vLLM's engine holds the GIL through long C calls: a daemon thread answered after 16-120 s
 on a loaded host, issue 40). Where the child cannot start, such a thread answers, with a warning.
+A child that dies while its source lives (killed, OOM) is started again on the same socket and told
+every export before it answers (``ConfirmServer._watch``): the published metas name that socket, so
+without it every new reader was refused until the source restarted (issue 49). The source keeps its
+copy of the socket for that; readers that connect meanwhile wait in its backlog. More than
+``MAX_RESTARTS`` deaths within ``RESTART_WINDOW_S`` is logged as an error and the socket closed
+(readers fail at once); the next export then starts a new server.
 
 How long a question waits. ``timeout_s``, then on while the source provably lives and can run
 (``/proc/<pid>/stat``: the same start time, not stopped, not a zombie; checked every ``_LIVE_CHECK_S``),
@@ -41,7 +47,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Mapping, Optional
 
 from kvxfer.backends.helper_cpus import unpin
@@ -58,6 +64,9 @@ CONFIRM_TIMEOUT_S = 5.0
 _LIVE_CHECK_S = 0.25
 _CHILD_START_S = 10.0   # for the answering process to say it serves (a loaded host), else a thread answers
 _CHILD_STOP_S = 1.0
+#: A child that dies is started again up to this many times within ``RESTART_WINDOW_S``; then the server gives up.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 _CREDENTIALS = struct.Struct("3i")   # struct ucred: pid, uid, gid
 #: connect() errors worth another try within the deadline: EAGAIN, the listener's backlog is full
 #: (a local connect flood: issue 26 saw 9 of 12 first pulls fail at once on it); ECONNREFUSED, no
@@ -78,17 +87,21 @@ class ConfirmServer:
         self.pid = os.getpid()
         self.name = f"kvxfer-ucx-confirm/{self.pid}/{secrets.token_hex(8)}"
         self._lock = threading.Lock()
+        self._exports = Exports()  # what this process exported: the fallback thread's answers, a new child's start
+        self._closing = self._given_up = False
+        self._deaths: "deque[float]" = deque()
+        self.restarts = 0
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.bind(_abstract(self.name))
         listener.listen(128)  # by this process: what SO_PEERCRED tells a reader, whoever accepts
+        self._listener: Optional[socket.socket] = listener  # kept: a child that dies is replaced on it
         self._child = spawn(listener, _CHILD_START_S)
         if self._child is not None:
             unpin(self._child.pid)  # not held to the core an engine pinned this thread to (helper_cpus.py)
-            listener.close()  # the child's copy is the only one: the socket lives as long as the child
+            threading.Thread(target=self._watch, name="kvxfer-ucx-confirm-watch", daemon=True).start()
             return
         logger.warning("ucx confirmation: answering from a thread of this process instead, which cannot answer "
                        "while another thread holds the GIL (a reader waits on, up to %gs)", LIVE_SOURCE_WAIT_S)
-        self._exports = Exports()
         serving = Serving(listener, self._exports.__contains__)
         threading.Thread(target=serving.forever, name="kvxfer-ucx-confirm", daemon=True).start()
 
@@ -100,35 +113,77 @@ class ConfirmServer:
         self._tell(b"-", digest)
 
     def alive(self) -> bool:
-        return self._child is None or self._child.poll() is None
+        """False once the server gave up on its child (``_watch``): the next export starts another server."""
+        return not self._given_up
 
     def _tell(self, what: bytes, digest: str) -> None:
-        if self._child is None:
-            (self._exports.offer if what == b"+" else self._exports.withdraw)(digest)
-            return
-        assert self._child.stdin is not None
         with self._lock:
+            (self._exports.offer if what == b"+" else self._exports.withdraw)(digest)
+            if self._child is None:
+                return
+            assert self._child.stdin is not None
             try:
                 self._child.stdin.write(what + digest.encode("ascii") + b"\n")
                 self._child.stdin.flush()
-            except (OSError, ValueError) as exc:  # it died (or was closed): the next export starts another
-                logger.error("ucx confirmation: the answering process (pid %d) is gone (%s): metas exported "
-                             "before cannot be confirmed", self._child.pid, exc)
+            except (OSError, ValueError) as exc:  # it died: ``_watch`` starts another and tells it every export
+                logger.warning("ucx confirmation: the answering process (pid %d) is gone (%s)", self._child.pid, exc)
+
+    def _watch(self) -> None:
+        """On its own thread: wait for the child (``waitpid``, outside the GIL); when it died while this process
+        lives and did not close it, start another on the same socket, told every export first."""
+        while True:
+            child = self._child
+            assert child is not None
+            status = child.wait()
+            with self._lock:
+                if self._closing or os.getpid() != self.pid:
+                    return
+                now = time.monotonic()
+                self._deaths.append(now)
+                while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
+                    self._deaths.popleft()
+                for pipe in (child.stdin, child.stdout):
+                    if pipe is not None:
+                        try:
+                            pipe.close()
+                        except OSError:
+                            pass
+                assert self._listener is not None
+                again = spawn(self._listener, _CHILD_START_S, self._exports.lines()) \
+                    if len(self._deaths) <= MAX_RESTARTS else None
+                if again is None:
+                    logger.error("ucx confirmation: the answering process (pid %d) died (status %s), %d time(s) within "
+                                 "%gs; not started again: readers of this host cannot confirm this process's metas "
+                                 "until it exports new ones", child.pid, status, len(self._deaths), RESTART_WINDOW_S)
+                    self._given_up = True
+                    self._listener.close()
+                    self._listener = None
+                    return
+                unpin(again.pid)
+                self._child = again
+                self.restarts += 1
+                logger.error("ucx confirmation: the answering process (pid %d) died (status %s) while this process "
+                             "lives; started again as pid %d (restart %d)", child.pid, status, again.pid, self.restarts)
 
     def close(self) -> None:
         """Stop the child (EOF on its stdin); in a forked process, leave the exporter's child alone."""
         if self._child is None or self.pid != os.getpid():
             return
         with self._lock:
+            self._closing = True
+            child = self._child
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             try:
-                self._child.stdin.close()  # type: ignore[union-attr]
+                child.stdin.close()  # type: ignore[union-attr]
             except OSError:
                 pass
         try:
-            self._child.wait(_CHILD_STOP_S)
+            child.wait(_CHILD_STOP_S)
         except subprocess.TimeoutExpired:
-            self._child.kill()
-            self._child.wait()
+            child.kill()
+            child.wait()
 
 
 _server: Optional[ConfirmServer] = None

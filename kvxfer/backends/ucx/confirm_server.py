@@ -9,10 +9,11 @@ abstract socket, then hands the listening fd to this child, which only accepts a
 Linux a connecting client's ``SO_PEERCRED`` holds the credentials of the process that called
 ``listen()``, so the reader's pid and start-time check still names the exporter.
 
-Why it ends with its exporter: the exporter keeps no copy of the listening fd once the child is
-ready, so the socket lives exactly as long as the child; the child exits on EOF of its stdin (the
-exporter exited, closed, or was killed) or when its parent changes (a fork of the exporter that
-kept the pipe open does not keep it alive). And while its exporter is stopped (SIGSTOP, state T)
+Why it ends with its exporter: the child exits on EOF of its stdin (the exporter exited, closed, or
+was killed) or when its parent changes (a fork of the exporter that kept the pipe open does not keep
+it alive). The exporter keeps its copy of the listening fd, so that a child that dies while the
+exporter lives is replaced on the same socket (``confirm.ConfirmServer._watch``); the socket goes
+with the exporter. And while its exporter is stopped (SIGSTOP, state T)
 it answers no one, as the exporter's thread could not: a frozen source cannot serve the read
 either, and a reader that gave up on it remembers that and fails the next pulls fast.
 
@@ -72,6 +73,12 @@ class Exports:
     def __contains__(self, digest: str) -> bool:
         with self._lock:
             return digest in self._count
+
+    def lines(self) -> bytes:
+        """Every export as the exporter tells it to a child (``+<digest>`` once per registration): what a child
+        started again is told before it answers anyone."""
+        with self._lock:
+            return b"".join(b"+" + digest.encode("ascii") + b"\n" for digest, n in self._count.items() for _ in range(n))
 
 
 class Serving:
@@ -202,9 +209,11 @@ def main(listener_fd: int, exporter: int) -> None:
     serving.forever(go_on)
 
 
-def spawn(listener: socket.socket, start_s: float) -> Optional[subprocess.Popen]:
+def spawn(listener: socket.socket, start_s: float, told: bytes = b"") -> Optional[subprocess.Popen]:
     """Start the child on ``listener`` (bound and listening in this process); None, logged, where it
-    did not say it serves within ``start_s``. The caller then still holds ``listener``."""
+    did not say it serves within ``start_s``. The caller then still holds ``listener``. ``told``: export
+    lines written to the child's stdin before it serves (a child started again), so that no question is
+    answered before them (they must fit the pipe, 64 KiB: a thousand exports)."""
     try:
         child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(listener.fileno()),
                                   str(os.getpid())], pass_fds=[listener.fileno()], stdin=subprocess.PIPE,
@@ -213,7 +222,13 @@ def spawn(listener: socket.socket, start_s: float) -> Optional[subprocess.Popen]
     except OSError as exc:
         logger.warning("ucx confirmation: cannot start the answering process (%s)", exc)
         return None
-    assert child.stdout is not None
+    assert child.stdin is not None and child.stdout is not None
+    if told:
+        try:
+            child.stdin.write(told)
+            child.stdin.flush()
+        except OSError:
+            pass  # it died at once: READY never comes, handled below
     with selectors.DefaultSelector() as ready:
         ready.register(child.stdout, selectors.EVENT_READ)
         said = child.stdout.readline() if ready.select(timeout=start_s) else b""

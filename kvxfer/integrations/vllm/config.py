@@ -7,10 +7,10 @@ Pure: no vLLM import, so the checks are testable anywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
-from kvxfer.defaults import TRANSFER_TIMEOUT_S
+from kvxfer.defaults import TRANSFER_TIMEOUT_S, SettingError, bounded_float, bounded_int
 from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA
 
 
@@ -96,6 +96,48 @@ def check_kv_cache_groups(group_specs: Sequence[Sequence[str]]) -> tuple[str, ..
     return kinds
 
 
+#: The longest a connector timeout may be set to: past an hour a stalled peer is no longer told from a slow
+#: one, and a wait that long holds the request (and a load's blocks) for nothing.
+MAX_TIMEOUT_S = 3600.0
+#: The longest a producer may keep an exported request's blocks without a read-done (a day).
+MAX_PIN_GRACE_S = 86400.0
+
+
+def _bounded(default: Any, low: float, high: float) -> Any:
+    """A numeric setting and its closed range ``[low, high]``, kept on the field (``numeric_settings``), so the
+    check and its test cover every number the connector reads, a new one included."""
+    return field(default=default, metadata={"range": (low, high)})
+
+
+def numeric_settings() -> list[Field]:
+    """The settings whose value is a number (annotated ``int`` or ``float``), each of which must carry a range."""
+    return [f for f in fields(KvxferConfig) if f.type in ("int", "float", int, float)]
+
+
+def bounded_setting(value: Any, setting: Field) -> Any:
+    """``value`` as ``setting`` (an ``int`` setting given JSON's ``4096.0`` becomes ``4096``), else
+    ``ConnectorConfigError`` naming the setting and its range. The library's rule for every number a user hands
+    kvxfer (``kvxfer.defaults.bounded_float`` / ``bounded_int``: finite, in range) on a JSON value: vLLM's JSON
+    parser reads ``Infinity``, ``NaN`` and ``1e999`` as floats, and a non-finite timeout never fires (a load
+    against a stopped producer stayed pending, no error). Text is refused, not parsed: in a JSON config a
+    quoted number is a mistake (``"30s"`` is the next one)."""
+    name = f"kv_connector_extra_config {setting.name!r}"
+    if "range" not in setting.metadata:
+        raise ConnectorConfigError(f"{name} is a number without a range (a setting added without _bounded)")
+    low, high = setting.metadata["range"]
+    integral = setting.type in ("int", int)
+    unit = "seconds" if setting.name.endswith("_s") else "microseconds" if setting.name.endswith("_us") else ""
+    unit = f"{'a whole number' if integral else 'a number'}{' of ' + unit if unit else ''}"
+    if isinstance(value, str):
+        figure = str if integral else "{:g}".format
+        raise ConnectorConfigError(f"{name}={value[:40]!r} is text, not a JSON number (give {unit} from "
+                                   f"{figure(low)} to {figure(high)})")
+    try:
+        return (bounded_int if integral else bounded_float)(name, value, low, high, unit=unit)
+    except SettingError as exc:
+        raise ConnectorConfigError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class KvxferConfig:
     """What ``kv_connector_extra_config`` may set (all optional)."""
@@ -111,19 +153,19 @@ class KvxferConfig:
     advertise_host: Optional[str] = None
     #: A pull that has not completed in this time is aborted and reported as a load failure
     #: (once no byte can still land).
-    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
+    transfer_timeout_s: float = _bounded(TRANSFER_TIMEOUT_S, 0.01, MAX_TIMEOUT_S)
     #: Fetching a producer's metas over its side channel gives up after this.
-    handshake_timeout_s: float = 10.0
+    handshake_timeout_s: float = _bounded(10.0, 0.01, MAX_TIMEOUT_S)
     #: A producer frees an exported request's blocks without a read-done after this: safe,
     #: because every read re-checks the request's lease after the data (``leases``), so a
     #: late reader fails instead of admitting reused blocks.
-    pin_grace_s: float = 120.0
+    pin_grace_s: float = _bounded(120.0, 0.01, MAX_PIN_GRACE_S)
     #: Exported requests a producer can hold pinned at once (one 8-byte lease slot each).
-    lease_slots: int = 16384
+    lease_slots: int = _bounded(16384, 16, 1 << 24)
     #: Per engine step, how long the decode worker polls reads in flight before returning, so a
     #: read that lands in microseconds (shared memory, RDMA) finishes in the step that posted it
     #: instead of the next one. 0 turns it off.
-    completion_spin_us: int = 200
+    completion_spin_us: int = _bounded(200, 0, 100_000)
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "KvxferConfig":
@@ -147,18 +189,8 @@ class KvxferConfig:
                 f"kv_connector_extra_config 'backend' is {self.backend!r} ({problem}); KvxferConnector moves KV "
                 f"with one of {connector_backends()}"
             )
-        for name in ("transfer_timeout_s", "handshake_timeout_s", "pin_grace_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConnectorConfigError(f"kv_connector_extra_config {name!r} must be a positive number of seconds, "
-                                           f"got {value!r}")
-        if isinstance(self.lease_slots, bool) or not isinstance(self.lease_slots, int) or not 16 <= self.lease_slots <= 1 << 24:
-            raise ConnectorConfigError(f"kv_connector_extra_config 'lease_slots' must be an int in [16, 2**24], "
-                                       f"got {self.lease_slots!r}")
-        if isinstance(self.completion_spin_us, bool) or not isinstance(self.completion_spin_us, int) \
-                or not 0 <= self.completion_spin_us <= 100_000:
-            raise ConnectorConfigError(f"kv_connector_extra_config 'completion_spin_us' must be an int in [0, 100000], "
-                                       f"got {self.completion_spin_us!r}")
+        for setting in numeric_settings():  # frozen: the checked number replaces what was given (4096.0 -> 4096)
+            object.__setattr__(self, setting.name, bounded_setting(getattr(self, setting.name), setting))
         for name in ("kv_ip", "advertise_host"):
             value = getattr(self, name)
             if value is None and name == "advertise_host":

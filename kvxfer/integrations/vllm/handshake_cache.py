@@ -15,22 +15,35 @@ from delaying genuine loads, and from growing the process:
 - a failure is remembered for ``FAILED_KEPT_S``: the loads naming a dead or stalled
   producer in that time are refused at once, without asking again.
 
-``prepare(handshake)`` runs after the handshake checked, on a small pool of its own, before
-any load uses it: the worker confirms the handshake's metas with the backend there (ucx
-without a cluster key asks each source process whether it exported its meta: up to its limit for
-a stopped one, longer for one that lives but is slow, ``ucx/confirm.py``), so no such wait ever
-happens on the engine's step thread. The decode rank's
-verdict on the handshake (``set_decider``: the compatibility check and the reads it then makes)
-is worked out there too, before it, and kept with the entry (``verdict``): whatever a peer's
-handshake claims, the step thread only looks the answer up (issue 39).
+``prepare(handshake)`` runs after the handshake checked, off the engine's thread, before any load
+uses it: the worker confirms the handshake's metas with the backend there (ucx without a cluster
+key asks each source process whether it exported its meta: up to its limit for a stopped one, up to
+``LIVE_SOURCE_WAIT_S`` (120 s) for one that lives but does not answer, ``ucx/confirm.py``), so no
+such wait ever happens on the engine's step thread. A confirmation can wait that long on whatever a
+ticket names, so it must not hold what another producer's confirmation needs (issue 49: keyless, four
+tickets naming a producer that stopped its confirmation child held a pool of 4 threads, and a genuine
+producer's first load waited 25 s behind them):
+
+- each confirmation runs on a thread of its own (``_Confirmations``), up to ``MAX_CONFIRMING`` at
+  once: another producer's stall costs a genuine one nothing until that many stall together;
+- one confirmation per producer at a time: the producer is the address the ticket names (one entry
+  per address); the source pids its metas name are the sender's to choose without a key, so they key
+  no bound (a bound per claimed pid would let a stranger queue a genuine producer behind its stalls);
+- a producer whose confirmation failed (stalled, gone, or refused) backs off: its loads are refused at
+  once, with no fetch and no thread, for ``FAILED_KEPT_S``, doubled with each failure in a row up to
+  ``BACKOFF_MAX_S``; a confirmation that succeeds ends the backoff.
+
+The decode rank's verdict on the handshake (``set_decider``: the compatibility check and the reads it
+then makes) is worked out on the same thread, before the confirmation, and kept with the entry
+(``verdict``): whatever a peer's handshake claims, the step thread only looks the answer up (issue 39).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -45,6 +58,13 @@ logger = logging.getLogger(__name__)
 FAILED_KEPT_S = 3.0
 #: Producer addresses whose handshakes a decode worker keeps.
 MAX_ENTRIES = 64
+#: Confirmations running at once, each on a thread of its own (a thread waiting on a socket costs a stack and a
+#: wake-up every 0.25 s); more wait, without a thread, for one to end.
+MAX_CONFIRMING = MAX_ENTRIES
+#: The longest a producer whose confirmations keep failing is refused without being asked again.
+BACKOFF_MAX_S = 60.0
+#: Producer addresses whose failures in a row are remembered (least recently failed forgotten first).
+_BACKOFF_KEPT = 1024
 
 
 #: The youngest handshake a ticket naming another producer instance may have refetched (seconds).
@@ -58,13 +78,54 @@ class _Entry:
     error: Optional[BaseException] = None
     verdict: Any = None  # the decider's answer (or the KVXferError it raised), if there is a decider
     preparing: bool = False  # the document arrived and passed its checks; ``prepare`` (confirmation) runs
+    kept_s: float = FAILED_KEPT_S  # how long a failure is remembered: longer for a producer that failed again
     finished: Optional[float] = None  # set last, once the entry is final
+
+
+class _Confirmations:
+    """Runs each submitted call on a thread of its own, at most ``limit`` at once; the rest wait in order, without a
+    thread, and run on a thread that finished its call. Threads are daemons: one still waiting on a stalled source
+    (up to ``LIVE_SOURCE_WAIT_S``) never holds up the process's exit."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._waiting: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self.running = 0
+        self.closed = False
+
+    def submit(self, call: Callable[[], None]) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the handshake cache is closed")
+            if self.running >= self._limit:
+                self._waiting.append(call)
+                return
+            self.running += 1
+        threading.Thread(target=self._run, args=(call,), name="kvxfer-vllm-confirm", daemon=True).start()
+
+    def _run(self, call: Optional[Callable[[], None]]) -> None:
+        while call is not None:
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - the call reports its own failures; this keeps the thread count right
+                logger.exception("kvxfer vllm: a handshake confirmation raised")
+            with self._lock:
+                call = self._waiting.popleft() if self._waiting and not self.closed else None
+                if call is None:
+                    self.running -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._waiting.clear()
 
 
 class HandshakeCache:
     def __init__(self, timeout_s: float, cluster_key: Optional[bytes], allow_unauthenticated: bool,
                  prepare: Optional[Callable[[Handshake], None]] = None, *, max_entries: int = MAX_ENTRIES,
-                 max_fetches: int = MAX_FETCHES, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_fetches: int = MAX_FETCHES, max_confirming: int = MAX_CONFIRMING,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._timeout_s = timeout_s
         self._key = cluster_key
         self._allow = allow_unauthenticated
@@ -72,10 +133,13 @@ class HandshakeCache:
         self._max_entries = max_entries
         self._clock = clock
         self._fetcher = HandshakeFetcher(max_fetches)
-        self._preparing = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-vllm-confirm")
+        self._preparing = _Confirmations(max_confirming)
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._failures: OrderedDict[tuple[str, int], int] = OrderedDict()  # per address: confirmations failed in a row
+        self._failures_lock = threading.Lock()  # confirmations end on their own threads
         self._decide: Optional[Callable[[Handshake], Any]] = None
         self.fetches = 0
+        self.confirmations = 0  # confirmations started (``prepare`` calls)
 
     def set_decider(self, decide: Callable[[Handshake], Any]) -> None:
         """``decide(handshake)`` runs once per handshake fetched from now on, off the engine's thread,
@@ -99,14 +163,19 @@ class HandshakeCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def confirming(self) -> int:
+        """Confirmations running now, each on its own thread (``_Confirmations``)."""
+        return self._preparing.running
+
     def get(self, engine_id: str, host: str, port: int) -> Optional[Handshake]:
         """The handshake of the producer at ``host:port``, None while it is being fetched;
         raises what the fetch, its checks or ``prepare`` raised, or when it names another engine."""
         target = (host, port)
         entry = self._entries.get(target)
         if entry is not None and entry.finished is not None and entry.error is not None \
-                and self._clock() - entry.finished > FAILED_KEPT_S:
-            entry = None  # a failure is remembered for a while, then asked again
+                and self._clock() - entry.finished > entry.kept_s:
+            entry = None  # a failure is remembered for a while (a producer that failed again: longer), then asked again
         if entry is None:
             entry = self._start(target)
         self._entries.move_to_end(target)
@@ -151,7 +220,7 @@ class HandshakeCache:
             return self._final(entry, handshake, None)
         entry.preparing = True
         try:
-            self._preparing.submit(self._prepared, entry, target, handshake)
+            self._preparing.submit(lambda: self._prepared(entry, target, handshake))
         except RuntimeError as exc:  # closed
             self._final(entry, None, exc)
 
@@ -166,13 +235,28 @@ class HandshakeCache:
                 return self._final(entry, None, exc)
         if self._prepare is None:
             return self._final(entry, handshake, None)
+        with self._failures_lock:
+            self.confirmations += 1
         try:
             self._prepare(handshake)
         except Exception as exc:
-            logger.warning("kvxfer vllm: prefill engine %s at %s:%d: its metas could not be confirmed: %s",
-                           handshake.engine_id, target[0], target[1], exc)
+            entry.kept_s = self._failed_again(target)
+            logger.warning("kvxfer vllm: prefill engine %s at %s:%d: its metas could not be confirmed (its loads are "
+                           "refused for %gs without asking it again): %s", handshake.engine_id, target[0], target[1],
+                           entry.kept_s, exc)
             return self._final(entry, None, exc)
+        with self._failures_lock:
+            self._failures.pop(target, None)
         self._final(entry, handshake, None)
+
+    def _failed_again(self, target: tuple[str, int]) -> float:
+        """Count a failed confirmation of ``target``; how long its loads are now refused without asking it."""
+        with self._failures_lock:
+            failures = self._failures.pop(target, 0) + 1
+            self._failures[target] = failures
+            while len(self._failures) > _BACKOFF_KEPT:
+                self._failures.popitem(last=False)
+        return min(FAILED_KEPT_S * 2 ** min(failures - 1, 16), BACKOFF_MAX_S)
 
     def _final(self, entry: _Entry, handshake: Optional[Handshake], error: Optional[BaseException]) -> None:
         entry.handshake, entry.error = handshake, error
@@ -192,7 +276,7 @@ class HandshakeCache:
 
     def close(self) -> None:
         self._fetcher.close()
-        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self._preparing.close()
 
 
 def confirm_sources(handshake: Handshake, tp_rank: int, kv: list[tuple[Any, dict[str, Any]]], lease_backend: Any,

@@ -32,6 +32,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from typing import Optional
 
 from kvxfer.integrations.vllm.side_channel import (CONNECTION_S, MAX_CONNECTIONS, MAX_HANDSHAKE_BYTES,
@@ -44,63 +47,139 @@ _LENGTH = struct.Struct(">Q")
 REPORT_S = 0.5
 #: How long ``close`` waits for the child to exit before it kills it.
 _EXIT_S = 2.0
+#: A child that dies is started again, up to this many times within ``RESTART_WINDOW_S`` (then the parent gives up).
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 _MODULE = "kvxfer.integrations.vllm.handshake_server"
 _COUNTERS = ("served", "refused", "junk", "dropped", "open")
 
 
 class HandshakeServer:
-    """The parent's end: binds ``host:port``, starts the serving process, sends it each new document.
+    """The parent's end: binds ``host:port``, starts the serving process, sends it each new document, and starts
+    another on the same socket if it dies while this process lives.
 
     ``port`` is known when the constructor returns; the first document is sent before it returns, so
-    a decode that connects at once waits in the socket's backlog until the child answers it."""
+    a decode that connects at once waits in the socket's backlog until the child answers it.
+
+    Why a restart: a child killed while the engine lives (the OOM killer, a stray ``kill``) used to leave
+    the producer unable to answer any new decode until the engine restarted (issue 49). The parent keeps
+    its copy of the listening socket, so the port is never released, and a thread waits on the child
+    (``waitpid`` outside the GIL: it costs the engine nothing until the child dies); a new child gets the
+    same socket and the newest document, and decodes that connected meanwhile wait in the backlog. More
+    than ``MAX_RESTARTS`` deaths within ``RESTART_WINDOW_S`` is not a mishap: the parent logs an error
+    saying so, closes the socket (decodes are refused at once, not left waiting) and starts no more."""
 
     def __init__(self, host: str, port: int, document: bytes, *, local_peers_only: bool,
                  max_connections: int = MAX_CONNECTIONS, connection_s: float = CONNECTION_S) -> None:
-        sock = bind_listener(host, port)
-        self.host, self.port = host, sock.getsockname()[1]
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", _MODULE, str(sock.fileno()), "1" if local_peers_only else "0",
-                 str(max_connections), repr(float(connection_s))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env,
-                start_new_session=True)  # a scheduling group of its own (kvxfer/backends/helper_cpus.py)
-        finally:
-            sock.close()  # the child's copy alone: once it is gone, decodes are refused at once, not left waiting
-        from kvxfer.backends.helper_cpus import unpin  # here: the child imports no kvxfer.backends
-
-        unpin(self._proc.pid)  # not held to the core an engine pinned this thread to (helper_cpus.py)
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._sock: Optional[socket.socket] = bind_listener(host, port)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._args = ["1" if local_peers_only else "0", str(max_connections), repr(float(connection_s))]
+        self._owner = os.getpid()
+        self._lock = threading.Lock()  # the child, its pipes and counters: the watcher swaps them
+        self._closing = False
+        self._deaths: deque[float] = deque()
+        self.restarts = 0
+        self._document = document
         self._unread = b""
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._carried = dict.fromkeys(_COUNTERS, 0)  # what children that died had counted
+        try:
+            self._proc = self._start()
+        except BaseException:
+            self._close_socket()
+            raise
         self.update(document)
+        threading.Thread(target=self._watch, name="kvxfer-vllm-handshake-watch", daemon=True).start()
         logger.debug("kvxfer vllm: handshake served by process %d on %s:%d", self._proc.pid, host, self.port)
+
+    def _start(self) -> subprocess.Popen:
+        assert self._sock is not None
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        fd = self._sock.fileno()
+        proc = subprocess.Popen([sys.executable, "-m", _MODULE, str(fd), *self._args],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env=env,
+                                start_new_session=True)  # its own scheduling group (kvxfer/backends/helper_cpus.py)
+        from kvxfer.backends.helper_cpus import unpin  # here: the child imports no kvxfer.backends
+
+        unpin(proc.pid)  # not held to the core an engine pinned this thread to (helper_cpus.py)
+        assert proc.stdin is not None and proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        return proc
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
     def update(self, document: bytes) -> None:
-        """Serve ``document`` from now on (the child swaps it between two answers)."""
-        if self._proc.poll() is not None:
+        """Serve ``document`` from now on (the child swaps it between two answers; a restarted child starts with it)."""
+        with self._lock:
+            self._document = document
+            self._send(self._proc, document)
+
+    def _send(self, proc: subprocess.Popen, document: bytes) -> None:
+        if proc.poll() is not None:
             logger.error("kvxfer vllm: the handshake process %d exited (status %s): decodes cannot fetch this "
-                         "producer's handshake", self._proc.pid, self._proc.returncode)
+                         "producer's handshake until it is started again", proc.pid, proc.returncode)
             return
-        assert self._proc.stdin is not None
+        assert proc.stdin is not None
         try:
-            self._proc.stdin.write(_LENGTH.pack(len(document)) + document)
-            self._proc.stdin.flush()
+            proc.stdin.write(_LENGTH.pack(len(document)) + document)
+            proc.stdin.flush()
         except (BrokenPipeError, ValueError) as exc:
-            logger.error("kvxfer vllm: cannot send the handshake to its serving process %d: %s", self._proc.pid, exc)
+            logger.error("kvxfer vllm: cannot send the handshake to its serving process %d: %s", proc.pid, exc)
+
+    def _watch(self) -> None:
+        """On its own thread: wait for the child; when it died unasked, start another (see the class)."""
+        while True:
+            proc = self._proc
+            status = proc.wait()
+            with self._lock:
+                if self._closing or os.getpid() != self._owner:
+                    return
+                now = time.monotonic()
+                self._deaths.append(now)
+                while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
+                    self._deaths.popleft()
+                if len(self._deaths) > MAX_RESTARTS:
+                    logger.error("kvxfer vllm: the handshake process of %s:%d died %d times within %gs (last: status "
+                                 "%s); not starting it again: this producer answers no new decode until the engine "
+                                 "restarts", self.host, self.port, len(self._deaths), RESTART_WINDOW_S, status)
+                    self._close_socket()
+                    return
+                self._read_counters(proc)
+                for name in _COUNTERS:
+                    if name != "open":
+                        self._carried[name] += self._counters[name]
+                self._counters, self._unread = dict.fromkeys(_COUNTERS, 0), b""
+                self._close_pipes(proc)
+                try:
+                    self._proc = self._start()
+                except OSError as exc:
+                    logger.error("kvxfer vllm: the handshake process of %s:%d died (status %s) and cannot be started "
+                                 "again (%s): this producer answers no new decode until the engine restarts",
+                                 self.host, self.port, status, exc)
+                    self._close_socket()
+                    return
+                self.restarts += 1
+                self._send(self._proc, self._document)
+                logger.error("kvxfer vllm: the handshake process of %s:%d died (status %s) while the engine lives; "
+                             "started it again as process %d (restart %d)", self.host, self.port, status,
+                             self._proc.pid, self.restarts)
 
     def counters(self) -> dict[str, int]:
-        """The child's newest counters (served, refused, junk, dropped, open); never blocks."""
-        assert self._proc.stdout is not None
+        """The newest counters (served, refused, junk, dropped, open) of the child and of those that died before
+        it; never blocks."""
+        with self._lock:
+            self._read_counters(self._proc)
+            return {name: self._counters[name] + (self._carried[name] if name != "open" else 0)
+                    for name in _COUNTERS}
+
+    def _read_counters(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
         try:
             while True:
-                chunk = os.read(self._proc.stdout.fileno(), 1 << 16)
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:
                     break
                 self._unread += chunk
@@ -112,23 +191,40 @@ class HandshakeServer:
                 self._counters.update({k: int(v) for k, v in json.loads(line).items() if k in _COUNTERS})
             except (ValueError, AttributeError, TypeError):
                 logger.warning("kvxfer vllm: the handshake process wrote %r, not its counters", line[:80])
-        return dict(self._counters)
+
+    @staticmethod
+    def _close_pipes(proc: subprocess.Popen) -> None:
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None and not pipe.closed:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def close(self) -> None:
         """End the child (stdin EOF), killed if it does not exit within ``_EXIT_S``; logs its counters."""
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            try:
-                self._proc.stdin.close()
-            except OSError:
-                pass
+        with self._lock:
+            self._closing = True
+            proc = self._proc
+            self._close_socket()
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
         try:
-            self._proc.wait(_EXIT_S)
+            proc.wait(_EXIT_S)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            proc.kill()
+            proc.wait()
         counters = self.counters()
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
         logger.info("kvxfer vllm: handshake on %s:%d closed: %s", self.host, self.port,
                     ", ".join(f"{k} {v}" for k, v in counters.items() if k != "open"))
 

@@ -142,6 +142,75 @@ def test_the_handshake_process_exits_when_its_parent_is_killed() -> None:
         fetch_handshake("127.0.0.1", port, 2.0)
 
 
+def _served(standin: StandIn, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while (counters := standin.ask("counters"))["served"] < count:
+        assert time.monotonic() < deadline, counters
+        time.sleep(0.1)
+
+
+def _restarted(standin: StandIn, old_pid: int, within_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + within_s
+    while (now := standin.ask("pid"))["pid"] == old_pid:
+        assert time.monotonic() < deadline, f"the handshake process was not started again within {within_s}s"
+        time.sleep(0.05)
+    return now
+
+
+def test_a_killed_handshake_process_is_started_again_while_the_engine_lives() -> None:
+    """Issue 49: before, a handshake process SIGKILLed while the engine lived left the port closed, and every
+    new decode's fetch was refused until the engine restarted. Now a fetch right after the kill is answered
+    (it waits in the backlog of the socket the engine kept), by a new process serving the same document, and
+    the counters of the dead one carry over."""
+    standin = StandIn("process")
+    try:
+        pid = standin.server_pid
+        assert pid is not None
+        assert fetch_handshake("127.0.0.1", standin.port, 5.0) == DOCUMENT
+        _served(standin, 1)  # reported before the kill (what a child had no time to report dies with it)
+        os.kill(pid, signal.SIGKILL)
+        began = time.monotonic()
+        assert fetch_handshake("127.0.0.1", standin.port, 10.0) == DOCUMENT
+        took = time.monotonic() - began
+        now = _restarted(standin, pid, 10.0)
+        print(f"\nMEASURED handshake fetch right after its process's SIGKILL: answered in {took:.3f} s by the new "
+              f"process {now['pid']}")
+        assert now["restarts"] == 1 and not _gone(now["pid"]), now
+        _served(standin, 2)  # the dead process's count and the new one's
+    finally:
+        standin.close()
+    _wait_gone(now["pid"], 5.0)
+
+
+def test_a_handshake_process_that_keeps_dying_is_given_up_loudly() -> None:
+    """More deaths than ``MAX_RESTARTS`` within ``RESTART_WINDOW_S`` are no mishap: the engine says so and closes
+    the port, so that decodes are refused at once rather than left waiting in a backlog nobody serves."""
+    from kvxfer.integrations.vllm.handshake_server import MAX_RESTARTS
+
+    standin = StandIn("process")
+    try:
+        pid = standin.server_pid
+        assert pid is not None
+        for _ in range(MAX_RESTARTS):
+            os.kill(pid, signal.SIGKILL)
+            pid = _restarted(standin, pid, 10.0)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, 5.0)
+        deadline = time.monotonic() + 5
+        while True:  # the watcher closes the socket as soon as it saw the death
+            try:
+                fetch_handshake("127.0.0.1", standin.port, 0.5)
+            except Exception as exc:  # noqa: BLE001 - refused at once once the socket is closed
+                if "refused" in str(exc):
+                    break
+            assert time.monotonic() < deadline, "the port still accepts after the handshake process was given up"
+            time.sleep(0.1)
+        assert standin.ask("pid") == {"pid": pid, "restarts": MAX_RESTARTS}
+    finally:
+        standin.close()
+    assert standin.proc.returncode == 0
+
+
 def test_the_handshake_process_imports_nothing_heavy() -> None:
     """No torch, no vLLM, no numpy in the child (``-X importtime``): it starts in tens of milliseconds."""
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import kvxfer.integrations.vllm.handshake_server"],
@@ -172,6 +241,8 @@ def _stand_in(mode: str) -> None:
             ctypes.PyDLL(None).usleep(int(float(args[0]) * 1e6))  # in C, the GIL held: nothing else here runs
         elif command == "counters":
             print(json.dumps(server.counters()), flush=True)
+        elif command == "pid":
+            print(json.dumps({"pid": server.pid, "restarts": server.restarts}), flush=True)
     server.close()
     os._exit(0)
 

@@ -2,7 +2,7 @@
 item 0).
 
 ucx without a cluster key (``KVXFER_SECRET_FILE`` unset): before a decode rank reads, its handshake cache's
-prepare pool asks each prefill source process whether it exported its meta (``confirm_rank_sources``,
+confirmation thread asks each prefill source process whether it exported its meta (``confirm_rank_sources``,
 ``kvxfer/backends/ucx/confirm.py``). A daemon thread of the source used to answer, so only when the source's
 main thread let go of the GIL, which vLLM's engine holds through long C calls; a small child process of the
 source answers now (``confirm_server.py``), on the socket the source itself listens on. (Where that child
