@@ -51,7 +51,7 @@ from kvxfer.backends.transfer import (  # the handle and request types: importab
     abort_parts,
     failure_for_caller,
 )
-from kvxfer.defaults import TRANSFER_TIMEOUT_S
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TRANSFER_TIMEOUT_S, SettingError, bounded_float
 from kvxfer.errors import BackendClosedError, BackendUnavailableError, KVXferError, PeerMetadataError, TransferError
 from kvxfer.plan.descriptors import CopyPlan, IdList
 from kvxfer.meta.geometry import export_geometry_meta, parse_geometry_meta
@@ -89,12 +89,9 @@ def transfer_timeout_from_env() -> float:
     if not raw:
         return TRANSFER_TIMEOUT_S
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and value < float("inf")):
-        raise BackendUnavailableError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
-    return value
+        return bounded_float(TIMEOUT_ENV, raw, MIN_TIMEOUT_S, MAX_TIMEOUT_S, unit="seconds")
+    except SettingError as exc:  # 1e308 or inf once passed: a stalled source then held wait() for good
+        raise BackendUnavailableError(str(exc)) from None
 
 #: Read-done / read-failed reports a source keeps undrained before it drops (and counts) new ones.
 MAX_PENDING_NOTICES = 65536

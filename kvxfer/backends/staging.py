@@ -24,6 +24,8 @@ from kvxfer.plan.staged_reshard import DEFAULT_STAGING_BYTES
 logger = logging.getLogger(__name__)
 
 STAGING_ENV = "KVXFER_STAGING_BYTES"
+#: The largest staging region the environment may ask for.
+MAX_STAGING_BYTES = 64 << 30
 _SIZE = re.compile(r"^\s*(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib)\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -38,11 +40,15 @@ def staging_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     raw = (os.environ if environ is None else environ).get(STAGING_ENV, "")
     if not raw.strip():
         return DEFAULT_STAGING_BYTES
-    match = _SIZE.match(raw)
+    match = _SIZE.match(raw) if len(raw) <= 64 else None
     if match is None:
         raise BackendUnavailableError(f"{STAGING_ENV}={raw!r} is not a size: give bytes (67108864), or 64MiB, "
                                       "or 0 to disable staged reshard")
-    return int(match.group(1)) * _UNIT[match.group(2)[:1].lower()]
+    size = int(match.group(1)) * _UNIT[match.group(2)[:1].lower()]
+    if size > MAX_STAGING_BYTES:  # a typo's terabytes would be asked of the allocator at registration
+        raise BackendUnavailableError(f"{STAGING_ENV}={raw!r} is more than {MAX_STAGING_BYTES >> 30} GiB: give a size "
+                                      "from 0 (no staged reshard) to 64GiB")
+    return size
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,9 @@ def _become(request: dict, stdio: list[int], inherited: list[int]) -> None:
         os.environ.clear()  # through os.environ, so unsetenv/putenv reach C code reading getenv
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if "torch" in sys.modules and threads.isdigit() and 0 < len(threads) <= 4 and int(threads) > 0:
+            sys.modules["torch"].set_num_threads(int(threads))  # as torch reads it at import: 1..9999
         if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS; forks share it
             sys.modules["numpy"].random.seed()
         argv = request["argv"]

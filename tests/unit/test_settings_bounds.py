@@ -228,3 +228,28 @@ def test_bounded_numbers_in_range_are_taken():
     assert bounded_float("x", " 0.5 ", 0.001, 1.0) == 0.5 and bounded_float("x", 1, 0.001, 1.0) == 1.0
     assert bounded_int("x", "4096", 0, 4096) == 4096 and bounded_int("x", 7.0, 0, 8) == 7
     assert isinstance(bounded_int("x", 7.0, 0, 8), int)
+
+
+@pytest.mark.parametrize("raw", BAD_NUMBERS + ("0",))
+def test_the_transfer_timeout_from_the_environment_is_bounded(raw, monkeypatch):
+    """``KVXFER_TRANSFER_TIMEOUT_S`` (how Megatron's users bound ``wait()``): ``1e308`` once passed."""
+    from kvxfer.backends.base import TIMEOUT_ENV, transfer_timeout_from_env
+    from kvxfer.errors import BackendUnavailableError
+
+    monkeypatch.setenv(TIMEOUT_ENV, raw)
+    with pytest.raises(BackendUnavailableError) as refused:
+        transfer_timeout_from_env()
+    assert TIMEOUT_ENV in str(refused.value) and "from 0.001 to 86400" in str(refused.value)
+    monkeypatch.setenv(TIMEOUT_ENV, "86400")
+    assert transfer_timeout_from_env() == 86400.0
+
+
+@pytest.mark.parametrize("raw", ["65GiB", "99999999999GiB", "9" * 5000, "-1", "inf"])
+def test_the_staging_size_from_the_environment_is_bounded(raw):
+    from kvxfer.backends.staging import STAGING_ENV, staging_bytes_from_env
+    from kvxfer.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=STAGING_ENV):
+        staging_bytes_from_env({STAGING_ENV: raw})
+    assert staging_bytes_from_env({STAGING_ENV: "64GiB"}) == 64 << 30
+    assert staging_bytes_from_env({STAGING_ENV: "0"}) == 0
