@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TRANSFER_TIMEOUT_S, bounded_float
 from kvxfer.harness.loopback_config import LoopbackConfig
 
 KiB = 1024
@@ -69,7 +69,7 @@ class BenchConfig:
     max_request_bytes: int = 16 * MiB
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     seed: int = 0
-    timeout_s: float = 60.0
+    timeout_s: float = TRANSFER_TIMEOUT_S
     mooncake_python: Optional[str] = None  # interpreter with mooncake installed (default: this one)
     get_region_bytes: Optional[int] = None  # ucp-get-cold's region per side (None: 2x the LLC, see get_region())
     device: str = "cpu"  # where both pools live; "cuda" measures VRAM pools against a device-to-device copy

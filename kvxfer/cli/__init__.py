@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--pattern", default="scattered", choices=["scattered", "contiguous"],
                       help="block ids: random on both sides, or the same run")
     loop.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0, help="seed of the block ids and pool bytes")
-    loop.add_argument("--timeout", type=seconds(), default=60.0, help="transfer timeout, seconds")
+    loop.add_argument("--timeout", type=seconds(), default=TRANSFER_TIMEOUT_S, help="transfer timeout, seconds")
     loop.add_argument("--json", type=writable_file, metavar="PATH", help="also write the figures to this JSON file")
     loop.set_defaults(func=commands.run_loopback_command)
 

@@ -17,7 +17,7 @@ from kvxfer.bench.config import (
 )
 from kvxfer.cli.args import MAX_SEED, backend_list, executable_file, seconds, whole_number, writable_file
 from kvxfer.cli.errors import RunFailed, UsageError
-from kvxfer.defaults import SettingError, bounded_int
+from kvxfer.defaults import TRANSFER_TIMEOUT_S, SettingError, bounded_int
 
 def _list(item: Callable[[str], Any], example: str) -> Callable[[str], tuple]:
     """A type: a comma-separated list, each item parsed by ``item``."""
@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slice sizes that also get TP 2 -> 1 points")
     p.add_argument("--mooncake-python", type=executable_file, metavar="PATH",
                    help="interpreter that has mooncake installed (default: this one)")
-    p.add_argument("--timeout", type=seconds(), default=60.0, help="per-transfer timeout, seconds")
+    p.add_argument("--timeout", type=seconds(), default=TRANSFER_TIMEOUT_S, help="per-transfer timeout, seconds")
     p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
                    help="seed of the block id patterns and pool bytes")
     p.add_argument("--get-region-mib", type=whole_number(1, 1 << 20), metavar="MIB",

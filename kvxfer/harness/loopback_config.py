@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, bounded_float
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, TRANSFER_TIMEOUT_S, bounded_float
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class LoopbackConfig:
     request_blocks: int = 128
     pattern: str = "scattered"  # or "contiguous"
     seed: int = 0
-    timeout_s: float = 60.0
+    timeout_s: float = TRANSFER_TIMEOUT_S
     device: str = "cpu"  # where both pools live: "cuda" (or "cuda:N") for VRAM pools
 
     def __post_init__(self) -> None:

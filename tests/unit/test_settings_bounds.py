@@ -253,3 +253,18 @@ def test_the_staging_size_from_the_environment_is_bounded(raw):
         staging_bytes_from_env({STAGING_ENV: raw})
     assert staging_bytes_from_env({STAGING_ENV: "64GiB"}) == 64 << 30
     assert staging_bytes_from_env({STAGING_ENV: "0"}) == 0
+
+
+def test_the_transfer_timeout_has_one_default():
+    """The command line, the harness and the benches read ``kvxfer.defaults.TRANSFER_TIMEOUT_S`` (issue 52 item
+    7: four of them said 60 s beside the backends' 30)."""
+    from kvxfer.bench.config import BenchConfig
+    from kvxfer.defaults import TRANSFER_TIMEOUT_S
+    from kvxfer.harness.loopback_config import LoopbackConfig
+    from kvxfer.harness.soak import SoakConfig
+
+    defaults = {f"{command} --timeout": action.default for command, action in OPTIONS
+                if "--timeout" in action.option_strings and command in ("loopback", "bench", "soak")}
+    assert len(defaults) == 3, defaults
+    assert set(defaults.values()) == {TRANSFER_TIMEOUT_S}, defaults
+    assert LoopbackConfig().timeout_s == BenchConfig().timeout_s == SoakConfig().timeout_s == TRANSFER_TIMEOUT_S
