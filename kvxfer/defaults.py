@@ -1,14 +1,16 @@
 """Defaults that several parts of kvxfer (and ``engine_integration``) share, each written once, and the one
 rule every number a user hands kvxfer obeys (``bounded_float`` / ``bounded_int``).
 
-Imports nothing of kvxfer, so the command line can show them in its help without importing torch (which
-every backend module does), and any part may import it.
+Imports nothing of kvxfer but its errors, so the command line can show them in its help without importing
+torch (which every backend module does), and any part may import it.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Union
+
+from kvxfer.errors import KVXferError
 
 #: Seconds a transfer handle may take before ``wait()`` raises ``TransferTimeoutError``, when the
 #: caller names no timeout: the backends' own default (``KVXFER_TRANSFER_TIMEOUT_S`` overrides it
@@ -30,7 +32,7 @@ ETCD_POLL_S = (MIN_TIMEOUT_S, 60.0)
 Number = Union[int, float, str]
 
 
-class SettingError(ValueError):
+class SettingError(KVXferError, ValueError):
     """A setting's value is not a finite number in its range. The message names the setting, the value and
     the range (``NAME='inf' is not a finite number (give seconds from 0.001 to 86400)``), ready for the
     caller to raise as its own error type (a usage error, ``BackendUnavailableError``...)."""

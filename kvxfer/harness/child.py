@@ -33,6 +33,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional
 
+from kvxfer.errors import KVXferError
+
 logger = logging.getLogger(__name__)
 
 #: Message kind the child uses to report a failure; :meth:`Child.recv` raises on it.
@@ -57,7 +59,7 @@ class ChildFailure:
                    "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-class ChildError(RuntimeError):
+class ChildError(KVXferError, RuntimeError):
     """The child process reported a failure; ``str()`` is the child's own error message."""
 
     def __init__(self, failure: ChildFailure) -> None:

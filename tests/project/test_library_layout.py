@@ -35,7 +35,7 @@ _PLANE_FLOOR = {f"{_PLANE}.base", f"{_PLANE}.policy", f"{_PLANE}.limits", f"{_EN
 #: (``engine_integration.control_plane.etcd``); a package's own ``__init__`` is the package's name.
 LAYERS: dict[str, set[str]] = {
     "kvxfer.errors": set(),
-    "kvxfer.defaults": set(),
+    "kvxfer.defaults": {"kvxfer.errors"},
     "kvxfer.plan": {"kvxfer.errors"},
     "kvxfer.security": {"kvxfer.errors"},
     "kvxfer.meta": {"kvxfer.errors", "kvxfer.plan", "kvxfer.security"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from kvxfer.errors import KVXferError
 from kvxfer.defaults import TRANSFER_TIMEOUT_S, SettingError, bounded_float, bounded_int
 from kvxfer.integrations.vllm.specs import ATTENTION, MAMBA
 
@@ -41,7 +42,7 @@ def connector_backends() -> list[str]:
     return sorted(info.name for info in available_backends() if backend_problem(info.name) is None)
 
 
-class ConnectorConfigError(ValueError):
+class ConnectorConfigError(KVXferError, ValueError):
     """``kv_connector_extra_config`` (or the KV transfer config around it) cannot be used."""
 
 
