@@ -1,4 +1,4 @@
-"""Helpers for the etcd control-plane tests: a secured etcd, a cuttable TCP proxy, child instances.
+"""Helpers for the etcd control-plane tests: a secured etcd, a cuttable TCP proxy, child instances and clients.
 
 A child is a real process that registers under its own lease and keeps it alive from
 its own keepalive thread, driven by JSON lines on stdin (answers on stdout), so a test
@@ -358,9 +358,63 @@ class Child:
                 f.close()
 
 
+class ClientChild(Child):
+    """An ``EtcdGenerationClient`` in its own process (so that a test can ``SIGSTOP`` it), driven over stdin/stdout.
+
+    It reaches the fleet like an engine does: the plane's URL and the *paths* of the etcd password and
+    cluster key files, sent on stdin (never in argv). Ops (``do``): ``submit`` (prompts -> ids), ``poll``
+    (one poll), ``collect`` (ids, wait_s -> [tokens, error] each, and
+    the client's lease renewals)."""
+
+    def __init__(self, url: str, password_file: str, secret_file: str) -> None:  # noqa: D107 - not Child's
+        self.name, self.role = "client-child", "client"
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env.pop("KVXFER_SECRET_FILE", None)
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True, bufsize=1)
+        self._send({"client": True, "url": url, "password_file": password_file, "secret_file": secret_file})
+        self.ready = self._recv(30.0)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+
+def _client_main(cfg: dict[str, Any]) -> None:
+    """``ClientChild``'s process: one client, commands from stdin until EOF (then it closes: goodbye)."""
+    from engine_integration.control_plane.etcd.client import EtcdGenerationClient
+    from engine_integration.control_plane.etcd.store import parse_etcd_url
+
+    store = EtcdStore(parse_etcd_url(cfg["url"], password_file=cfg["password_file"], secret_file=cfg["secret_file"]))
+    client = EtcdGenerationClient(store)
+    print(json.dumps({"name": client.name, "lease": client.lease, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "submit":
+                reply: dict[str, Any] = {"ids": [client.submit(p, cmd["max_new_tokens"]) for p in cmd["prompts"]]}
+            elif op == "poll":
+                client.poll()
+                reply = {"in_flight": client.in_flight, "lease": client.lease}
+            elif op == "collect":
+                results = client.collect(cmd["ids"], cmd["wait_s"])
+                reply = {"results": [[list(r.tokens) if r.tokens is not None else None, r.error] for r in results],
+                         "renewals": getattr(client, "lease_renewals", None), "lease": client.lease}
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # report to the driving test; the child stays up
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+    client.close()
+    store.close()
+
+
 def _child_main() -> None:
     """Register, answer ``ready``, then run commands from stdin until EOF (then exit without goodbye)."""
     cfg = json.loads(sys.stdin.readline())
+    if cfg.get("client"):
+        _client_main(cfg)
+        return
     key = bytes.fromhex(cfg["key"]) if cfg["key"] else None
     plane = EtcdStore(EtcdConfig(endpoints=(cfg["endpoint"],), cluster=cfg["cluster"], user=cfg["user"],
                                         password=cfg["password"], cluster_key=key, ttl_s=cfg["ttl_s"],

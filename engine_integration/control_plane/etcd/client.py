@@ -17,6 +17,23 @@ attempt's KV creates the same result first (``EtcdPlane._fence``), so exactly on
 wins and an abandoned attempt is never served; results of attempts given up are ignored and
 removed. A request that cannot run again (no live prefill or decode, attempts spent) fails
 with every reason; a refusal or a transport error is not retried.
+
+**A lost lease is replaced, never fatal** (round 6: revoked by an etcd user, or outlived by a
+pause past the TTL; before, every later submit raised ``LeaseGone`` and the requests in flight
+waited out their timeout in silence). The keepalive thread only notes that etcd says the lease
+is gone; the caller's thread (``poll``, ``submit``; also when the lease is past its local
+deadline, as after ``SIGSTOP``) takes a new lease and settles each request in flight:
+
+- one an engine was seen holding (its result ``decoding``, its handoff published, or the
+  prefill's claim on it still in etcd) fails, saying so: its answer was to be written under
+  the lost lease and cannot reach this client any more;
+- one nobody was seen holding is sent again as a new attempt under the new lease (its request
+  key went with the old one; whatever became of the old attempt, its answer can never reach
+  this client: its result key needs the old lease, so the request is still answered once).
+
+etcd seen going back in time (``gateway.Rewind``: restored, wiped) fails every request in flight
+with the reason (its keys are gone or stale and every engine registers again) and takes a new
+lease; requests submitted afterwards are served by the engines' new incarnations.
 """
 
 from __future__ import annotations
@@ -32,11 +49,12 @@ from typing import Any, Optional, Sequence
 from engine_integration.control_plane import policy
 from engine_integration.control_plane.base import (ControlPlaneError, ControlPlaneUnavailable, FleetStats,
                                                    GenerationClient, GenerationResult)
+from engine_integration.control_plane.etcd.gateway import EtcdError, EtcdUnavailable
 from engine_integration.control_plane.etcd.membership import DECODE, PREFILL, member
 from engine_integration.control_plane.etcd.records import FleetView, RecordRefused, check_name
 from engine_integration.control_plane.etcd.requests import (DECODING, DONE, FAILED, RequestRecord, ResultRecord,
                                                             decode_result, decode_stats)
-from engine_integration.control_plane.etcd.store import EtcdStore
+from engine_integration.control_plane.etcd.store import EtcdStore, LeaseGone
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +71,7 @@ class _Pending:
     submitted_at: float
     attempt: int = 1
     reasons: list[str] = field(default_factory=list)   #: why earlier attempts were given up
+    held_by: str = ""               #: who was last seen holding the current attempt (its answer needs our lease)
 
 
 class EtcdGenerationClient(GenerationClient):
@@ -73,7 +92,13 @@ class EtcdGenerationClient(GenerationClient):
         self.max_attempts = max_attempts
         #: how long the result key of an attempt given up is kept (so that no late writer can create it)
         self.abandoned_grace_s = abandoned_grace_s if abandoned_grace_s is not None else 3.0 * store.config.ttl_s
+        sent = time.monotonic()
         self.lease, ttl = store.client.lease_grant(store.config.ttl_s)
+        self._lease_deadline = sent + ttl              # past it, the lease is confirmed before it is trusted
+        self._lease_problem: Optional[str] = None      # set by the keepalive thread: etcd says the lease is gone
+        self._epoch = store.client.epoch               # etcd's rewinds seen by the gateway when the lease was granted
+        self.lease_renewals: list[dict[str, Any]] = []   #: each lost lease replaced: why, what failed, what ran again
+        self._to_settle: Optional[tuple[int, str, bool]] = None   # (lost lease, why, rewound) until settled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keepalive, args=(max(0.5, ttl / 3.0),), daemon=True,
                                         name=f"etcd-lease-{self.name}")
@@ -89,11 +114,128 @@ class EtcdGenerationClient(GenerationClient):
         self.reroute_log: list[dict[str, Any]] = []      #: (request, old attempt, new attempt, why, when)
 
     def _keepalive(self, interval: float) -> None:
+        """Renew the lease; a lease etcd says is gone is only noted here (the caller's thread replaces it)."""
         while not self._stop.wait(interval):
+            lease, sent = self.lease, time.monotonic()
             try:
-                self.store.client.lease_keepalive(self.lease)
+                ttl = self.store.client.lease_keepalive(lease)
             except Exception as exc:  # noqa: BLE001 - keep trying until closed
                 log.warning("client %r: lease keepalive failed: %s", self.name, exc)
+                continue
+            if lease != self.lease:
+                continue   # replaced meanwhile
+            if ttl > 0:
+                self._lease_deadline = sent + ttl
+            elif self._lease_problem is None:
+                self._lease_problem = "etcd says it expired or was revoked"
+                log.warning("client %r: etcd lease %d is gone: a new one is taken at the next poll or submit",
+                            self.name, lease)
+
+    # --- a lost lease ------------------------------------------------------------------------
+    def _check_lease(self) -> None:
+        """Replace the lease if etcd went back in time, says it is gone, or (past its local deadline: this
+        process was paused, or etcd was away) says so when asked now."""
+        gateway = self.store.client
+        if self._to_settle is not None:   # a lease replaced before etcd let us settle what was in flight
+            self._settle(*self._to_settle)
+        if gateway.epoch != self._epoch:
+            self._renew_lease(f"etcd went back in time: {gateway.last_rewind}", rewound=True)
+            return
+        why = self._lease_problem
+        if why is None and time.monotonic() > self._lease_deadline:
+            lease, sent = self.lease, time.monotonic()
+            try:
+                ttl = gateway.lease_keepalive(lease)
+            except EtcdError as exc:   # etcd away: nothing to decide yet
+                log.info("client %r: lease %d not confirmed (%s)", self.name, lease, exc)
+                return
+            if ttl > 0:
+                self._lease_deadline = sent + ttl
+                return
+            why = "etcd says it expired or was revoked"
+        if why is not None:
+            self._renew_lease(why, rewound=False)
+
+    def _renew_lease(self, why: str, *, rewound: bool) -> None:
+        """Take a new lease and settle every request in flight (see the module docstring)."""
+        gateway, old = self.store.client, self.lease
+        try:
+            gateway.lease_revoke(old)   # a restored etcd may have brought it back, with stale requests under it
+        except EtcdError as exc:
+            log.info("client %r: old lease %d not revoked (%s)", self.name, old, exc)
+        sent = time.monotonic()
+        try:
+            lease, ttl = gateway.lease_grant(self.store.config.ttl_s)
+        except EtcdUnavailable as exc:
+            raise ControlPlaneUnavailable(f"client {self.name!r} lost its etcd lease ({why}) and cannot take a "
+                                          f"new one yet: {exc}") from None
+        except EtcdError as exc:
+            raise ControlPlaneError(f"client {self.name!r} lost its etcd lease ({why}) and cannot take a new "
+                                    f"one: {exc}") from None
+        self.lease, self._lease_deadline, self._lease_problem = lease, sent + ttl, None
+        self._epoch = gateway.epoch
+        self._abandoned.clear()   # their result keys went with the old lease
+        self._to_settle = (old, why, rewound)
+        self._settle(old, why, rewound)
+
+    def _settle(self, old: int, why: str, rewound: bool) -> None:
+        """Fail or send again each request in flight when lease ``old`` was lost (see the module docstring);
+        if etcd does not answer meanwhile, the next ``poll`` or ``submit`` settles them."""
+        self._view = None
+        view = self.view()
+        failed, again = [], []
+        for rid, pending in list(self._pending.items()):
+            holder = "" if rewound else self._holder(pending, view)
+            if rewound:
+                error = (f"{why}; attempt {pending.rid} (its request, claim, handoff and result keys) is gone or "
+                         "stale there and every engine registers again: submit the request again")
+            elif holder:
+                error = (f"client {self.name!r} lost its etcd lease {old} ({why}) while {holder} held attempt "
+                         f"{pending.rid}: its answer was to be written under that lease and can no longer reach "
+                         "this client; submit the request again")
+            else:
+                error = self._send_again(rid, pending, view, f"its request key went with lease {old} ({why}) before "
+                                                        "anyone was seen taking it")
+                if error is None:
+                    again.append(rid)
+                    continue
+            self._pending.pop(rid)
+            self._results[rid] = GenerationResult(None, error)
+            failed.append(rid)
+        self._to_settle = None
+        self.lease_renewals.append({"old": old, "new": self.lease, "why": why, "rewound": rewound, "failed": failed,
+                                    "sent_again": again, "at": time.time()})
+        log.warning("client %r: etcd lease %d lost (%s): new lease %d; %d request(s) in flight failed, %d sent again",
+                    self.name, old, why, self.lease, len(failed), len(again))
+
+    def _holder(self, pending: _Pending, view: FleetView) -> str:
+        """Who holds ``pending``'s current attempt ("" if nobody was seen taking it): the decode seen
+        decoding it, its prefill while its handoff is published, or its prefill while its claim lives."""
+        if pending.held_by:
+            return pending.held_by
+        if (pending.prefill, pending.rid) in view.handoffs:
+            return f"prefill {pending.prefill!r}"
+        try:
+            claimed = self.store.read(self.layout.claim(pending.prefill, pending.rid)) is not None
+        except ControlPlaneError:
+            claimed = True   # cannot tell: never risk running it twice
+        return f"prefill {pending.prefill!r}" if claimed else ""
+
+    def _send_again(self, rid: str, pending: _Pending, view: FleetView, why: str) -> Optional[str]:
+        """Send ``pending`` again as a new attempt under the current lease; None, or why it fails instead."""
+        pending.reasons.append(why)
+        if pending.attempt >= self.max_attempts:
+            return f"{'; '.join(pending.reasons)} ({pending.attempt} attempts made)"
+        if not view.live(PREFILL):
+            return f"{'; '.join(pending.reasons)} (no live prefill to run it again)"
+        pending.attempt += 1
+        pending.rid = f"{rid}.{pending.attempt}"
+        pending.held_by = ""
+        try:
+            self._send(pending, view)
+        except ControlPlaneError as exc:
+            return f"{'; '.join(pending.reasons)} (not sent again: {exc})"
+        return None
 
     def view(self, max_age_s: float = 0.0) -> FleetView:
         if self._view is None or time.monotonic() - self._view_at > max_age_s:
@@ -113,8 +255,14 @@ class EtcdGenerationClient(GenerationClient):
         if why is not None:
             self._results[rid] = GenerationResult(None, f"request refused at submit: {why}")
             return rid
+        self._check_lease()
         pending = _Pending(rid, tuple(int(t) for t in prompt), int(max_new_tokens), "", "", time.monotonic())
-        self._send(pending, view)
+        try:
+            self._send(pending, view)
+        except LeaseGone:   # etcd refused a write under our lease: replace it, then send under the new one
+            self._lease_problem = "etcd refused a write under it (lease not found)"
+            self._check_lease()
+            self._send(pending, self.view())
         self._pending[rid] = pending
         return rid
 
@@ -136,6 +284,8 @@ class EtcdGenerationClient(GenerationClient):
         if not self._pending and not self._abandoned:
             return
         view = self.view()   # before the results: a holder's last word is then never missed
+        self._check_lease()   # after it: that range is where a rewind of etcd shows
+        view = self._view if self._view is not None else self.view()
         current: dict[str, tuple[ResultRecord, Any]] = {}
         for kv in self.store.range_raw(f"{self.layout.results}{self.name}/"):
             key = kv.key.decode(errors="replace")
@@ -165,6 +315,7 @@ class EtcdGenerationClient(GenerationClient):
                 self._deliver(rid, rec)
                 continue
             if rec is not None:   # decoding: held by that decode incarnation
+                pending.held_by = f"decode {rec.by!r}"
                 if not view.is_live(rec.by, rec.by_incarnation):
                     self._run_again(rid, pending, view, f"decode {rec.by!r} died while decoding (its etcd lease "
                                                         "expired or it restarted)")
@@ -172,6 +323,8 @@ class EtcdGenerationClient(GenerationClient):
                     and (pending.prefill, pending.rid) not in view.handoffs:
                 self._run_again(rid, pending, view, f"prefill {pending.prefill!r} died before handing the request "
                                                     "off (its etcd lease expired or it restarted)")
+            elif (pending.prefill, pending.rid) in view.handoffs and not pending.held_by:
+                pending.held_by = f"prefill {pending.prefill!r}"   # a decode seen decoding it stays its holder
 
     def _deliver(self, rid: str, rec: ResultRecord) -> None:
         pending = self._pending.pop(rid)
@@ -216,6 +369,7 @@ class EtcdGenerationClient(GenerationClient):
             return
         pending.attempt += 1
         pending.rid = f"{rid}.{pending.attempt}"
+        pending.held_by = ""
         self._send(pending, view)
         self.reroutes += 1
         self.reroute_log.append({"request": rid, "from": old, "to": pending.rid, "prefill": pending.prefill,
@@ -246,6 +400,10 @@ class EtcdGenerationClient(GenerationClient):
     def ready(self) -> list[str]:
         """The submitted ids whose results are here: ``collect`` returns them without waiting."""
         return list(self._results)
+
+    def holders(self) -> dict[str, str]:
+        """The requests in flight an engine was seen holding (as of the last ``poll``): id -> who."""
+        return {rid: p.held_by for rid, p in self._pending.items() if p.held_by}
 
     @property
     def in_flight(self) -> int:

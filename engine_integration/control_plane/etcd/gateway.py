@@ -31,6 +31,23 @@ Behaviour that matters to the fleet:
   sent as ``Authorization``; an "invalid auth token" answer (expired simple token, etcd
   restarted) re-authenticates once. Passwords are never logged. With a client
   certificate and no user, etcd takes the certificate's common name as the user.
+- **A request that times out drops the token when etcd is behind it**, and the next attempt
+  logs in again. etcd's simple token ends in the Raft index at which it was issued, and etcd
+  *holds* a request whose token index is ahead of its own until the request is cancelled: an
+  etcd restored from an older snapshot (or wiped and secured again) never answers a client
+  that keeps its old token, while a fresh login answers in 0.09 s (round 6). etcd's status
+  (``/v3/maintenance/status``, answered without a token) says how far it has applied its log,
+  so a token ahead of it is told apart from a slow etcd. A token that is not ahead is kept: a
+  login is a bcrypt check and a Raft write, and an etcd that is merely slow or overloaded must
+  not get one per timed-out request (seen once here, with a rule that dropped the token on
+  every timeout: under a load of 15 on 2 cores the logins themselves timed out for 30 s, and
+  leases expired waiting behind them).
+- **An etcd that went back in time is detected** (``Rewind``, ``epoch``): every key-value
+  answer carries the store's revision, which in one etcd cluster never decreases, and a
+  linearizable answer is never older than one received before the request was sent. An
+  answer below that (a restore, a wipe, an older snapshot), or from another ``cluster_id``,
+  bumps ``epoch`` and records why; the store and the client compare ``epoch`` with the
+  one they registered under and start again as new incarnations (``store``, ``client``).
 """
 
 from __future__ import annotations
@@ -64,6 +81,19 @@ class EtcdError(Exception):
 
 class EtcdUnavailable(EtcdError):
     """No endpoint answered within the client's timeout."""
+
+
+class _TimedOutWithToken(Exception):
+    """An attempt that sent an auth token timed out: the token may be one etcd holds (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """etcd was seen going back in time: what was seen, and when (wall clock)."""
+
+    epoch: int
+    why: str
+    at: float
 
 
 def b64(data: bytes) -> str:
@@ -180,6 +210,13 @@ class EtcdHttpClient:
         self.retried_calls = 0      #: calls repeated after an attempt that may have been applied
         self.unavailable_answers = 0   #: "unavailable" answers (leader lost, election) asked again
         self.calls: dict[str, int] = {}   #: answered calls by path (the plane's per-handoff cost)
+        self.token_drops = 0        #: auth tokens dropped after a request that sent one timed out
+        #: etcd seen going back in time (``Rewind``): bumped once per rewind; users compare it with theirs
+        self.epoch = 0
+        self.rewinds: list[Rewind] = []
+        self._high_revision = 0     # the highest key-value revision answered so far
+        self._cluster_id = ""       # the cluster that answered first
+        self._history_lock = threading.Lock()   # not ``_lock``: a login (bcrypt) holds that one
 
     def __repr__(self) -> str:
         return f"EtcdHttpClient({self.endpoints}, user={self.user!r}, tls={self.tls is not None})"
@@ -255,12 +292,31 @@ class EtcdHttpClient:
                 last = exc
                 retried = retried or not _never_sent(exc)
                 self._drop(endpoint)
+                if token and isinstance(exc, TimeoutError):   # etcd may hold it for its token: _call logs in again
+                    self._preferred = (self._preferred + attempt + 1) % len(self.endpoints)
+                    raise _TimedOutWithToken(str(exc)) from None
             attempt += 1
             if time.monotonic() >= deadline:
                 raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {timeout_s}s "
                                           f"(last: {type(last).__name__}: {last})", path)
             if attempt % len(self.endpoints) == 0:
                 time.sleep(min(0.05 * attempt, 0.25))
+
+    def _token_ahead(self, token: str, timeout_s: float) -> bool:
+        """``token`` (etcd's simple token, ``<random>.<Raft index it was issued at>``) is ahead of what the
+        member we call has applied: etcd holds every request that carries it (restored from an older
+        snapshot, wiped). False when that cannot be told within one attempt (etcd slow: keep the token)."""
+        try:
+            issued = int(token.rpartition(".")[2])
+        except ValueError:
+            return False   # not a simple token (JWT): etcd does not wait on it
+        try:
+            _, reply, _ = self._http("POST", "/v3/maintenance/status", {}, None,
+                                     min(self.request_timeout_s, timeout_s))
+            applied = int(reply.get("raftAppliedIndex") or reply.get("raftIndex") or 0)
+        except (EtcdError, TypeError, ValueError):
+            return False
+        return 0 < applied < issued
 
     def _authenticate(self, timeout_s: Optional[float] = None) -> str:
         status, reply, _ = self._http("POST", "/v3/auth/authenticate",
@@ -290,7 +346,9 @@ class EtcdHttpClient:
         never in a plain ``EtcdError`` ("not applied")."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        retried, reauthenticated, unavailable = False, False, 0
+        retried, reauthenticated, unavailable, token_dropped = False, False, 0, False
+        with self._history_lock:   # no linearizable answer to this call is older than what came before it
+            floor = (self._high_revision, self.epoch)
         while True:
             token = None
             try:
@@ -301,6 +359,23 @@ class EtcdHttpClient:
                         token = self._token
                 status, reply, retried_now = self._http("POST", path, body if body is not None else {}, token,
                                                         max(0.0, deadline - time.monotonic()))
+            except _TimedOutWithToken as exc:
+                retried = True   # it may have been applied
+                if not token_dropped:   # once per call: one status look, one login at most
+                    token_dropped = True
+                    dropped = self._token_ahead(token, max(0.0, deadline - time.monotonic()))
+                    with self._lock:
+                        dropped = dropped and self._token == token
+                        if dropped:
+                            self._token = None
+                            self.token_drops += 1
+                    if dropped:
+                        log.warning("etcd %s timed out with our auth token: logging in again (an etcd restored from "
+                                    "an older snapshot holds requests whose token is ahead of it)", path)
+                if time.monotonic() >= deadline:
+                    raise EtcdUnavailable(-1, f"no answer from {self.endpoints} within {timeout_s}s (last: {exc})",
+                                          path) from None
+                continue
             except EtcdUnavailable:
                 raise
             except EtcdError as exc:   # the authentication itself was answered "unavailable"
@@ -333,9 +408,55 @@ class EtcdHttpClient:
             if unavailable:
                 self.retried_calls += 1
             self.calls[path] = self.calls.get(path, 0) + 1
+            self._watch_history(path, reply, floor)
             if "result" in reply and isinstance(reply["result"], dict):   # streaming endpoints wrap their answer
                 return reply["result"], retried
             return reply, retried
+
+    def _watch_history(self, path: str, reply: dict[str, Any], floor: tuple[int, int]) -> None:
+        """Record a rewind when a key-value answer is older than ``floor`` or comes from another cluster.
+
+        Only ``/v3/kv/`` answers count: they are linearizable (ranges are never serializable here),
+        so in one cluster their revision is at least that of any answer received before the call
+        was sent. Lease and maintenance answers may come from a lagging member and are not used.
+        A member replaced within the same cluster keeps the cluster's data (Raft): not a rewind.
+        ``floor`` is (the highest revision, ``epoch``) when the call was sent: a call sent before a
+        rewind another thread saw is not counted as a second one."""
+        header = reply.get("header") if isinstance(reply.get("header"), dict) else None
+        if header is None or not path.startswith("/v3/kv/"):
+            return
+        try:
+            revision = int(header.get("revision", 0))
+        except (TypeError, ValueError):
+            return
+        cluster_id = str(header.get("cluster_id", ""))
+        why = ""
+        high, epoch = floor
+        with self._history_lock:
+            if epoch != self.epoch:
+                pass   # sent before a rewind that another call saw: that one counted it
+            elif cluster_id and self._cluster_id and cluster_id != self._cluster_id:
+                why = (f"etcd answers as cluster {cluster_id}, not {self._cluster_id} (a different or re-created "
+                       "cluster)")
+            elif revision and revision < high:
+                why = (f"etcd's revision went back from {high} to {revision} (restored from an older snapshot, "
+                       "or its data was lost)")
+            if why:
+                self.epoch += 1
+                self.rewinds.append(Rewind(self.epoch, why, time.time()))
+                del self.rewinds[:-16]
+                self._high_revision = revision
+            else:
+                self._high_revision = max(self._high_revision, revision)
+            if cluster_id:
+                self._cluster_id = cluster_id
+        if why:
+            log.error("%s: every lease, record and handoff state of this fleet written since may be gone", why)
+
+    @property
+    def last_rewind(self) -> str:
+        """Why etcd was last seen going back in time ("" if never)."""
+        return self.rewinds[-1].why if self.rewinds else ""
 
     def get(self, path: str) -> dict[str, Any]:
         """GET a non-v3 path (``/health``, ``/version``) without auth."""

@@ -126,6 +126,7 @@ class Membership(SharedState):
         if now - self._last_poll < self.poll_interval_s:
             return 0
         self._last_poll = now
+        self.store.check_rewind()   # etcd seen going back in time by any call: the lease counts as lost
         if self._lost is not None or self.store.lease_lost:
             return self._reincarnate(self._lost or "lease lost")
         if not self.store.lease_valid():

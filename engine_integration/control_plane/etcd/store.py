@@ -30,6 +30,12 @@ the torn-read check is the second line). Once etcd answers that the lease is gon
 ``lease_lost`` is set and ``on_lease_lost`` called: the instance re-registers as a new
 incarnation (``register`` again) and treats everything of the old one as failed.
 
+etcd going back in time (restored from an older snapshot, wiped and secured again, another
+cluster behind the endpoint: ``gateway.Rewind``) counts as a lost lease too: what the fleet
+wrote since is gone or stale, and a handoff record of the old incarnation could name blocks
+long reused. The instance registers again as a new incarnation, so that every record of the
+old one is ignored by every reader, and revokes its old lease if the restore brought it back.
+
 Polling rather than etcd's streaming watch: one range per poll is simple, stateless
 and self-healing across reconnects and compactions (a watch must resume from a
 revision and handle compaction); the cost is one small request per poll per process.
@@ -211,6 +217,8 @@ class EtcdStore:
         self._refused_total = 0
         self._refused_seen: set[tuple[str, str]] = set()
         self._last_view: Optional[FleetView] = None
+        self._epoch = 0                       # the gateway's rewind epoch our lease was granted in
+        self._rewound = False                 # the lease was given up because etcd went back in time
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._mutex = threading.Lock()
@@ -247,11 +255,12 @@ class EtcdStore:
         wait = self.config.name_wait_s if self.config.name_wait_s is not None else self.config.ttl_s + 1.0
         deadline = time.monotonic() + wait
         try:
-            if old is not None and not self._lease_lost:
-                self.client.lease_revoke(old.lease)
+            if old is not None and (not self._lease_lost or self._rewound):
+                self._revoke_old(old)
             while True:
                 holder, revision = self._name_holder(name, old)
                 if holder is None:
+                    epoch = self.client.epoch   # a rewind seen from here on concerns this new lease
                     sent = time.monotonic()
                     lease, ttl = self.client.lease_grant(self.config.ttl_s)
                     record = InstanceRecord(name=name, role=role, incarnation=uuid.uuid4().hex[:16], lease=lease,
@@ -276,12 +285,36 @@ class EtcdStore:
         with self._mutex:
             self.record, self._lease_ttl = record, ttl
             self._lease_deadline = sent + ttl
-            self._lease_lost = self._superseded = False
+            self._lease_lost = self._superseded = self._rewound = False
+            self._epoch = epoch
         self._stop.clear()
         self._thread = threading.Thread(target=self._keepalive_loop, name=f"etcd-lease-{name}", daemon=True)
         self._thread.start()
         log.info("registered %s %r incarnation %s under lease %d (TTL %ds)", role, name, record.incarnation, lease, ttl)
         return record
+
+    def _revoke_old(self, old: InstanceRecord) -> None:
+        """Revoke our previous lease: every key of the old incarnation goes with it. After a rewind the
+        restore may have brought that lease back with stale records under it; if it is gone, fine."""
+        try:
+            self.client.lease_revoke(old.lease)
+        except EtcdError as exc:
+            if not self._rewound:
+                raise
+            log.info("previous lease %d of %r not revoked (%s); it expires", old.lease, old.name, exc)
+
+    def check_rewind(self) -> bool:
+        """True if etcd went back in time since our lease was granted (``gateway.Rewind``); the lease is
+        then given up (``lease_lost``, ``on_lease_lost`` called once) and ``register`` must run again."""
+        record = self.record
+        if record is None or self.client.epoch == self._epoch:
+            return False
+        with self._mutex:
+            if self._lease_lost:
+                return self._rewound
+            self._rewound = True
+        self._lose(record, f"etcd went back in time ({self.client.last_rewind})")
+        return True
 
     def _name_holder(self, name: str, old: Optional[InstanceRecord]) -> tuple[Optional[InstanceRecord], int]:
         """(the live instance holding ``name`` that we may not replace, or None; the key's mod revision)."""
@@ -351,6 +384,8 @@ class EtcdStore:
                             record.name, exc, max(0.0, self._lease_deadline - time.monotonic()))
                 continue
             self.counters["keepalives"] += 1
+            if self.check_rewind():
+                return
             if ttl <= 0:
                 self._lose(record, "etcd says the lease expired or was revoked")
                 return
@@ -421,9 +456,11 @@ class EtcdStore:
         return self._lease_lost
 
     def lease_valid(self) -> bool:
+        """Our lease is confirmed: not lost, renewed within its TTL, and etcd not seen going back in time since
+        it was granted (a commit after a rewind would rest on state etcd no longer has)."""
         with self._mutex:
             return (self.record is not None and not self._lease_lost
-                    and time.monotonic() < self._lease_deadline)
+                    and time.monotonic() < self._lease_deadline and self.client.epoch == self._epoch)
 
     def _require_lease(self) -> InstanceRecord:
         if self.record is None:
@@ -467,6 +504,9 @@ class EtcdStore:
             raise ControlPlaneUnavailable(str(exc)) from None
         except EtcdError as exc:
             raise ControlPlaneError(str(exc)) from None
+        if self.check_rewind():   # nothing of what etcd holds now may be acted on by this incarnation
+            raise LeaseLost(f"{self.record.name if self.record else '?'!r}: {self.client.last_rewind}; "
+                            "register again")
         self.counters["snapshots"] += 1
         instances: dict[str, InstanceRecord] = {}
         raw_handoffs: list[tuple[str, HandoffRecord]] = []
@@ -728,4 +768,5 @@ class EtcdStore:
                       refused_records=self._refused_total,
                       counters=dict(self.counters, reconnects=self.client.reconnects, failovers=self.client.failovers,
                                     retried_calls=self.client.retried_calls,
-                                    unavailable_answers=self.client.unavailable_answers))
+                                    unavailable_answers=self.client.unavailable_answers,
+                                    token_drops=self.client.token_drops, rewinds=self.client.epoch))
