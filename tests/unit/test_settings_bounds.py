@@ -268,3 +268,14 @@ def test_the_transfer_timeout_has_one_default():
     assert len(defaults) == 3, defaults
     assert set(defaults.values()) == {TRANSFER_TIMEOUT_S}, defaults
     assert LoopbackConfig().timeout_s == BenchConfig().timeout_s == SoakConfig().timeout_s == TRANSFER_TIMEOUT_S
+
+
+@pytest.mark.parametrize("query", ["ttl=inf", "ttl=1", "ttl=100000000000", "poll=nan", "poll=1e308",
+                                   "handoff_timeout=inf", "handoff_timeout=1e308", "handoff_timeout=-1"])
+def test_an_etcd_url_opened_from_code_is_bounded_too(query):
+    """``EtcdPlane.open`` (an engine opening its plane from a URL in code, not through the command line)."""
+    from engine_integration.control_plane.etcd.plane import EtcdPlane
+
+    name = query.split("=")[0]
+    with pytest.raises(ValueError, match=f"etcd URL: {name}="):
+        EtcdPlane.open(f"etcd://127.0.0.1:1/fleet?{query}", insecure=True)

@@ -35,6 +35,8 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
+from kvxfer.defaults import MAX_TIMEOUT_S, MIN_TIMEOUT_S, SettingError, bounded_float
+
 from engine_integration.control_plane.base import (ControlPlane, ControlPlaneError, ControlPlaneUnavailable,
                                                    PlaneEngine)
 from engine_integration.control_plane.etcd.decode_role import DecodeRole
@@ -99,10 +101,12 @@ class EtcdPlane(Membership, PrefillRole, DecodeRole, ControlPlane):
         to the least loaded decode only (no prefix preference)."""
         options = {k: v for k, v in (("password_file", password_file), ("secret_file", secret_file)) if v}
         query = {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items() if k in PLANE_QUERY_KEYS}
-        if handoff_timeout_s is None:
-            handoff_timeout_s = float(query.get("handoff_timeout", 120.0))
-        if handoff_timeout_s <= 0:
-            raise ValueError(f"handoff_timeout must be > 0 seconds, got {handoff_timeout_s}")
+        try:
+            handoff_timeout_s = bounded_float("handoff_timeout", query.get("handoff_timeout", 120.0)
+                                              if handoff_timeout_s is None else handoff_timeout_s,
+                                              MIN_TIMEOUT_S, MAX_TIMEOUT_S, unit="seconds")
+        except SettingError as exc:  # inf or 1e308 once passed: a stuck reader was never counted stuck
+            raise ValueError(f"etcd URL: {exc}") from None
         prefix_routing = query.get("prefix_routing", "1")
         if prefix_routing not in ("0", "1"):
             raise ValueError(f"prefix_routing must be 0 or 1 in the etcd URL, got {prefix_routing!r}")

@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
+from kvxfer.defaults import ETCD_POLL_S, ETCD_TTL_S, SettingError, bounded_float, bounded_int
+
 from engine_integration.control_plane.base import ControlPlaneError, ControlPlaneUnavailable, Health
 from engine_integration.control_plane.etcd.gateway import (KV, EtcdError, EtcdHttpClient, EtcdUnavailable, TxnResult,
                                                            delete_op, if_absent, if_mod_revision, prefix_end, put_op,
@@ -154,10 +156,13 @@ def parse_etcd_url(url: str, **overrides: Any) -> EtcdConfig:
     kwargs: dict[str, Any] = {"endpoints": endpoints, "user": userinfo or None}
     if parts.path.strip("/"):
         kwargs["cluster"] = parts.path.strip("/")
-    if "ttl" in query:
-        kwargs["ttl_s"] = int(query["ttl"])
-    if "poll" in query:
-        kwargs["poll_interval_s"] = float(query["poll"])
+    try:  # the same ranges as the command line's (kvxfer.defaults): inf or 10**11 once reached the lease
+        if "ttl" in query:
+            kwargs["ttl_s"] = bounded_int("ttl", query["ttl"], *ETCD_TTL_S, unit="a whole number of seconds")
+        if "poll" in query:
+            kwargs["poll_interval_s"] = bounded_float("poll", query["poll"], *ETCD_POLL_S, unit="seconds")
+    except SettingError as exc:
+        raise ValueError(f"etcd URL: {exc}") from None
     for name, field_name in (("ca", "ca_file"), ("cert", "cert_file"), ("key", "key_file")):
         if name in query:
             kwargs[field_name] = query[name]
