@@ -536,7 +536,8 @@ def answer(cmd: dict, ranks: dict, backend) -> dict:
                     "prefill_info_table": len(getattr(manager, "prefill_info_table", None) or {}),
                     "attn_tp_size": manager.attn_tp_size, "junk": manager.kvxfer_junk,
                     "known_prefills": manager.kvxfer_puller.known_prefills if manager.kvxfer_puller else None,
-                    "hellos": hello_pacing(manager)}
+                    "hellos": hello_pacing(manager), "sockets": endpoint_sockets(manager),
+                    "fds": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None}
         if op == "unset_reads":  # KVArgs fields read that SGLang left unset, and by whom
             return {"unset_reads": UNSET_READS}
         return {"error": f"unknown op {op!r}"}
@@ -563,6 +564,12 @@ def together(cmds: list, ranks: dict, backend) -> dict:
     for thread in threads:
         thread.join()
     return {"replies": replies}
+
+
+def endpoint_sockets(manager) -> Optional[dict]:
+    """kvxfer's sockets to peer endpoints (``kvxfer.integrations.sglang.sockets``): open, held, and what happened."""
+    table = getattr(manager, "kvxfer_sockets", None)
+    return None if table is None else {**table.sizes(), **table.counters}
 
 
 def hello_pacing(manager) -> Optional[dict]:

@@ -129,6 +129,55 @@ def slice_oracle(cmd, backend, manager, pool, kv_args) -> dict:
     return {"blocks": [list(b) for b in compute_mamba_state_slice_byte_blocks(**cmd["args"])]}
 
 
+# --- a replayed chunk's timing (issue 49): the chunks a prefill sends, as a tap on the wire sees them, and its
+# read-dones held back, as a prefill whose service loop runs late (a busy core) takes them late
+
+HOLD: dict = {"on": False, "held": []}
+
+
+def hold_read_done(cmd, backend, manager, pool, kv_args) -> dict:
+    """From now on every CHUNK this prefill hands to zmq is appended (a JSON line: its frames in hex) to
+    ``cmd["tap"]``, and kvxfer's read-dones are held back (the service loop sees none) until ``release_read_done``:
+    each is still the transport's own, handed to the service loop later, as a late loop would take it."""
+    import json
+
+    from kvxfer.integrations.sglang import wire
+
+    rooms, table = manager.kvxfer_rooms, manager.kvxfer_pool.table_backend
+    send, drain = rooms._send, table.drain_read_done
+    HOLD["on"] = True
+
+    def tapped(endpoint, frames):
+        if frames[0] == wire.CHUNK:
+            with open(cmd["tap"], "a") as out:
+                out.write(json.dumps({"endpoint": endpoint, "frames": [bytes(f).hex() for f in frames]}) + "\n")
+        return send(endpoint, frames)
+
+    def late():
+        HOLD["held"].extend(drain())
+        if HOLD["on"]:
+            return []
+        out, HOLD["held"] = HOLD["held"], []
+        return out
+
+    rooms._send, table.drain_read_done = tapped, late
+    return {"holding": True}
+
+
+def release_read_done(cmd, backend, manager, pool, kv_args) -> dict:
+    """Once the file ``cmd["when"]`` exists (at most ``timeout`` s), hand the held read-dones to the service loop
+    (run in ``together`` with a ``serve``: a rank's commands otherwise run one at a time)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + cmd.get("timeout", 60)
+    while not os.path.exists(cmd["when"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    HOLD["on"] = False
+    return {"released": len(HOLD["held"])}
+
+
 if __name__ == "__main__":
     main(extra_ops={"model_prefill": model_prefill, "model_decode": model_decode, "state_slot": state_slot,
-                    "slice_oracle": slice_oracle})
+                    "slice_oracle": slice_oracle, "hold_read_done": hold_read_done,
+                    "release_read_done": release_read_done})

@@ -35,13 +35,15 @@ from sglang.srt.runtime_context import get_disagg
 from sglang.srt.utils.network import NetworkAddress
 
 from kvxfer.backends.base import transfer_timeout_from_env
+from kvxfer.defaults import bounded_float, bounded_int
 from kvxfer.meta.seal import meta_key_from_env
 from kvxfer.integrations.sglang import wire
-from kvxfer.integrations.sglang.hellos import HelloPacer, pace_from_env
+from kvxfer.integrations.sglang.hellos import REFUSALS_PER_S, Budget, HelloPacer, pace_from_env
 from kvxfer.integrations.sglang.names import BACKENDS
 from kvxfer.integrations.sglang.pool import PoolRegistration
 from kvxfer.integrations.sglang.puller import Puller
 from kvxfer.integrations.sglang.regions import kv_layout
+from kvxfer.integrations.sglang.sockets import EndpointSockets
 from kvxfer.handoff.guard import LeaseTable
 from kvxfer.integrations.sglang.source import SourceRooms
 from kvxfer.integrations.sglang.tp import parallel_refusal, plan_pair
@@ -103,7 +105,7 @@ class KvxferKVManager(CommonKVManager):
             raise RuntimeError(refused)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.kvxfer_timeout_s = transfer_timeout_from_env()
-        slots = int(os.environ.get(MAX_ROOMS_ENV, "4096"))
+        slots = bounded_int(MAX_ROOMS_ENV, os.environ.get(MAX_ROOMS_ENV) or 4096, 16, 1 << 24, unit="lease slots")
         device = str(getattr(server_args, "device", None) or "cuda")
         if device.startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # no CUDA in this process: SGLang's pool is host memory
@@ -126,22 +128,30 @@ class KvxferKVManager(CommonKVManager):
         self._kvxfer_junk_logged_at = float("-inf")
         self.kvxfer_unsent = 0  # messages zmq would not take (the peer's queue full, no connection)
         self._kvxfer_unsent_logged_at: dict[bytes, float] = {}
+        # kvxfer's frames go on sockets of its own, bounded and closed when idle (SGLang's ``_connect`` keeps one
+        # per endpoint for good: ``sockets``)
+        self.kvxfer_sockets = EndpointSockets(self._zmq_ctx)
+        self._kvxfer_swept_at = time.monotonic()
         self.kvxfer_rooms: Optional[SourceRooms] = None
         self.kvxfer_puller: Optional[Puller] = None
         self.kvxfer_hellos: Optional[HelloPacer] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._kvxfer_export = self.kvxfer_pool.export()
             self.kvxfer_hellos = HelloPacer(self._kvxfer_hello, pace_s=pace_from_env())
+            self._kvxfer_checks = Budget(REFUSALS_PER_S)  # layouts compared on a REG's arrival (hellos.py)
+            self.kvxfer_refused = 0  # decodes told at once that their layout cannot be served
+            self._kvxfer_refused_logged_at = float("-inf")
             self.kvxfer_rooms = SourceRooms(LeaseTable(self.kvxfer_pool.table), prefill_key=self.kvxfer_key,
                                             timeout_s=2 * self.kvxfer_timeout_s, send=self._kvxfer_push,
                                             conclude=self._kvxfer_conclude, max_early=slots,
-                                            early_s=float(self.bootstrap_timeout))
+                                            early_s=float(self.bootstrap_timeout), busy=self._kvxfer_busy)
             self._kvxfer_threads(self._prefill_listen, self._prefill_service)
         else:
             self.kvxfer_puller = Puller(self.kvxfer_pool, self.kvxfer_layout, succeed=self._kvxfer_succeed,
                                         fail=self._kvxfer_fail, send=self._kvxfer_push, endpoint=self.kvxfer_key)
             self._kvxfer_threads(self._decode_listen)
-            self.heartbeat_interval = float(os.environ.get(HEARTBEAT_ENV, "1.0"))
+            self.heartbeat_interval = bounded_float(HEARTBEAT_ENV, os.environ.get(HEARTBEAT_ENV) or 1.0, 0.01, 3600.0,
+                                                    unit="seconds")
             self._start_heartbeat_checker_thread()
 
     def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
@@ -166,15 +176,14 @@ class KvxferKVManager(CommonKVManager):
 
     def _kvxfer_push(self, key: str, frames: list[bytes]) -> bool:
         """Send ``frames`` (signed) to the rank at ``key`` without blocking; True if zmq took them. SGLang's
-        scheduler thread and kvxfer's threads call this (``SourceRooms`` under its lock: this takes only
-        SGLang's socket locks), and a dead or stalled peer must cost them nothing. A message zmq will not
+        scheduler thread and kvxfer's threads call this (``SourceRooms`` under its lock: this takes only the
+        socket table's lock), and a dead or stalled peer must cost them nothing. A message zmq will not
         take is dropped and logged (one line per 10 s per kind of message); the caller decides what that means for its room
         (a chunk fails it at once)."""
+        self._kvxfer_sweep()
         try:
             _, tcp, ipv6 = _endpoint(key)
-            sock = self._connect(tcp, is_ipv6=ipv6)
-            with self._socket_send_locks[tcp]:
-                sock.send_multipart(self.kvxfer_frames.sign(frames), flags=zmq.NOBLOCK)
+            self.kvxfer_sockets.send(tcp, self.kvxfer_frames.sign(frames), ipv6=ipv6)
             return True
         except Exception as exc:  # zmq.Again (no live connection, or its queue is full), a bad address, ...
             self.kvxfer_unsent += 1
@@ -184,6 +193,19 @@ class KvxferKVManager(CommonKVManager):
                 logger.warning("kvxfer sglang: sending %s to %s failed (%d so far): %s", bytes(frames[0][:16]), key,
                                self.kvxfer_unsent, f"{type(exc).__name__}: {exc}")
             return False
+
+    def _kvxfer_sweep(self) -> None:
+        """Close the idle endpoint sockets, at most every 0.25 s (the prefill's service loop and every send call it)."""
+        now = time.monotonic()
+        if now - self._kvxfer_swept_at >= 0.25:
+            self._kvxfer_swept_at = now
+            self.kvxfer_sockets.sweep()
+
+    def _kvxfer_busy(self, key: str, busy: bool) -> None:
+        """``SourceRooms``: the decode at ``key`` has its first room in flight here (its socket is kept open, its
+        REG answered now, before that room's first chunk), or its last one ended."""
+        self.kvxfer_sockets.hold(_endpoint(key)[1], busy)
+        self.kvxfer_hellos.busy(key, busy)
 
     def _recv(self) -> Optional[list[bytes]]:
         if not self.server_socket.poll(200):
@@ -223,25 +245,43 @@ class KvxferKVManager(CommonKVManager):
                 return
             raise wire.WireError(f"unexpected message {msg[0][:20]!r}")
         tag, body = parsed
-        if tag == wire.REG:  # answered with a HELLO, at most one per decode endpoint per pace (hellos.py)
-            self.kvxfer_hellos.reg(body)
+        if tag == wire.REG:  # kept, answered once the decode has a room here (hellos.py); refused ones at once
+            if self._kvxfer_checks.take():
+                refused, _ = plan_pair(self.kvxfer_layout, body["layout"])
+                if refused:
+                    self._kvxfer_refuse(body["endpoint"], refused)
+                    return
+            self.kvxfer_hellos.reg(body, size=len(msg[1]))
         elif tag == wire.META:
             room = body["room"]
             if self.kvxfer_rooms.metadata(room, body):  # a room SGLang has a sender for (else kept, bounded)
                 self.update_status(room, KVPoll.WaitingForInput)
         elif tag == wire.FAILED:
-            self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["endpoint"], body["reason"])
+            self.kvxfer_rooms.decode_failed(body["room"], body["lease"], body["endpoint"], body["reason"],
+                                            chunk=body["chunk"])
         else:
             raise wire.WireError(f"{tag.decode()} is a message for a decode, not a prefill")
 
     def _kvxfer_hello(self, reg: dict) -> None:
-        """Answer a decode's registration: this prefill's metas and layout, or why its layout cannot be served."""
+        """Answer a decode's registration (it has a room here now): this prefill's metas and layout, or why its
+        layout cannot be served."""
         refused, _ = plan_pair(self.kvxfer_layout, reg["layout"])
         if refused:
-            logger.error("kvxfer sglang: refusing decode %s, its KV layout differs: %s", reg["endpoint"], refused)
+            self._kvxfer_refuse(reg["endpoint"], refused)
+            return
         self._kvxfer_push(reg["endpoint"], wire.encode(wire.HELLO, {
-            "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout,
-            "refused": refused}))
+            "prefill": self.kvxfer_key, "metas": self._kvxfer_export, "layout": self.kvxfer_layout}))
+
+    def _kvxfer_refuse(self, endpoint: str, refused: str) -> None:
+        """Tell a decode its layout cannot be served: a HELLO with the reason and no metas (nothing to read with)."""
+        self.kvxfer_refused += 1
+        now = time.monotonic()
+        if now - self._kvxfer_refused_logged_at > 10.0:  # a stranger's REGs must not flood the log
+            self._kvxfer_refused_logged_at = now
+            logger.error("kvxfer sglang: refusing decode %s, its KV layout differs (%d refused so far): %s", endpoint,
+                         self.kvxfer_refused, refused)
+        self._kvxfer_push(endpoint, wire.encode(wire.HELLO, {"prefill": self.kvxfer_key, "layout": self.kvxfer_layout,
+                                                             "refused": refused}))
 
     def _prefill_service(self) -> None:
         rooms, pool = self.kvxfer_rooms, self.kvxfer_pool
@@ -257,6 +297,7 @@ class KvxferKVManager(CommonKVManager):
             rooms.expire()
             rooms.flush()
             self.kvxfer_hellos.flush()
+            self._kvxfer_sweep()
             if not busy:
                 time.sleep(0.0005)
 
@@ -355,6 +396,7 @@ class KvxferKVManager(CommonKVManager):
         self._kvxfer_stop.set()
         if self.kvxfer_puller is not None:
             self.kvxfer_puller.close()
+        self.kvxfer_sockets.close()
         self.kvxfer_pool.close()
 
 

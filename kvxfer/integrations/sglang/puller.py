@@ -40,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -58,6 +59,10 @@ logger = logging.getLogger(__name__)
 MAX_PREFILLS = 4096
 #: Chunks kept while their prefill's HELLO is on its way.
 MAX_PARKED = 16384
+#: Rooms whose end (success or not) a decode remembers, for the chunks that come after it.
+MAX_ENDED = 4096
+#: Seconds between two registrations a decode sends again to one prefill (a chunk came before the HELLO).
+REG_AGAIN_S = 1.0
 
 
 @dataclass
@@ -130,6 +135,8 @@ class Puller:
         self._hellos: dict[str, Optional[dict[str, Any]]] = {}
         self._rooms: dict[int, _RoomPull] = {}
         self._parked: list[dict[str, Any]] = []  # chunks whose prefill's HELLO has not come yet
+        self._ended: "OrderedDict[int, bool]" = OrderedDict()  # rooms that ended here -> succeeded (``_ended_add``)
+        self._asked: dict[str, float] = {}  # prefill -> when a chunk before its HELLO made this decode register again
         self._held: Quarantine[int, _RoomPull] = Quarantine()  # failed and retired rooms with reads that may land
         self._slots = ScratchSlots(pool.table)
         self._lock = threading.Lock()  # guards _held, _announced and the counters for readers on other threads
@@ -232,6 +239,26 @@ class Puller:
             for old in [key for key in self._hellos if key not in busy][:len(self._hellos) - MAX_PREFILLS]:
                 del self._hellos[old]
 
+    def _ended_add(self, room: int, success: bool) -> None:
+        """Remember how ``room`` ended here (bounded, oldest forgotten first): a chunk of it that comes later is a
+        replay if it succeeded (dropped), or answered with a FAILED the prefill takes if this decode gave it up."""
+        self._ended.pop(room, None)
+        self._ended[room] = success
+        if len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def _ask_hello(self, prefill: str) -> None:
+        """A chunk came from ``prefill`` before its HELLO: register with it again, at most once per
+        ``REG_AGAIN_S``. A prefill answers a registration when this decode has a room in flight there
+        (``hellos``), which it now has; the first registration may have been dropped from its bounded table."""
+        now = time.monotonic()
+        if now - self._asked.get(prefill, float("-inf")) < REG_AGAIN_S:
+            return
+        self._asked[prefill] = now
+        if len(self._asked) > MAX_PREFILLS:  # only prefills this decode registered with come here
+            self._asked.pop(next(iter(self._asked)))
+        self._send(prefill, wire.encode(wire.REG, {"endpoint": self._endpoint, "layout": self._layout}))
+
     def _on_hello(self, body: dict[str, Any]) -> None:
         if body["prefill"] not in self._hellos:
             self.counters["strangers"] += 1  # not a prefill this decode registered with
@@ -307,6 +334,7 @@ class Puller:
         state = self._rooms.get(room)
         if state is not None and not state.chunks:  # nothing posted: nothing can land
             del self._rooms[room]
+            self._ended_add(room, False)
         elif state is not None:
             state.cancelled = True
             self._cancel(state, "cleared")
@@ -334,14 +362,20 @@ class Puller:
                                     f"for the HELLO of prefill {prefill}")
                 return
             self._parked.append(body)
+            self._ask_hello(prefill)
             return
         state = self._rooms.get(room)
         source = None if state is None else state.sources.get(prefill)
         if source is None or state.cancelled or state.failed is not None:
             self.counters["stale_chunks"] += 1
-            self._send(prefill, wire.encode(wire.FAILED, {"room": room, "lease": body.get("lease"),
-                                                          "endpoint": self._endpoint,
-                                                          "reason": "the decode has no live request for this room"}))
+            ended = self._ended.get(room) if state is None else None
+            if ended:  # this decode read the room whole: the chunk is a replay (issue 49), no answer
+                return
+            answer = {"room": room, "lease": body.get("lease"), "endpoint": self._endpoint,
+                      "reason": "the decode has no live request for this room"}
+            if ended is None and source is None:  # not a room this decode gave up: the answer names the chunk, and
+                answer["chunk"] = int(body["chunk"])  # the prefill does not take it as the room's failure
+            self._send(prefill, wire.encode(wire.FAILED, answer))
             return
         if source.lease is None:
             source.lease = int(body["lease"])
@@ -509,6 +543,7 @@ class Puller:
                     state.failed = uncovered
                     return True
                 del self._rooms[room]
+                self._ended_add(room, True)
                 self.counters["rooms_succeeded"] += 1
                 self._succeed(room)
                 return True
@@ -519,6 +554,7 @@ class Puller:
         if not safe:  # held before it leaves the rooms: ``holds`` always sees it active or unsafe
             self._quarantine(room, state)
         del self._rooms[room]
+        self._ended_add(room, False)
         if safe:
             self._release(room, state)
         return True

@@ -105,12 +105,18 @@ class SourceRooms:
     def __init__(self, leases: LeaseTable, *, prefill_key: str, timeout_s: float,
                  send: Callable[[str, list[bytes]], bool],
                  conclude: Callable[[int, bool, Optional[str]], None],
-                 max_early: int = 4096, early_s: float = 300.0) -> None:
+                 max_early: int = 4096, early_s: float = 300.0,
+                 busy: Callable[[str, bool], None] = lambda endpoint, busy: None) -> None:
         self._leases = leases
+        # (decode endpoint, True) when its first lease here is taken, (endpoint, False) when its last is revoked:
+        # the prefill keeps a socket to it and owes it a HELLO only while it has a room in flight (called under
+        # the lock, before that first chunk is sent)
+        self._busy = busy
+        self._leased: dict[str, int] = {}  # decode endpoint -> its leases in flight (bounded by the lease table)
         self._prefill_key = prefill_key
         self.timeout_s = timeout_s  #: the bound on an offered chunk's read-done (read at each expiry check)
         # (endpoint "ip:port", frames) -> whether zmq took them; never blocks, and is called under the lock
-        # (it takes only SGLang's socket locks, which are never held around a call into this class)
+        # (it takes only the socket table's lock, never held around a call into this class)
         self._send = send
         self._conclude = conclude  # (room, success, failure reason): SGLang's status
         self._rooms: dict[int, _Room] = {}
@@ -127,7 +133,7 @@ class SourceRooms:
         self._logged_at: dict[str, float] = {}
         self.counters = {"chunks_announced": 0, "chunks_read": 0, "rooms_succeeded": 0, "rooms_failed": 0,
                          "rooms_timed_out": 0, "stale_reports": 0, "chunks_unsent": 0, "foreign_reports": 0,
-                         "early_evicted": 0, "tells_lost": 0, "foreign_metas": 0}
+                         "early_evicted": 0, "tells_lost": 0, "foreign_metas": 0, "chunk_answers": 0}
 
     # --- from SGLang ----------------------------------------------------------------------
     def open(self, room: int) -> bool:
@@ -267,6 +273,9 @@ class SourceRooms:
                 reason = f"all {self._leases.table.numel()} kvxfer lease slots are in use (raise KVXFER_SGLANG_MAX_ROOMS)"
                 self._finish_locked(room, state, False, reason)
                 return
+            self._leased[reader.endpoint] = self._leased.get(reader.endpoint, 0) + 1
+            if self._leased[reader.endpoint] == 1:
+                self._busy(reader.endpoint, True)
         number = reader.next_chunk
         reader.next_chunk += 1
         slot, lease = reader.lease
@@ -299,9 +308,7 @@ class SourceRooms:
             if state is not None:
                 self._early_drop_locked(room, state)
             if state is not None and not state.concluded:
-                for reader in state.readers.values():
-                    if reader.lease is not None:
-                        self._leases.revoke(*reader.lease)
+                self._revoke_locked(state)
 
     def abort(self, room: int, reason: str, *, skip: Optional[str] = None) -> None:
         """Fail the room (SGLang's abort on either side): every reader but ``skip`` (the decode that aborted
@@ -335,10 +342,20 @@ class SourceRooms:
             self._finish_locked(parsed[0], state, False, f"the decode {reader.endpoint}'s read failed: {reason}",
                                 skip=reader.endpoint)
 
-    def decode_failed(self, room: int, lease: Optional[int], endpoint: str, reason: str) -> None:
+    def decode_failed(self, room: int, lease: Optional[int], endpoint: str, reason: str,
+                      chunk: Optional[int] = None) -> None:
         """A decode's KVXFER_FAILED: taken only from one of the room's decodes (``endpoint``) naming its lease
-        (None while it has none). Any other (a rank answering a chunk replayed to it, a stale room's report,
-        a stranger) is dropped and counted. The room's other decodes are told."""
+        (None while it has none), and never when it answers a chunk (``chunk``): that chunk may be a replay of
+        the room's own, which the decode (its room done, its read-done not yet drained here) no longer holds.
+        Any other (a rank answering a chunk replayed to it, a stale room's report, a stranger) is dropped and
+        counted. The room's other decodes are told."""
+        if chunk is not None:
+            with self._lock:
+                self.counters["chunk_answers"] += 1
+                self._log_limited("answer", logging.INFO, "kvxfer sglang: decode %s holds no live request for chunk "
+                                  "%s of room %s (a replay, or a room it already ended): not the room's failure "
+                                  "(%d such answers so far)", endpoint, chunk, room, self.counters["chunk_answers"])
+            return
         with self._lock:
             state = self._rooms.get(room)
             if state is None or state.concluded:
@@ -382,15 +399,27 @@ class SourceRooms:
         """Conclude the room: every lease revoked before SGLang may reuse a page; on failure every reader but
         ``skip`` (the decode that reported it) is told."""
         state.concluded = True
-        for reader in state.readers.values():
-            if reader.lease is not None:
-                self._leases.revoke(*reader.lease)
+        self._revoke_locked(state)
         self.counters["rooms_succeeded" if success else "rooms_failed"] += 1
         self._outbox.append((room, success, reason))
         if not success:
             for reader in state.readers.values():
                 if not reader.dummy and reader.endpoint != skip:
                     self._tell_locked(room, reader, reason or "failed on the prefill")
+
+    def _revoke_locked(self, state: _Room) -> None:
+        """Revoke every lease of the room (once: only while it is not concluded); an endpoint whose last lease
+        goes is no longer busy."""
+        for reader in state.readers.values():
+            if reader.lease is None:
+                continue
+            self._leases.revoke(*reader.lease)
+            left = self._leased.get(reader.endpoint, 0) - 1
+            if left > 0:
+                self._leased[reader.endpoint] = left
+            else:
+                self._leased.pop(reader.endpoint, None)
+                self._busy(reader.endpoint, False)
 
     def _tell_locked(self, room: int, reader: _Reader, reason: str) -> None:
         """Queue a REVOKED for one of the room's decodes (sent by ``flush``, again until zmq takes it)."""
@@ -444,7 +473,8 @@ class SourceRooms:
     # --- introspection ----------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"rooms": len(self._rooms), "leases_in_use": self._leases.in_use, "early": self._early,
+            return {"rooms": len(self._rooms), "leases_in_use": self._leases.in_use, "busy_decodes": len(self._leased),
+                    "early": self._early,
                     "early_peers": len(self._early_by_peer), "tells": len(self._tells)}
 
 

@@ -17,7 +17,8 @@ tag                     direction          body (JSON)
                                            where they go, lease slot and lease
 ``KVXFER_FAILED``       decode -> prefill  a room's pull failed or was aborted, and no read of it is in
                                            flight: the room, its lease (None if no chunk came), the
-                                           sender's endpoint
+                                           sender's endpoint; or (``chunk`` set) the answer to a chunk the
+                                           decode holds no live request for, naming that chunk
 ``KVXFER_REVOKED``      prefill -> decode  the prefill failed a room and revoked its lease (a chunk it
                                            could not send, a bound passed, an abort): the room, its lease
                                            (None if it had none), the prefill's endpoint, the reason
@@ -27,7 +28,12 @@ Both failure reports are bound to the room's peer: the prefill takes a FAILED on
 decode endpoint with the room's lease (a lease-less one while the room has no lease), the decode takes
 a REVOKED only from the room's prefill with the room's lease (or while it holds none); anything
 else is dropped and counted. So a frame replayed to another rank (which answers for a room it does not
-hold) cannot end a live room. SGLang's own status message is not used: it names no peer and no lease.
+hold) cannot end a live room. A room's own chunk replayed to its decode after the decode's Success (before the
+prefill took the read-done) must not end it either (issue 49): the decode drops a chunk of a room it read whole,
+answers one of a room it gave up with a FAILED (its failure report), and one of a room it never held (or no
+longer remembers) with a FAILED that names the chunk (``chunk``), which the prefill never takes as the room's
+failure. SGLang's own status message is not used: it names no
+peer and no lease.
 
 SGLang's sockets carry no authentication. With the cluster key (``KVXFER_SECRET_FILE``) every
 kvxfer frame gets one more part: an HMAC-SHA256 over its parts under a key derived for these frames
@@ -106,6 +112,7 @@ class Failed(_Body):
     endpoint: str  # the decode that sends it: the prefill takes it only from the room's decode
     lease: Optional[int] = None
     reason: str = ""
+    chunk: Optional[int] = None  # set: the answer to that chunk of the room (which may be a replay), not a report
 
 
 class Revoked(_Body):

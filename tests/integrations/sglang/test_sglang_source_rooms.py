@@ -20,10 +20,10 @@ from kvxfer.handoff.guard import LeaseTable
 from kvxfer.integrations.sglang.source import SourceRooms, request_id
 from kvxfer.integrations.sglang.tp import MAX_READERS
 
-EMPTY = {"rooms": 0, "leases_in_use": 0, "early": 0, "early_peers": 0, "tells": 0}
+EMPTY = {"rooms": 0, "leases_in_use": 0, "busy_decodes": 0, "early": 0, "early_peers": 0, "tells": 0}
 
 
-def _rooms(max_early: int = 3, early_s: float = 60.0, accept=lambda endpoint, frames: True):
+def _rooms(max_early: int = 3, early_s: float = 60.0, accept=lambda endpoint, frames: True, busy=None):
     sent, concluded = [], []
 
     def send(endpoint, frames):
@@ -33,7 +33,8 @@ def _rooms(max_early: int = 3, early_s: float = 60.0, accept=lambda endpoint, fr
         return True
 
     rooms = SourceRooms(LeaseTable(torch.zeros(8, dtype=torch.int64)), prefill_key="127.0.0.1:1", timeout_s=10.0,
-                        send=send, conclude=lambda *item: concluded.append(item), max_early=max_early, early_s=early_s)
+                        send=send, conclude=lambda *item: concluded.append(item), max_early=max_early, early_s=early_s,
+                        **({} if busy is None else {"busy": busy}))
     return rooms, sent, concluded
 
 
@@ -147,6 +148,48 @@ def test_a_failed_report_is_taken_only_from_the_rooms_decode_with_the_rooms_leas
     rooms.decode_failed(6, None, "127.0.0.1:2", "before any chunk")  # no lease yet: a lease-less report holds
     rooms.flush()
     assert concluded[-1] == (6, False, "decode: before any chunk")
+
+
+def test_a_failed_that_answers_a_chunk_never_ends_the_room():
+    """Issue 49: a room's own chunk replayed to its decode after the decode's Success (the prefill has not drained
+    the read-done yet) is answered with a FAILED from the room's decode carrying the room's lease. It names the
+    chunk it answers, and the prefill does not take it as the room's failure: the read-done then concludes it."""
+    rooms, sent, concluded = _rooms()
+    rooms.open(5)
+    rooms.metadata(5, {"room": 5, "endpoint": "127.0.0.1:2"})
+    rooms.add_chunk(5, np.array([1]), 0, 1, True, None, None)
+    lease = _bodies(sent)[0]["lease"]
+    rooms.decode_failed(5, lease, "127.0.0.1:2", "the decode has no live request for this room", chunk=0)
+    rooms.flush()
+    assert not concluded and rooms.counters["chunk_answers"] == 1
+    rooms.read_done(request_id(5, lease, 0))
+    rooms.flush()
+    assert concluded == [(5, True, None)]
+    rooms.close(5)
+    assert rooms.sizes() == EMPTY
+
+
+def test_an_endpoint_is_busy_from_its_first_lease_to_its_last_and_told_before_its_first_chunk():
+    events, rooms = [], None
+
+    def busy(endpoint, flag):
+        events.append((endpoint, flag, len(_bodies(sent))))  # chunks sent when told
+
+    rooms, sent, concluded = _rooms(busy=busy)
+    for room in (5, 6):
+        rooms.open(room)
+        rooms.metadata(room, {"room": room, "endpoint": "127.0.0.1:2"})
+        rooms.add_chunk(room, np.array([room]), 0, 1, True, None, None)
+    assert events == [("127.0.0.1:2", True, 0)], events  # once, before the first chunk went
+    leases = {b["room"]: b["lease"] for b in _bodies(sent)}
+    rooms.read_done(request_id(5, leases[5], 0))
+    assert len(events) == 1  # room 6 still holds it
+    rooms.abort(6, "aborted")
+    assert events[-1] == ("127.0.0.1:2", False, 2), events
+    rooms.flush()
+    for room in (5, 6):
+        rooms.close(room)
+    assert rooms.sizes() == EMPTY
 
 
 def test_leases_are_random_and_a_reused_slot_never_shows_its_last_lease():

@@ -12,12 +12,14 @@ Without the key (the default):
   before chunk 0) fails its room at once, with nothing read;
 * metadata from a stranger for rooms it will never own must not crowd a genuine room out of the
   prefill's early-metadata table;
-* 1,500 replayed registrations must not make the prefill send a decode 1,500 HELLOs (at most one per
-  ``KVXFER_SGLANG_HELLO_PACE_S`` per decode endpoint), and a genuine room right after completes.
+* 1,500 replayed registrations must not make the prefill send a decode 1,500 HELLOs (none while the decode has
+  no room in flight, one when its next room starts), and that room completes.
 
 With the key (a signed frame can be captured and replayed, or made by any key holder):
 * a genuine CHUNK replayed to another decode (which answers the prefill with a FAILED), and a
   lease-less FAILED, must not fail a live room: only the room's own decode, with the room's lease, can;
+  nor a room's own CHUNK replayed to its own decode after its Success, before the prefill took the read-done
+  (the decode's answer names the chunk: issue 49);
 * a prefill's status frame (what kvxfer's prefill sent before) and a revocation from another prefill
   must not fail a waiting room at the decode;
 * a chunk the prefill cannot hand to zmq (``zmq.Again``: a decode that is stopped, and thousands of
@@ -159,6 +161,12 @@ def test_keyless_guessed_lease_or_a_gap_cannot_make_a_waiting_room_succeed(keyle
     read into its pages. Room 1000 then completes byte for byte once its decode runs again."""
     ranks = keyless
     prefill, stopped, victim = ranks.prefill, ranks.first, ranks.second
+    # the victim has had a room from the prefill, so it holds the prefill's HELLO (a decode gets it only with a
+    # room in flight there, issue 49: before it, every chunk naming that prefill waits for it, the stranger's too)
+    victim.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(1999, list(range(50, 57)), 9)], timeout=40)
+    prefill.send(op="serve", rooms=[room(1999, list(range(20, 27)), 1, (3, 4))], timeout=40)
+    served, received = prefill.read(), victim.read()
+    check_same_pages(served, received, "1999", logs(prefill, victim))
     prefill.ask(op="bound", seconds=60)  # the stopped decode's room stays pinned well past this test
     src = list(range(1, 8))
     base = early(prefill)
@@ -214,12 +222,12 @@ def test_keyless_stranger_metadata_cannot_crowd_out_a_genuine_room(keyless):
     assert "evicted" in "".join(prefill.stderr), text
 
 
-def test_keyless_replayed_registrations_cost_a_decode_one_hello_per_pace(keyless):
+def test_keyless_replayed_registrations_cost_a_decode_one_hello_per_room_start(keyless):
     """A decode that registered with the prefill (a genuine room first) has its registration replayed to the
     prefill 1,500 times in a burst, unsigned, as a stranger can (issue 38: each REG used to queue a HELLO, and
-    1,500 kept a decode busy for 1.5 s). The prefill answers one per second per decode endpoint (its default
-    pace), the rest coalesced: the decode takes at most ``2 + seconds elapsed`` HELLOs, not 1,500, and a
-    genuine room sent right after completes byte for byte."""
+    1,500 kept a decode busy for 1.5 s). The decode has no room in flight, so the prefill answers none of them
+    (issue 49: a REG from an endpoint with no room costs the prefill one kept entry, nothing else); they are
+    coalesced into one, answered once when the decode's next room starts, and that room completes byte for byte."""
     ranks = keyless
     prefill, decode = ranks.prefill, ranks.second
     decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(5000, list(range(20, 27)), 12)], timeout=40)
@@ -233,23 +241,23 @@ def test_keyless_replayed_registrations_cost_a_decode_one_hello_per_pace(keyless
 
     before, pacing_before = hellos(), prefill.ask(op="sizes")["hellos"]
     reg = wire.encode(wire.REG, {"endpoint": rank_key(decode), "layout": decode.info["layout"]})
-    began = time.monotonic()
     push(prefill, [reg] * 1500, settle_s=0.0)
-    time.sleep(2.5)  # every window the burst opened has ended: what is owed was sent
-    elapsed = time.monotonic() - began
+    time.sleep(2.5)  # two windows of the default pace: nothing is owed to a decode with no room here
     took = hellos() - before
     pacing = prefill.ask(op="sizes")["hellos"]
     text = logs(prefill, decode)
-    assert 1 <= took <= 2 + elapsed, (f"the decode took {took} HELLOs for 1,500 replayed registrations in "
-                                      f"{elapsed:.1f}s", pacing, text)
-    assert pacing["hellos"] - pacing_before["hellos"] == took, (pacing_before, pacing)
-    assert pacing["coalesced"] - pacing_before["coalesced"] >= 1500 - took - 2, pacing
-    assert pacing["hello_waiting"] == 0 and pacing["hello_endpoints"] <= 1, pacing
+    assert took == 0, (f"the decode took {took} HELLOs for 1,500 replayed registrations with no room in flight",
+                       pacing, text)
+    assert pacing["hellos"] == pacing_before["hellos"], (pacing_before, pacing)
+    assert pacing["coalesced"] - pacing_before["coalesced"] == 1499, pacing  # one kept, the rest coalesced
+    assert pacing["hello_waiting"] == 0 and pacing["hello_busy"] == 0, pacing
     decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(5001, list(range(40, 47)), 13)], timeout=40)
     prefill.send(op="serve", rooms=[room(5001, list(range(10, 17)), 3, (3, 4))], timeout=40)
     served, received = prefill.read(), decode.read(timeout_s=60)
     check_same_pages(served, received, "5001", text)
-    print(f"1,500 replayed registrations: the decode took {took} HELLOs in {elapsed:.1f}s; prefill {pacing}")
+    took = hellos() - before
+    assert took == 1, f"the decode took {took} HELLOs for 1,500 replayed registrations and one room"
+    print(f"1,500 replayed registrations: the decode took {took} HELLO, at its next room; prefill {pacing}")
 
 
 # --- with the cluster key --------------------------------------------------------------------------------------
@@ -292,7 +300,8 @@ def test_signed_replayed_chunk_or_lease_less_failed_cannot_fail_a_live_room(keye
     live = served["rooms"]["4000"]
     assert live["status"] == FAILED and give_up in (live["reason"] or ""), (live, text)
     check_same_pages(served, received, "4001", text)
-    assert counters(prefill).get("foreign_reports", 0) >= 2, text
+    seen = counters(prefill)  # the other decode's answer names the chunk; the lease-less FAILED is foreign
+    assert seen.get("chunk_answers", 0) >= 1 and seen.get("foreign_reports", 0) >= 1, (seen, text)
 
 
 def test_signed_status_or_another_prefills_revocation_cannot_fail_a_waiting_room(keyed):
@@ -346,3 +355,37 @@ def test_a_chunk_the_prefill_cannot_send_fails_the_room_on_both_sides_at_once(ke
     assert theirs["status"] == FAILED and "chunk 0" in (theirs["reason"] or ""), (theirs, text)
     print(f"{sent} replayed registrations; prefill failed the room after {mine['at_s']:.2f}s: {mine['reason']}; "
           f"decode: {theirs['reason']}")
+
+
+def test_signed_chunk_replayed_to_its_own_decode_after_success_cannot_fail_the_room(keyed, tmp_path):
+    """Issue 49: a room's own signed CHUNK, replayed to its own decode right after that decode's Success and before
+    the prefill took the read-done, used to fail the room on the prefill (1/3, 4/6, 1/6 rooms over three runs):
+    the decode, holding no live request for the room any more, answered with a FAILED from the room's own
+    endpoint with the room's lease, and the prefill took it. The timing is made certain here: the prefill's
+    read-dones are held back (a service loop running late) until the replay was taken, and the chunk is taken
+    as a tap on the wire sees it. Now the decode, which read the room whole, drops the chunk (a FAILED that answers a
+    chunk of a room it never held names the chunk, and the prefill does not take it: test_sglang_source_rooms.py):
+    the room ends Success on both sides, byte for byte."""
+    ranks = keyed
+    prefill, decode, key = ranks.prefill, ranks.second, ranks.key
+    tap, release = tmp_path / "chunks.jsonl", tmp_path / "release"
+    stale = counters(decode)["stale_chunks"]
+    prefill.ask(op="hold_read_done", tap=str(tap))
+    decode.send(op="receive", bootstrap=ranks.bootstrap, rooms=[room(4300, list(range(33, 40)), 14)], timeout=60)
+    prefill.send(op="together", ops=[{"op": "serve", "rooms": [room(4300, list(range(20, 27)), 4, (3, 4))],
+                                      "timeout": 60},
+                                     {"op": "release_read_done", "when": str(release), "timeout": 60}])
+    try:
+        received = decode.read(timeout_s=60)  # the decode's Success: every chunk read and its lease checked
+        assert received["rooms"]["4300"]["status"] == SUCCESS, (received["rooms"], logs(prefill, decode))
+        chunks = [json.loads(line) for line in tap.read_text().splitlines()]
+        assert len(chunks) == 2 and all(c["endpoint"] == rank_key(decode) for c in chunks), chunks
+        replay = key.sign([bytes.fromhex(part) for part in chunks[-1]["frames"]])  # as signed on the wire
+        push(decode, [replay], settle_s=1.0)  # before: the decode answered the prefill with a FAILED for the room
+    finally:
+        release.touch()  # now the prefill takes the read-dones
+    served = prefill.read(timeout_s=90)["replies"][0]
+    text = logs(prefill, decode)
+    assert served["rooms"]["4300"]["status"] == SUCCESS, (served["rooms"], text)
+    assert served["digests"]["4300"]["pages"] == received["digests"]["4300"]["pages"], "room 4300: pages differ"
+    assert counters(decode)["stale_chunks"] == stale + 1, (counters(decode), text)  # the replay came, and was dropped
