@@ -279,3 +279,17 @@ def test_an_etcd_url_opened_from_code_is_bounded_too(query):
     name = query.split("=")[0]
     with pytest.raises(ValueError, match=f"etcd URL: {name}="):
         EtcdPlane.open(f"etcd://127.0.0.1:1/fleet?{query}", insecure=True)
+
+
+def test_the_sglang_managers_numbers_from_the_environment_are_bounded():
+    """``KVXFER_SGLANG_MAX_ROOMS`` (a bare ``int()``: negative or 10**30 taken) and ``KVXFER_SGLANG_HEARTBEAT_S``
+    (a bare ``float()``: inf and nan taken) are read with the shared rule, in the manager's constructor: the
+    source is checked here, where SGLang is not installed."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "kvxfer/integrations/sglang/conn.py").read_text())
+    reads = {ast.unparse(node.args[0]): ast.unparse(node.func) for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and node.args and ast.unparse(node.args[0]) in ("MAX_ROOMS_ENV", "HEARTBEAT_ENV")
+             and not ast.unparse(node.func).endswith("get")}
+    assert reads == {"MAX_ROOMS_ENV": "bounded_int", "HEARTBEAT_ENV": "bounded_float"}, reads
