@@ -277,13 +277,12 @@ class NixlBackend(KVTransportBackend):
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
         peer = super().parse_peer_meta(peer_meta)
-        peer = replace(peer, transport=parse_nixl_peer(peer_meta, self._meta_key))  # checked before anything is posted
         if self._share.same_host and peer_meta.get(HOST_FIELD) != host_identity():
             raise PeerMetadataError(
                 f"peer meta comes from another host ({peer_meta.get(HOST_FIELD)!r}) but this process runs nixl in "
                 f"same-host mode ({SAME_HOST_ENV}=1: UCX without peer failure handling); unset it to read from "
                 "other hosts")
-        return peer
+        return replace(peer, transport=parse_nixl_peer(peer_meta, self._meta_key))  # checked before anything is posted
 
     def confirm_peer(self, peer_meta: Any, timeout_s: Optional[float] = None) -> bool:
         """Check a peer meta's sources as a pull would and load their agents' metadata now, e.g. from a

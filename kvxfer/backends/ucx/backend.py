@@ -226,7 +226,10 @@ class UcxBackend(NoticeOutbox, KVTransportBackend):
         return True
 
     def parse_peer_meta(self, peer_meta: Mapping[str, Any]) -> PeerGeometry:
-        section = UcxSource.parse(peer_meta, self._meta_key)  # checked first: a malformed meta is not worth asking about
+        if self._meta_key is not None:  # the signature first: a box of another cluster's meta is not ours to open
+            peer = super().parse_peer_meta(peer_meta)
+            return replace(peer, transport=UcxSource.parse(peer_meta, self._meta_key))
+        section = UcxSource.parse(peer_meta)  # checked first: a malformed meta is not worth asking about
         return replace(super().parse_peer_meta(peer_meta), transport=section)
 
     # --- pulls ------------------------------------------------------------------------------
