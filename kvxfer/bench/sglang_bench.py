@@ -1,7 +1,7 @@
 """``kvxfer bench-sglang``: the same rooms through SGLang's PD queues with kvxfer's backends (``kvxfer_ucx``,
 ``kvxfer_nixl``) and SGLang's own ``nixl``, in one run, on this machine.
 
-The harness is the SGLang tests' (``kvxfer.bench.sglang_build`` / ``sglang_rank``): one prefill rank and one
+The harness is the SGLang tests' (``kvxfer.drive.sglang_build`` / ``sglang_rank``): one prefill rank and one
 decode rank, two processes in the SGLang environment, each holding one manager per target, every manager made
 by SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` (staging off), each target with its own
 bootstrap server, port and pool bytes. Per target: one warm-up batch (handshakes, first registrations), then
@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from typing import Any, Callable, Optional
 
 from kvxfer.bench.results import percentile
-from kvxfer.bench.sglang_control import (SglangRank, SglangRankError, byte_faults, free_port, rank_env, rooms_plan,
+from kvxfer.drive.sglang_control import (SglangRank, SglangRankError, byte_faults, free_port, rank_env, rooms_plan,
                                          sglang_python)
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 vLLM's own NixlConnector, in one run, on this machine.
 
 Per connector: a prefill instance (core 0) and a decode instance (core 1) are started
-(``kvxfer.bench.vllm_engine`` in the vLLM environment), three warm-up handoffs pay the
+(``kvxfer.drive.vllm_engine`` in the vLLM environment), three warm-up handoffs pay the
 handshakes, then every prompt goes prefill (``do_remote_decode``, ``max_tokens=1``) ->
 decode (its ``kv_transfer_params``, ``max_tokens=1``), one at a time, so each decode-side
 handoff is timed alone. Measured, identically for both connectors (``vllm_timing``): the
@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
-from kvxfer.bench.vllm_control import VllmInstance, VllmInstanceError, vllm_python
+from kvxfer.drive.vllm_control import VllmInstance, VllmInstanceError, vllm_python
 
 TARGETS = {  # name -> (driver connector, kv_connector_extra_config, environment)
     "kvxfer-nixl": ("timed-kvxfer", {"backend": "nixl"}, {}),
@@ -150,7 +150,7 @@ def run_vllm_bench(args: argparse.Namespace, progress=print) -> dict[str, Any]:
             import subprocess
 
             model = str(Path(tmp) / "tiny-llama")
-            subprocess.run([vllm_python(), "-m", "kvxfer.bench.vllm_model", model], check=True, capture_output=True,
+            subprocess.run([vllm_python(), "-m", "kvxfer.drive.vllm_model", model], check=True, capture_output=True,
                            timeout=300)
         results = []
         for i, name in enumerate(targets):

@@ -45,8 +45,9 @@ LAYERS: dict[str, set[str]] = {
     "kvxfer.integrations": _LIBRARY,
     "kvxfer.megatron": {"kvxfer.errors", "kvxfer.backends"},
     "kvxfer.harness": _LIBRARY,
-    "kvxfer.bench": _LIBRARY | {"kvxfer.harness", "kvxfer.integrations"},
-    "kvxfer.cli": _LIBRARY | {"kvxfer.harness", "kvxfer.bench", "kvxfer.integrations", "kvxfer.megatron",
+    "kvxfer.drive": _LIBRARY | {"kvxfer.integrations"},  # real vLLM and SGLang processes: benches and tests use it
+    "kvxfer.bench": _LIBRARY | {"kvxfer.harness", "kvxfer.integrations", "kvxfer.drive"},
+    "kvxfer.cli": _LIBRARY | {"kvxfer.harness", "kvxfer.bench", "kvxfer.drive", "kvxfer.integrations", "kvxfer.megatron",
                               _PLANE, f"{_PLANE}.etcd", f"{_ENGINE}.launch", f"{_ENGINE}.prompts",
                               f"{_ENGINE}.bench"},
     "kvxfer": {"kvxfer.errors", "kvxfer.backends"},  # the package's own __init__: the public names, lazily

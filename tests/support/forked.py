@@ -2,7 +2,7 @@
 
 A helper (a source, a reader, a vLLM rank) is a real process of its own, but starting a fresh Python and
 importing torch costs ~2 s of CPU, and the suite starts hundreds of them on 2 cores. ``start_helper`` forks
-them from ``kvxfer.bench.forkserver``'s server for this Python (one per test process and startup settings),
+them from ``kvxfer.drive.forkserver``'s server for this Python (one per test process and startup settings),
 which imported only ``PRELOAD``: never kvxfer's backends, UCX or NIXL, which must initialise in the helper.
 What differs from a fresh process: the helper's parent is the fork server, and it ends with ``os._exit``
 (no atexit handlers). ``KVXFER_TEST_FORKSERVER=0`` starts fresh processes instead.
@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence
 
-from kvxfer.bench.forkserver import popen_python
+from kvxfer.drive.forkserver import popen_python
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ("torch", "numpy")

@@ -1,7 +1,7 @@
 """One SGLang disaggregation rank for the SGLang tests, run by the SGLang environment's Python.
 
-The rank is kvxfer's own (``kvxfer.bench.sglang_rank``, which ``kvxfer bench-sglang`` runs too; built by
-``kvxfer.bench.sglang_build``: every manager made by SGLang's own queues, the stand-ins saying what they carry).
+The rank is kvxfer's own (``kvxfer.drive.sglang_rank``, which ``kvxfer bench-sglang`` runs too; built by
+``kvxfer.drive.sglang_build``: every manager made by SGLang's own queues, the stand-ins saying what they carry).
 This file adds the tests' token-exact generation: ``model_prefill`` / ``model_decode``, a tiny decoder whose KV
 lives in SGLang's ``MHATokenToKVPool``; and for Mamba state across attention TP sizes ``state_slot`` (one slot's
 bytes of every state tensor, with what SGLang states of it) and ``slice_oracle`` (SGLang's own byte blocks for a
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kvxfer.bench.sglang_build import CFG, OWNED
-from kvxfer.bench.sglang_rank import main
+from kvxfer.drive.sglang_build import CFG, OWNED
+from kvxfer.drive.sglang_rank import main
 
 # --- token-exact generation: a tiny decoder made here from a seed (no download), its KV kept in
 # SGLang's MHATokenToKVPool through SGLang's own set_kv_buffer / get_key_buffer / get_value_buffer

@@ -3,8 +3,8 @@
 The tests run in the main environment; SGLang (0.5.23, CPU torch) lives in its own,
 ``.venv-sglang``, built by ``make test`` (``tools/bootstrap.sh``), or any Python named by
 ``KVXFER_SGLANG_PYTHON``. Each rank is ``tests/support/sglang_peer.py`` in that Python: kvxfer's own SGLang rank
-(``kvxfer.bench.sglang_rank``, which ``kvxfer bench-sglang`` runs), its controller (``SglangRank``), the pool it
-builds (``POOL``) and the room plans (``rooms_plan``) from ``kvxfer.bench.sglang_control``, plus the tests' own.
+(``kvxfer.drive.sglang_rank``, which ``kvxfer bench-sglang`` runs), its controller (``SglangRank``), the pool it
+builds (``POOL``) and the room plans (``rooms_plan``) from ``kvxfer.drive.sglang_control``, plus the tests' own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pytest
 
-from kvxfer.bench.sglang_control import POOL, SglangRank, free_port, rank_env, rooms_plan  # noqa: F401
+from kvxfer.drive.sglang_control import POOL, SglangRank, free_port, rank_env, rooms_plan  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).resolve().parent / "sglang_peer.py"
@@ -42,7 +42,7 @@ def peer_env(**extra: str) -> dict[str, str]:
 
 
 class Peer(SglangRank):
-    """One SGLang rank (``sglang_peer.py``: kvxfer's ``kvxfer.bench.sglang_rank`` with the tests' commands) and
+    """One SGLang rank (``sglang_peer.py``: kvxfer's ``kvxfer.drive.sglang_rank`` with the tests' commands) and
     its JSON line channel; a failed read is an ``AssertionError``."""
 
     error = AssertionError

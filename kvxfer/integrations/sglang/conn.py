@@ -105,7 +105,7 @@ class KvxferKVManager(CommonKVManager):
             raise RuntimeError(refused)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.kvxfer_timeout_s = transfer_timeout_from_env()
-        slots = bounded_int(MAX_ROOMS_ENV, os.environ.get(MAX_ROOMS_ENV) or 4096, 16, 1 << 24, unit="lease slots")
+        slots = bounded_int(MAX_ROOMS_ENV, os.environ.get(MAX_ROOMS_ENV) or 4096, 1, 1 << 24, unit="lease slots")
         device = str(getattr(server_args, "device", None) or "cuda")
         if device.startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # no CUDA in this process: SGLang's pool is host memory

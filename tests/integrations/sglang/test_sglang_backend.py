@@ -343,7 +343,7 @@ def _junk_then_serve(prefill: Peer, decode: Peer, port: int, secret_file: str) -
 
 def _assert_no_unset_reads(*peers: Peer) -> None:
     """No kvxfer code read a ``KVArgs`` field that SGLang's code left unset on the peer's role (each peer
-    records every such read, with the reading module: ``kvxfer.bench.sglang_build.record_unset_kvargs_reads``)."""
+    records every such read, with the reading module: ``kvxfer.drive.sglang_build.record_unset_kvargs_reads``)."""
     for peer in peers:
         reads = peer.ask(op="unset_reads")["unset_reads"]
         assert not [r for r in reads if r[1].startswith("kvxfer.integrations")], \

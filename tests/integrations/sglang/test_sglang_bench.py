@@ -1,6 +1,6 @@
 """``kvxfer bench-sglang``, run small as a user runs it (``python -m kvxfer``): its JSON has every target's
 figures and every room of every target was byte-exact; its usage mistakes are one line, exit 2, before any rank
-starts (sglang 0.5.23, ``.venv-sglang``; the harness is the SGLang tests': ``kvxfer.bench.sglang_rank``)."""
+starts (sglang 0.5.23, ``.venv-sglang``; the harness is the SGLang tests': ``kvxfer.drive.sglang_rank``)."""
 
 from __future__ import annotations
 

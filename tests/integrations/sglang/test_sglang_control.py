@@ -6,7 +6,7 @@ manager made by SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
 ``_init_kv_manager``, SGLang's staging buffer off), each backend with its own SGLang bootstrap server
 and its own pool (filled with other random bytes on the prefill). In turn, through SGLang's ``nixl``
 (NIXL's UCX plugin on host memory; the one change: its KV regions declared ``DRAM``, see
-``kvxfer.bench.sglang_build.host_kv_for_sglang_nixl``), SGLang's ``mooncake`` (when the SGLang environment can import
+``kvxfer.drive.sglang_build.host_kv_for_sglang_nixl``), SGLang's ``mooncake`` (when the SGLang environment can import
 ``mooncake.engine``: TCP, ``MOONCAKE_PROTOCOL=tcp``), then kvxfer's ``kvxfer_ucx`` and ``kvxfer_nixl``:
 
 1. four rooms in flight, two or three chunks each, senders made by the queue's ``create_sender`` and
@@ -29,7 +29,7 @@ import time
 import warnings
 from typing import Optional
 
-from kvxfer.bench.sglang_control import byte_faults
+from kvxfer.drive.sglang_control import byte_faults
 from sglang_support import Peer, free_port, peer_env, rooms_plan, sglang_python
 
 SGLANG_OWN = ("nixl", "mooncake")

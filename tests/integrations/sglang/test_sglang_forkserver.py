@@ -1,11 +1,11 @@
-"""The fork server SGLang ranks start from (``kvxfer.bench.forkserver``): real servers and real forked processes.
+"""The fork server SGLang ranks start from (``kvxfer.drive.forkserver``): real servers and real forked processes.
 
 A child gets the environment, directory, argv and stdio it was given, not the server's; its end comes back as
 ``subprocess.Popen`` reports it (an exit code, ``-9`` for SIGKILL), and the server outlives a child that
 crashes. The server ends when its controller closes it or dies. A rank started through ``SglangRank`` is a
 separate process forked by the server, and SGLang, though imported before the fork, reads the rank's own
 environment. The generic checks run a server of this Python with torch preloaded; the SGLang ones share the
-controller's server (``kvxfer.bench.sglang_control``), as the other SGLang tests do.
+controller's server (``kvxfer.drive.sglang_control``), as the other SGLang tests do.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.bench import sglang_control
-from kvxfer.bench.forkserver import ForkedProcess, ForkServer, ForkServerError
+from kvxfer.drive import sglang_control
+from kvxfer.drive.forkserver import ForkedProcess, ForkServer, ForkServerError
 from sglang_support import Peer, free_port, peer_env, sglang_python
 
 PROBE = textwrap.dedent("""\
@@ -146,7 +146,7 @@ def test_server_ends_when_closed_and_its_children_live_on(tmp_path):
 def test_server_ends_when_its_controller_dies(tmp_path):
     controller = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
         import sys, time
-        from kvxfer.bench.forkserver import ForkServer
+        from kvxfer.drive.forkserver import ForkServer
         server = ForkServer(sys.executable)
         print(server.proc.pid, server.path, flush=True)
         time.sleep(300)

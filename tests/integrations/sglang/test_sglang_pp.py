@@ -8,7 +8,7 @@ scoped ``override``; each stage's pool is SGLang's, holding the stage's layers o
 ``get_pp_indices`` splits them (2 and 3: an uneven split) with the first and end layer SGLang's model runner gives
 it, so ``KVArgs.prefill_start_layer`` / ``prefill_end_layer`` are what SGLang's ``_init_kv_manager`` sets. Both
 stages register with the instance's bootstrap server (stage 0 runs it); SGLang's ``PPConsensusStore`` is made on
-each stage (its group a stand-in carrying ``broadcast_object`` only: ``kvxfer.bench.sglang_build.StagePPGroup``); the decode's
+each stage (its group a stand-in carrying ``broadcast_object`` only: ``kvxfer.drive.sglang_build.StagePPGroup``); the decode's
 bootstrap infos, ``target_pp_ranks`` and ``required_prefill_response_num`` are SGLang's ``CommonKVReceiver``'s.
 Senders from ``create_sender`` (each stage serving the room from its own pool), receivers from
 ``_create_receiver_and_enqueue``; both stages' ``serve`` run at once, one thread each, as two schedulers would.

@@ -22,7 +22,7 @@ that kvxfer refuses, through SGLang's own queue constructors.
 
 No control: SGLang's own ``nixl`` refuses different TP into host memory (its prefill's bootstrap thread raises
 "NIXL heterogeneous-TP direct-to-host KV transfer is not implemented safely yet" when the decode registers, and
-every room waits in ``Bootstrapping``), and its KV must be declared host memory here (``kvxfer.bench.sglang_build``); SGLang's
+every room waits in ``Bootstrapping``), and its KV must be declared host memory here (``kvxfer.drive.sglang_build``); SGLang's
 ``mooncake`` is not installed by the suite. The reference is SGLang's layout itself: the heads each rank holds.
 """
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 from kvxfer.runtime.ports import free_port
-from kvxfer.bench.vllm_control import REPO, instance_env, temp_folder_env
+from kvxfer.drive.vllm_control import REPO, instance_env, temp_folder_env
 from tests.support.vllm_support import BLOCK, make_model, prompt, require_vllm_python
 
 pytestmark = pytest.mark.timeout(600)

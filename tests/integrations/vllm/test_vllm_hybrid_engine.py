@@ -28,7 +28,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvxfer.bench.vllm_control import VllmInstance
+from kvxfer.drive.vllm_control import VllmInstance
 from kvxfer.integrations.vllm.handshake import EngineLayout
 from kvxfer.integrations.vllm.hybrid_tp import hybrid_tp_problem
 from tests.support.vllm_support import counters, decode_requests, delta, make_hybrid_model, prompt

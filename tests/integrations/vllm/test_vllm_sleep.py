@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvxfer.bench.vllm_control import REPO
+from kvxfer.drive.vllm_control import REPO
 from tests.support.vllm_sleep_ranks import BLOCK, HEAD, HEADS, LAYERS, MARK
 from tests.support.vllm_support import require_vllm_python
 

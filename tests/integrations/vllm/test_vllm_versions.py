@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvxfer.bench.vllm_control import REPO
+from kvxfer.drive.vllm_control import REPO
 from tests.support.vllm_support import require_vllm_python
 
 pytestmark = pytest.mark.timeout(300)

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvxfer.bench.vllm_control import VllmInstance
+from kvxfer.drive.vllm_control import VllmInstance
 from tests.support.vllm_support import counters, decode_requests, delta, make_model, prompt
 
 pytestmark = pytest.mark.timeout(900)

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvxfer.bench.vllm_control import VllmInstance
+from kvxfer.drive.vllm_control import VllmInstance
 from tests.integrations.vllm.test_vllm_hybrid_engine import check_hybrid_handoff, hybrid_model, start_hybrid  # noqa: F401 (fixture)
 from tests.support.vllm_support import decode_requests, prompt
 

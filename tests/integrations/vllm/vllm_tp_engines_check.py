@@ -24,7 +24,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvxfer.bench.sglang_control import free_port
+from kvxfer.drive.sglang_control import free_port
 from tests.support.vllm_support import BLOCK, decode_requests, make_model, prompt
 from tests.support.vllm_tp_engine import start_tp2_and_tp1
 

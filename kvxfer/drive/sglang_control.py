@@ -1,11 +1,11 @@
-"""Start, drive and stop SGLang ranks (``kvxfer.bench.sglang_rank`` processes) from another process: the
+"""Start, drive and stop SGLang ranks (``kvxfer.drive.sglang_rank`` processes) from another process: the
 controller side of ``kvxfer bench-sglang``, and of the SGLang tests (``tests/support/sglang_support.py``).
 
 Each rank runs in the SGLang environment's Python (``sglang_python()``: ``$KVXFER_SGLANG_PYTHON``, else
 ``.venv-sglang/bin/python`` of the checkout once ``tools/bootstrap.sh`` stamped it) and speaks one JSON object a
 line: a command on its stdin, a reply on its stdout; its stderr is kept (the last lines) for error reports.
 
-A rank is forked from a fork server (``kvxfer.bench.forkserver``) that imported torch and SGLang's disaggregation
+A rank is forked from a fork server (``kvxfer.drive.forkserver``) that imported torch and SGLang's disaggregation
 modules once (``PRELOAD``: ~10 s of CPU a rank would otherwise spend importing them), one server per Python and
 startup settings per controller process, started at the first rank and ended at exit. ``KVXFER_SGLANG_FORKSERVER=0``
 starts each rank as a fresh ``subprocess.Popen`` instead; a server that cannot start falls back to that too.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from kvxfer.runtime.ports import free_port  # noqa: F401  (the SGLang tests and bench take it from here)
-from kvxfer.bench.forkserver import ForkedProcess, ForkServer, popen_python, shared_fork_server
+from kvxfer.drive.forkserver import ForkedProcess, ForkServer, popen_python, shared_fork_server
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def start_rank(argv: list[str], env: dict[str, str]) -> Union[ForkedProcess, sub
 
 class SglangRank:
     """One SGLang rank process and its JSON line channel. ``command``: how to start it (default
-    ``python -m kvxfer.bench.sglang_rank`` in the SGLang environment); ``pool`` and the rest of the config
-    are the rank's (``kvxfer.bench.sglang_build``)."""
+    ``python -m kvxfer.drive.sglang_rank`` in the SGLang environment); ``pool`` and the rest of the config
+    are the rank's (``kvxfer.drive.sglang_build``)."""
 
     #: What a failed read raises (the tests' subclass raises ``AssertionError``).
     error: type = SglangRankError
@@ -94,7 +94,7 @@ class SglangRank:
             if python is None:
                 raise self.error("no SGLang environment (tools/bootstrap.sh builds .venv-sglang; or set "
                                  "KVXFER_SGLANG_PYTHON)")
-            command = [python, "-m", "kvxfer.bench.sglang_rank"]
+            command = [python, "-m", "kvxfer.drive.sglang_rank"]
         self.proc = start_rank([*command, json.dumps(cfg)], env or rank_env())
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
         self.stderr: list[str] = []

@@ -1,6 +1,6 @@
 """One vLLM instance under remote control: the process the vLLM tests and ``kvxfer bench-vllm`` start.
 
-``python -m kvxfer.bench.vllm_engine --model DIR --connector kvxfer --role kv_producer ...`` builds
+``python -m kvxfer.drive.vllm_engine --model DIR --connector kvxfer --role kv_producer ...`` builds
 ``vllm.LLM`` (offline engine, prompts as token ids) with the chosen KV connector, then reads
 one JSON command per line on stdin and answers with one line on stdout that starts with
 ``REPLY_MARK`` (vLLM logs to stdout too). Commands:
@@ -30,8 +30,8 @@ CONNECTORS = {
     # name -> (kv_connector, module path); the timed ones record handoffs identically for the bench
     "kvxfer": ("KvxferConnector", "kvxfer.integrations.vllm"),
     "nixl": ("NixlConnector", None),
-    "timed-kvxfer": ("TimedKvxferConnector", "kvxfer.bench.vllm_timing"),
-    "timed-nixl": ("TimedNixlConnector", "kvxfer.bench.vllm_timing"),
+    "timed-kvxfer": ("TimedKvxferConnector", "kvxfer.drive.vllm_timing"),
+    "timed-nixl": ("TimedNixlConnector", "kvxfer.drive.vllm_timing"),
 }
 
 

@@ -1,8 +1,8 @@
 """One SGLang disaggregation rank as a process, run by the SGLang environment's Python:
-``python -m kvxfer.bench.sglang_rank CONFIG_JSON`` (``kvxfer bench-sglang``, and the SGLang tests through
+``python -m kvxfer.drive.sglang_rank CONFIG_JSON`` (``kvxfer bench-sglang``, and the SGLang tests through
 ``tests/support/sglang_peer.py``, which adds the tests' own commands).
 
-The rank is built by ``kvxfer.bench.sglang_build`` (SGLang's own queues make every manager). Then it answers JSON
+The rank is built by ``kvxfer.drive.sglang_build`` (SGLang's own queues make every manager). Then it answers JSON
 commands on stdin, one reply line each on stdout: ``serve`` (prefill: senders made by the queue's
 ``create_sender``, chunked ``send``), ``receive`` (decode: receivers made by the queue's
 ``_create_receiver_and_enqueue``, ``send_metadata``), ``serve_queued`` / ``receive_queued`` (SGLang's queues move
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from kvxfer.bench.sglang_build import (CFG, MAMBA, OWNED, QUEUES, UNSET_READS, bootstrap_server, build, fill,
+from kvxfer.drive.sglang_build import (CFG, MAMBA, OWNED, QUEUES, UNSET_READS, bootstrap_server, build, fill,
                                        is_kvxfer, kvxfer_only, one_rank_group, pool_buffers, setup, stage_layers,
                                        state_digests, state_indices_for, state_written_slots)
 

@@ -1,4 +1,4 @@
-"""Build one SGLang disaggregation rank with SGLang's own code: what ``kvxfer.bench.sglang_rank`` (the rank
+"""Build one SGLang disaggregation rank with SGLang's own code: what ``kvxfer.drive.sglang_rank`` (the rank
 process, run by the SGLang environment's Python) holds, for ``kvxfer bench-sglang`` and the SGLang tests.
 
 It builds what SGLang's scheduler builds for a PD rank (``disaggregation/prefill.py`` / ``decode.py``): server

@@ -1,4 +1,4 @@
-"""Start, drive and stop ``kvxfer.bench.vllm_engine`` processes (vLLM instances) from another process.
+"""Start, drive and stop ``kvxfer.drive.vllm_engine`` processes (vLLM instances) from another process.
 
 The controller runs anywhere (the main venv); each instance runs in the vLLM environment's
 Python (``vllm_python()``: ``$KVXFER_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of the
@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvxfer.bench.vllm_engine import REPLY_MARK
+from kvxfer.drive.vllm_engine import REPLY_MARK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ class VllmInstance:
 
     def __init__(self, name: str, args: Sequence[str], *, cpu: Optional[str] = None,
                  env: Optional[dict[str, str]] = None, python: Optional[str] = None, nice: int = 5,
-                 module: str = "kvxfer.bench.vllm_engine") -> None:
+                 module: str = "kvxfer.drive.vllm_engine") -> None:
         python = python or vllm_python()
         if python is None:
             raise VllmInstanceError("no vLLM environment: run `bash tools/bootstrap.sh` (it builds .venv-vllm) "

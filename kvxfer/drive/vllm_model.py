@@ -1,6 +1,6 @@
 """A tiny random-weight Llama saved locally: what the vLLM tests and bench serve (no download).
 
-``python -m kvxfer.bench.vllm_model DIR`` (run where transformers is installed: ``.venv-vllm``).
+``python -m kvxfer.drive.vllm_model DIR`` (run where transformers is installed: ``.venv-vllm``).
 4 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, vocab 1024, bf16, seeded: the same
 weights every time, so outputs are comparable across processes and runs.
 """

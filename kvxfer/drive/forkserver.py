@@ -1,8 +1,8 @@
 """A fork server ("zygote"): one process that has imported the heavy modules once (torch, SGLang's
 disaggregation code: ~10 s of CPU each time a Python imports them) and forks a real OS process per request, so
-every SGLang rank (``kvxfer.bench.sglang_control.SglangRank``) starts without importing them again.
+every SGLang rank (``kvxfer.drive.sglang_control.SglangRank``) starts without importing them again.
 
-Server: ``python -m kvxfer.bench.forkserver SOCKET_PATH PRELOAD_JSON`` in the environment whose Python the
+Server: ``python -m kvxfer.drive.forkserver SOCKET_PATH PRELOAD_JSON`` in the environment whose Python the
 children are. It imports ``PRELOAD_JSON`` (a list of module names: only modules whose import starts nothing a
 child must own; not kvxfer's backends, UCX or NIXL, which read the environment and load native libraries that must
 initialise in the process that uses them), prints ``READY``, then serves one request per connection on the
@@ -150,7 +150,7 @@ def serve(path: str, preload: Sequence[str]) -> None:
     for name in preload:
         importlib.import_module(name)
     if len(os.listdir("/proc/self/task")) > 1:  # a thread a fork does not copy may hold a lock the child needs
-        print("kvxfer.bench.forkserver: the preload started threads; forked children may hang", file=sys.stderr)
+        print("kvxfer.drive.forkserver: the preload started threads; forked children may hang", file=sys.stderr)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -277,8 +277,8 @@ class ForkServer:
         self.python = python
         self._dir = tempfile.mkdtemp(prefix="kvxfer-forkserver-")  # 0700: only this user may ask for a fork
         self.path = os.path.join(self._dir, "socket")
-        repo = str(Path(__file__).resolve().parents[2])  # ``-m kvxfer.bench.forkserver`` imports from here
-        self.proc = subprocess.Popen([python, "-m", "kvxfer.bench.forkserver", self.path, json.dumps(list(preload))],
+        repo = str(Path(__file__).resolve().parents[2])  # ``-m kvxfer.drive.forkserver`` imports from here
+        self.proc = subprocess.Popen([python, "-m", "kvxfer.drive.forkserver", self.path, json.dumps(list(preload))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=None if env is None else dict(env), cwd=cwd or repo)
         try:
