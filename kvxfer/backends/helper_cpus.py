@@ -15,14 +15,18 @@ issue 40), each seen with the answering child runnable and unscheduled for the w
   ``VLLM_CPU_OMP_THREADS_BIND``), and a child takes the mask of the thread that started it, so the
   helper could not leave a crowded core. ``unpin`` gives it every core the cpuset allows.
 
-The helpers do little work and need no cache locality.
+The helpers do little work and need no cache locality. A helper that dies while its engine lives is
+started again (``RestartBudget`` says how often: issue 49, a killed child once left the engine unable to
+answer any new decode until it restarted).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+import time
+from collections import deque
+from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +44,28 @@ def unpin(pid: int) -> Optional[set[int]]:
     except OSError as exc:
         logger.debug("helper process %d keeps its parent's CPU mask: %s", pid, exc)
         return None
+
+
+class RestartBudget:
+    """How often a helper child may die and be started again: more than ``most`` deaths within ``window_s`` is
+    no mishap (a child that cannot start, or something killing it), and its parent gives up loudly rather than
+    start children for ever. Not thread-safe: its owner calls it under its own lock."""
+
+    MOST, WINDOW_S = 5, 60.0
+
+    def __init__(self, most: int = MOST, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.most, self.window_s, self._clock = most, window_s, clock
+        self._deaths: deque[float] = deque()
+
+    def died(self) -> bool:
+        """Count a death; True while another start is allowed."""
+        now = self._clock()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self.window_s:
+            self._deaths.popleft()
+        return len(self._deaths) <= self.most
+
+    @property
+    def recent(self) -> int:
+        """Deaths within the window."""
+        return len(self._deaths)

@@ -22,8 +22,8 @@ on a loaded host, issue 40). Where the child cannot start, such a thread answers
 A child that dies while its source lives (killed, OOM) is started again on the same socket and told
 every export before it answers (``ConfirmServer._watch``): the published metas name that socket, so
 without it every new reader was refused until the source restarted (issue 49). The source keeps its
-copy of the socket for that; readers that connect meanwhile wait in its backlog. More than
-``MAX_RESTARTS`` deaths within ``RESTART_WINDOW_S`` is logged as an error and the socket closed
+copy of the socket for that; readers that connect meanwhile wait in its backlog. More deaths than
+``helper_cpus.RestartBudget`` allows is logged as an error and the socket closed
 (readers fail at once); the next export then starts a new server.
 
 How long a question waits. ``timeout_s``, then on while the source provably lives and can run
@@ -47,10 +47,10 @@ import struct
 import subprocess
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
-from kvxfer.backends.helper_cpus import unpin
+from kvxfer.backends.helper_cpus import RestartBudget, unpin
 from kvxfer.backends.same_host import LIVE_SOURCE_WAIT_S, PID_FIELD, START_FIELD, process_start_time
 from kvxfer.backends.ucx.confirm_server import DIGEST_CHARS, REQUEST, Exports, Serving, spawn
 from kvxfer.errors import PeerMetadataError, TransferError
@@ -64,9 +64,6 @@ CONFIRM_TIMEOUT_S = 5.0
 _LIVE_CHECK_S = 0.25
 _CHILD_START_S = 10.0   # for the answering process to say it serves (a loaded host), else a thread answers
 _CHILD_STOP_S = 1.0
-#: A child that dies is started again up to this many times within ``RESTART_WINDOW_S``; then the server gives up.
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 60.0
 _CREDENTIALS = struct.Struct("3i")   # struct ucred: pid, uid, gid
 #: connect() errors worth another try within the deadline: EAGAIN, the listener's backlog is full
 #: (a local connect flood: issue 26 saw 9 of 12 first pulls fail at once on it); ECONNREFUSED, no
@@ -89,7 +86,7 @@ class ConfirmServer:
         self._lock = threading.Lock()
         self._exports = Exports()  # what this process exported: the fallback thread's answers, a new child's start
         self._closing = self._given_up = False
-        self._deaths: "deque[float]" = deque()
+        self._deaths = RestartBudget()  # a child that dies is started again, within this budget
         self.restarts = 0
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.bind(_abstract(self.name))
@@ -138,10 +135,7 @@ class ConfirmServer:
             with self._lock:
                 if self._closing or os.getpid() != self.pid:
                     return
-                now = time.monotonic()
-                self._deaths.append(now)
-                while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
-                    self._deaths.popleft()
+                allowed = self._deaths.died()
                 for pipe in (child.stdin, child.stdout):
                     if pipe is not None:
                         try:
@@ -150,11 +144,11 @@ class ConfirmServer:
                             pass
                 assert self._listener is not None
                 again = spawn(self._listener, _CHILD_START_S, self._exports.lines()) \
-                    if len(self._deaths) <= MAX_RESTARTS else None
+                    if allowed else None
                 if again is None:
                     logger.error("ucx confirmation: the answering process (pid %d) died (status %s), %d time(s) within "
                                  "%gs; not started again: readers of this host cannot confirm this process's metas "
-                                 "until it exports new ones", child.pid, status, len(self._deaths), RESTART_WINDOW_S)
+                                 "until it exports new ones", child.pid, status, self._deaths.recent, self._deaths.window_s)
                     self._given_up = True
                     self._listener.close()
                     self._listener = None

@@ -33,8 +33,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-from collections import deque
 from typing import Optional
 
 from kvxfer.integrations.vllm.side_channel import (CONNECTION_S, MAX_CONNECTIONS, MAX_HANDSHAKE_BYTES,
@@ -47,9 +45,9 @@ _LENGTH = struct.Struct(">Q")
 REPORT_S = 0.5
 #: How long ``close`` waits for the child to exit before it kills it.
 _EXIT_S = 2.0
-#: A child that dies is started again, up to this many times within ``RESTART_WINDOW_S`` (then the parent gives up).
+#: A child that dies is started again, up to this many times within ``RestartBudget.WINDOW_S`` (then the parent
+#: gives up): ``kvxfer.backends.helper_cpus.RestartBudget``, the ucx confirmation child's budget too.
 MAX_RESTARTS = 5
-RESTART_WINDOW_S = 60.0
 _MODULE = "kvxfer.integrations.vllm.handshake_server"
 _COUNTERS = ("served", "refused", "junk", "dropped", "open")
 
@@ -66,7 +64,7 @@ class HandshakeServer:
     its copy of the listening socket, so the port is never released, and a thread waits on the child
     (``waitpid`` outside the GIL: it costs the engine nothing until the child dies); a new child gets the
     same socket and the newest document, and decodes that connected meanwhile wait in the backlog. More
-    than ``MAX_RESTARTS`` deaths within ``RESTART_WINDOW_S`` is not a mishap: the parent logs an error
+    than ``MAX_RESTARTS`` deaths within a minute (``helper_cpus.RestartBudget``) is not a mishap: the parent logs an error
     saying so, closes the socket (decodes are refused at once, not left waiting) and starts no more."""
 
     def __init__(self, host: str, port: int, document: bytes, *, local_peers_only: bool,
@@ -77,7 +75,9 @@ class HandshakeServer:
         self._owner = os.getpid()
         self._lock = threading.Lock()  # the child, its pipes and counters: the watcher swaps them
         self._closing = False
-        self._deaths: deque[float] = deque()
+        from kvxfer.backends.helper_cpus import RestartBudget  # here: the child imports no kvxfer.backends
+
+        self._deaths = RestartBudget(MAX_RESTARTS)
         self.restarts = 0
         self._document = document
         self._unread = b""
@@ -137,14 +137,10 @@ class HandshakeServer:
             with self._lock:
                 if self._closing or os.getpid() != self._owner:
                     return
-                now = time.monotonic()
-                self._deaths.append(now)
-                while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
-                    self._deaths.popleft()
-                if len(self._deaths) > MAX_RESTARTS:
+                if not self._deaths.died():
                     logger.error("kvxfer vllm: the handshake process of %s:%d died %d times within %gs (last: status "
                                  "%s); not starting it again: this producer answers no new decode until the engine "
-                                 "restarts", self.host, self.port, len(self._deaths), RESTART_WINDOW_S, status)
+                                 "restarts", self.host, self.port, self._deaths.recent, self._deaths.window_s, status)
                     self._close_socket()
                     return
                 self._read_counters(proc)
