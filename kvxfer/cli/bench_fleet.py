@@ -7,7 +7,8 @@ import argparse
 from typing import Any
 
 from kvxfer.cli.args import MAX_SEED, seconds, whole_number, writable_file
-from kvxfer.cli.errors import RunFailed, UsageError
+from kvxfer.cli.bench_report import refuse, run_report_bench
+from kvxfer.cli.errors import RunFailed
 from kvxfer.defaults import ETCD_POLL_S, ETCD_TTL_S, bounded_int
 
 
@@ -34,20 +35,12 @@ def add_prefix_routing_arguments(parser: argparse.ArgumentParser) -> None:
 def run_prefix_routing(args: argparse.Namespace, console: Any) -> int:
     """Run, print the table, write the JSON; a failed run exits 1."""
     from engine_integration.bench.fleet_prefix import check_args, render, run_bench
-    from kvxfer.bench.report import write_report
 
-    problems = check_args(args)
-    if problems:
-        raise UsageError(*problems[0])
-    report = run_bench(args, progress=lambda line: console.print(line, highlight=False))
-    render(report, console)
-    path = write_report(report, args.json, console)
-    bad = [f"{r['plane']} {r['mode']}" for r in report["results"]
-           if "error" in r or r["failed"] or r["tokens_equal"] != r["requests"]]
-    if bad:
-        raise RunFailed(f"bench-prefix-routing: {', '.join(bad)} failed or gave tokens unlike co-located generation",
-                        f"see {path}")
-    return 0
+    return run_report_bench(
+        "bench-prefix-routing", args, console, check=check_args, run=run_bench, render=render,
+        failed=lambda report: [f"{r['plane']} {r['mode']}" for r in report["results"]
+                               if "error" in r or r["failed"] or r["tokens_equal"] != r["requests"]],
+        failure="failed or gave tokens unlike co-located generation")
 
 
 #: The most prefills (and the most decodes) one simulated fleet of ``bench-fleet-scale`` has: each is a
@@ -89,12 +82,9 @@ def add_fleet_scale_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_fleet_scale(args: argparse.Namespace, console: Any = None) -> int:
     """Usage errors exit 2 in one line (before anything starts); a fleet with a failed handoff exits 1."""
-    from engine_integration.bench.fleet_scale import check_scale_args, run_fleet_scale as run
+    from engine_integration.bench.fleet_scale import check_args, run_fleet_scale as run
 
-    try:
-        check_scale_args(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    refuse(check_args(args))
     failed = run(args)
     if failed:
         raise RunFailed(f"bench-fleet-scale: handoffs failed in {', '.join(failed)}", f"see {args.out}")

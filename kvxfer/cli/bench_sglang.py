@@ -8,7 +8,7 @@ from typing import Any
 
 from kvxfer.bench.sglang_bench import TARGETS, check_args, failed_targets, render, run_sglang_bench
 from kvxfer.cli.args import seconds, whole_number, writable_file
-from kvxfer.cli.errors import RunFailed, UsageError
+from kvxfer.cli.bench_report import run_report_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,16 +23,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace, console: Any) -> int:
-    problems = check_args(args)
-    if problems:
-        raise UsageError(*problems[0])
-    report = run_sglang_bench(args, progress=lambda line: console.print(line, highlight=False))
-    from kvxfer.bench.report import write_report
-
-    render(report, console)
-    path = write_report(report, args.json, console)
-    failed = failed_targets(report)
-    if failed:
-        raise RunFailed(f"bench-sglang: {', '.join(failed)} failed or moved rooms that were not byte-exact",
-                        f"see {path}")
-    return 0
+    return run_report_bench("bench-sglang", args, console, check=check_args, run=run_sglang_bench, render=render,
+                            failed=failed_targets, failure="failed or moved rooms that were not byte-exact")

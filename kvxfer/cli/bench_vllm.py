@@ -8,7 +8,7 @@ from typing import Any
 
 from kvxfer.bench.vllm_bench import TARGETS, check_args, render, run_vllm_bench
 from kvxfer.cli.args import MAX_SEED, whole_number, writable_file
-from kvxfer.cli.errors import RunFailed, UsageError
+from kvxfer.cli.bench_report import run_report_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,16 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace, console: Any) -> int:
-    problems = check_args(args)
-    if problems:
-        raise UsageError(*problems[0])
-    report = run_vllm_bench(args, progress=lambda line: console.print(line, highlight=False))
-    from kvxfer.bench.report import write_report
-
-    render(report, console)
-    path = write_report(report, args.json, console)
-    failed = [r["target"] for r in report["results"] if "error" in r or r["tokens_equal"] != r["tokens_total"]]
-    if failed:
-        raise RunFailed(f"bench-vllm: {', '.join(failed)} failed or gave tokens unlike co-located generation",
-                        f"see {path}")
-    return 0
+    return run_report_bench(
+        "bench-vllm", args, console, check=check_args, run=run_vllm_bench, render=render,
+        failed=lambda report: [r["target"] for r in report["results"]
+                               if "error" in r or r["tokens_equal"] != r["tokens_total"]],
+        failure="failed or gave tokens unlike co-located generation")
