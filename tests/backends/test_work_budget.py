@@ -10,7 +10,10 @@ counts the Python function calls and the C calls each step makes on the calling 
 - ``read_done``: the source's ``drain_read_done()`` that returns the request (and ``idle_drain``, one that
   returns nothing).
 
-``BUDGET`` holds the most each step may cost, with the reason for each number. A change that adds work on
+``BUDGET`` holds the most each step may cost, with the reason for each number, held against the least count of
+the measured handoffs: work added to the path shows in every handoff, while a handoff that met the transport's
+progress thread in a lock or the collector now and then counts a few calls more (seen once in a clean-clone
+run: 294 for a budget of 286, under two test workers). A change that adds work on
 the path fails here until its commit raises the budget and says why; a change that removes work fails
 until the budget is lowered to match (a loose budget would hide the next regression). Real backends, in
 one process (UCX reads the pool through CMA; NIXL through its UCX backend): the counts are the decode's
@@ -133,7 +136,7 @@ def test_a_handoff_costs_no_more_than_its_budget(name, path, monkeypatch):
     for (b, p, step), (calls, c_calls, why) in BUDGET.items():
         if (b, p) != (name, path) or not seen[step]:
             continue
-        most = tuple(max(c[k] for c in seen[step]) for k in (0, 1))
+        most = tuple(min(c[k] for c in seen[step]) for k in (0, 1))  # the least of the handoffs: see the docstring
         if most[0] > calls or most[1] > c_calls:
             over.append(f"{step}: {most[0]} Python calls, {most[1]} C calls > budget {calls}, {c_calls} ({why})")
         elif calls > most[0] * (1 + SLACK) + 2 or c_calls > most[1] * (1 + SLACK) + 2:
