@@ -144,11 +144,10 @@ def test_every_big_package_has_a_map() -> None:
         "areas, tests to run; see kvxfer/backends/README.md): " + ", ".join(lacking))
 
 
-@pytest.mark.parametrize("package", big_packages(), ids=rel)
+@pytest.mark.parametrize("package", [p for p in big_packages() if (p / "README.md").is_file()], ids=rel)
 def test_every_module_is_on_the_map(package: Path) -> None:
+    """(A big package without a map is test_every_big_package_has_a_map's failure.)"""
     readme = package / "README.md"
-    if not readme.is_file():
-        pytest.skip("no README.md (test_every_big_package_has_a_map fails on it)")
     words = named(readme)
     absent = [m for m in modules(package) if not any(names_module(w, package, m) for w in words)]
     assert not absent, (

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from contextlib import ExitStack
 
 import pytest
 
@@ -22,14 +21,6 @@ BACKEND = "ucx"
 PREFILL_BLOCKS, DECODE_BLOCKS = 24, 40
 GRACE_S = 120.0
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 8], [5, 6, 30]
-
-
-@pytest.fixture
-def keyless(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KVXFER_SECRET_FILE", raising=False)
-    monkeypatch.delenv("KVXFER_ALLOW_UNAUTHENTICATED_METAS", raising=False)
-    with ExitStack() as stack:
-        yield stack
 
 
 def test_a_killed_confirmation_child_is_started_again_and_a_new_decode_loads(keyless):

@@ -41,14 +41,6 @@ SRC_BLOCKS, DST_BLOCKS = [3, 7, 8], [5, 6, 30]
 REFUSED_S = 3.0            # a load refused from memory, on a loaded 2-core machine (well under the 5 s limit)
 
 
-@pytest.fixture
-def keyless(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KVXFER_SECRET_FILE", raising=False)
-    monkeypatch.delenv("KVXFER_ALLOW_UNAUTHENTICATED_METAS", raising=False)
-    with ExitStack() as stack:
-        yield stack
-
-
 def resume_on_exit(stack: ExitStack, pid: int) -> None:
     def resume() -> None:
         try:
